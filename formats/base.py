@@ -1,0 +1,54 @@
+"""The interface every on-disk weight format implements.
+
+Letters used in shapes: N = output features (rows), K = input features (columns),
+E = experts, g = group size.
+
+A *linear* in a checkpoint is a base name (``model.layers.0.mlp.experts.3.down_proj``) plus
+the tensors the format stores for it, keyed by suffix (``weight``, ``weight_scale_inv``...).
+Format objects work on those ``{suffix: tensor}`` dicts and never touch files.
+"""
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+Tensors = dict[str, torch.Tensor]
+
+
+class WeightFormat:
+    """One weight format. Subclasses are registered in ``moetool.formats.FORMATS``."""
+
+    #: registry key and CLI name: "dense", "fp8-block", "fp8-channel", "int4-group"
+    name: ClassVar[str]
+    #: tensor suffixes of one linear; the first is the main (quantized) weight
+    suffixes: ClassVar[tuple[str, ...]]
+
+    def quantize(self, w: torch.Tensor, orig_dtype: torch.dtype) -> Tensors:
+        """w [N, K] (any float dtype, already fp32 or not) -> the format's tensors.
+
+        ``orig_dtype`` is the model's unquantized dtype (bf16 usually): formats that store
+        scales "in the original dtype" use it. Raises MoetoolError on NaN/Inf (the caller
+        adds the tensor name)."""
+        raise NotImplementedError
+
+    def dequantize(self, t: Tensors) -> torch.Tensor:
+        """The format's tensors for one linear -> float32 [N, K]."""
+        raise NotImplementedError
+
+    def logical_shape(self, t: Tensors) -> tuple[int, int]:
+        """[N, K] of the unquantized weight."""
+        raise NotImplementedError
+
+    def cat_rows(self, parts: list[Tensors]) -> Tensors:
+        """Concatenate linears along N (w13 = gate rows then up rows); exact inverse of split_rows."""
+        raise NotImplementedError
+
+    def split_rows(self, t: Tensors, sizes: list[int]) -> list[Tensors]:
+        """Split one linear along N into parts of ``sizes`` rows each."""
+        raise NotImplementedError
+
+    def quantization_config(self, ignore: list[str]) -> dict | None:
+        """The config.json ``quantization_config`` for a checkpoint whose quantized linears are
+        in this format and whose other linears are listed in ``ignore`` (None for dense)."""
+        raise NotImplementedError

@@ -1,0 +1,21 @@
+"""The one exception type users see, printed by the CLI as a single line."""
+from __future__ import annotations
+
+
+class MoetoolError(Exception):
+    """A user-facing error: the message is one line naming the file, tensor or option at fault.
+
+    The CLI prints ``error: <message>`` and exits with status 2. Set ``MOETOOL_TRACEBACK=1``
+    for the full traceback.
+    """
+
+    exit_code = 2
+
+    def __init__(self, message: str):
+        super().__init__(" ".join(str(message).split()))
+
+
+class VerificationFailed(MoetoolError):
+    """Verification ran but at least one layer was outside its tolerance (exit status 1)."""
+
+    exit_code = 1
