@@ -1,0 +1,237 @@
+"""On-disk weight formats: one module per format, all registered in ``FORMATS``.
+
+``detect_format`` reads a checkpoint's config.json (and the tensor suffixes it holds) and
+returns the format object; ``get_format`` builds one from a CLI name and parameters.
+"""
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+
+from moetool.errors import MoetoolError
+from moetool.formats.base import FORMATS, Tensors, WeightFormat, register
+from moetool.formats.dense import Dense
+from moetool.formats.fp8_block import Fp8Block, fp8_block_quant_ref
+from moetool.formats.fp8_channel import Fp8Channel, fp8_channel_quant_ref
+from moetool.formats.int4_group import Int4Group, int4_group_quant_ref, pack_int4, unpack_int4
+
+__all__ = [
+    "FORMATS",
+    "TOLERANCES",
+    "Dense",
+    "FormatName",
+    "Fp8Block",
+    "Fp8Channel",
+    "Int4Group",
+    "Tensors",
+    "WeightFormat",
+    "detect_format",
+    "fp8_block_quant_ref",
+    "fp8_channel_quant_ref",
+    "get_format",
+    "int4_group_quant_ref",
+    "linear_format",
+    "pack_int4",
+    "read_format_params",
+    "register",
+    "unpack_int4",
+]
+
+
+class FormatName(str, Enum):
+    DENSE = "dense"
+    FP8_BLOCK = "fp8-block"
+    FP8_CHANNEL = "fp8-channel"
+    INT4_GROUP = "int4-group"
+
+
+#: Expected error of dequantize(quantize(w)) against w, per format: ``rel_err`` is the largest
+#: relative Frobenius error ||w' - w|| / ||w|| allowed, ``sqnr_db`` the smallest SQNR
+#: (-20 log10 rel_err). Measured on torch.randn weights of shapes [256..2048] x [256..2048],
+#: seeds 0-9, orig_dtype bf16 (see tests/formats/test_format_tolerances.py):
+#:   dense bf16          rel_err 0.00225 - 0.00226   (bf16 rounding)
+#:   fp8-block           rel_err 0.0229  - 0.0231
+#:   fp8-channel         rel_err 0.0226  - 0.0228
+#:   int4-group g128 sym rel_err 0.1128  - 0.1133  (asym 0.0991 - 0.0995, g32 sym 0.0976)
+#: The limits add about 30 % to the worst measurement, so a real regression (a wrong scale, a
+#: swapped block) fails while seed-to-seed noise does not. Activations quantized on top (fp8
+#: W8A8) or heavy-tailed real weights can add error: callers verifying whole layers may widen.
+TOLERANCES: dict[str, dict[str, float]] = {
+    "dense": {"rel_err": 0.003, "sqnr_db": 50.0},
+    "fp8-block": {"rel_err": 0.03, "sqnr_db": 30.0},
+    "fp8-channel": {"rel_err": 0.03, "sqnr_db": 30.0},
+    "int4-group": {"rel_err": 0.15, "sqnr_db": 16.0},
+}
+
+
+def get_format(name: str, **params) -> WeightFormat:
+    """A format object from its registry name and parameters (int4-group: group_size, symmetric)."""
+    cls = FORMATS.get(name)
+    if cls is None:
+        raise MoetoolError(f"unknown weight format {name!r} (known: {', '.join(FORMATS)})")
+    try:
+        return cls(**params)
+    except TypeError:
+        raise MoetoolError(
+            f"format {cls.name} does not take parameters {sorted(params)}"
+        ) from None
+
+
+def read_format_params(quantization_config: dict | None) -> tuple[str, dict]:
+    """config.json ``quantization_config`` -> (format name, parameters for ``get_format``).
+
+    None means dense. Anything moetool cannot read exactly raises MoetoolError."""
+    if quantization_config is None:
+        return FormatName.DENSE.value, {}
+    if not isinstance(quantization_config, dict):
+        raise MoetoolError(f"quantization_config is not a JSON object: {quantization_config!r}")
+    method = str(quantization_config.get("quant_method", "")).lower()
+    if method == "fp8":
+        return _read_fp8(quantization_config)
+    if method == "compressed-tensors":
+        return _read_compressed_tensors(quantization_config)
+    raise MoetoolError(
+        f"unsupported quantization_config quant_method {method or None!r} "
+        "(moetool reads fp8 with 128x128 blocks and compressed-tensors fp8-channel / int4-group)"
+    )
+
+
+def detect_format(
+    config: dict, suffixes: set[str], weight_dtype: torch.dtype | None = None
+) -> WeightFormat:
+    """The format of a checkpoint's quantized linears.
+
+    ``config``: the checkpoint's config.json; ``suffixes``: the tensor name suffixes it holds
+    (``weight``, ``weight_scale_inv``, ...; the last dotted component of every tensor name);
+    ``weight_dtype``: the dtype of a quantized linear's main ``weight`` when known.
+    Without a ``quantization_config`` the checkpoint is dense, unless it holds
+    ``weight_scale_inv`` next to float8_e4m3fn weights (fp8-block whose config was dropped).
+    The suffixes must agree with the config: all of the format's present, none of another's.
+    """
+    quantization_config = config.get("quantization_config")
+    name, params = read_format_params(quantization_config)
+    if (
+        quantization_config is None
+        and "weight_scale_inv" in suffixes
+        and weight_dtype == torch.float8_e4m3fn
+    ):
+        name = FormatName.FP8_BLOCK.value
+    fmt = get_format(name, **params)
+    if fmt.name in (FormatName.FP8_BLOCK, FormatName.FP8_CHANNEL) and weight_dtype not in (
+        None,
+        torch.float8_e4m3fn,
+    ):
+        raise MoetoolError(
+            f"quantization_config says {fmt.name} but the quantized weights are {weight_dtype}, "
+            "not float8_e4m3fn"
+        )
+    missing = [s for s in fmt.suffixes if s not in suffixes]
+    if missing:
+        described = "quantization_config" if quantization_config else "no quantization_config"
+        raise MoetoolError(
+            f"config.json has {described} ({fmt.name}) but no tensor ends in {', '.join(missing)}"
+        )
+    foreign = sorted((_quantized_suffixes() & suffixes) - set(fmt.suffixes))
+    if foreign:
+        raise MoetoolError(
+            f"tensors ending in {', '.join(foreign)} do not belong to {fmt.name}, the format "
+            "config.json declares"
+        )
+    return fmt
+
+
+def linear_format(
+    checkpoint_format: WeightFormat, suffixes: set[str], weight_dtype: torch.dtype | None
+) -> WeightFormat:
+    """The format of one linear of a checkpoint in ``checkpoint_format``: the checkpoint's own
+    when the linear has all its tensors, dense when it has a plain float ``weight`` only (a
+    linear in the ignore list). ``weight_dtype`` is the dtype of its ``weight`` tensor, if any;
+    fp8 is recognised by float8_e4m3fn, never by element size."""
+    if set(checkpoint_format.suffixes) <= suffixes:
+        if "weight" in checkpoint_format.suffixes and weight_dtype != torch.float8_e4m3fn:
+            raise MoetoolError(
+                f"has {checkpoint_format.name} scales but its weight is {weight_dtype}, "
+                "not float8_e4m3fn"
+            )
+        return checkpoint_format
+    quantized = sorted(_quantized_suffixes() & suffixes)
+    if quantized:
+        missing = [s for s in checkpoint_format.suffixes if s not in suffixes]
+        raise MoetoolError(
+            f"has {', '.join(quantized)} but is missing {', '.join(missing)} "
+            f"({checkpoint_format.name})"
+        )
+    if "weight" not in suffixes:
+        raise MoetoolError(f"has no weight tensor (found {', '.join(sorted(suffixes)) or 'none'})")
+    if weight_dtype is not None and not weight_dtype.is_floating_point:
+        raise MoetoolError(f"has an unscaled weight of dtype {weight_dtype}")
+    if weight_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise MoetoolError(f"has a {weight_dtype} weight without scales")
+    return Dense()
+
+
+def _quantized_suffixes() -> set[str]:
+    """Suffixes that only quantized formats store (everything but the plain ``weight``)."""
+    names = {s for cls in FORMATS.values() for s in cls.suffixes}
+    return (names | set(Int4Group(symmetric=False).suffixes)) - {"weight"}
+
+
+def _read_fp8(config: dict) -> tuple[str, dict]:
+    block = config.get("weight_block_size")
+    if block is None:
+        raise MoetoolError(
+            "unsupported quantization_config: fp8 without weight_block_size (per-tensor fp8); "
+            "moetool reads 128x128 block fp8 only"
+        )
+    if list(block) != [128, 128]:
+        raise MoetoolError(
+            f"unsupported quantization_config: fp8 weight_block_size {list(block)}; "
+            "moetool reads [128, 128]"
+        )
+    fmt = config.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise MoetoolError(f"unsupported quantization_config: fp8 fmt {fmt!r}; moetool reads e4m3")
+    activation = config.get("activation_scheme", "dynamic")
+    if activation != "dynamic":
+        raise MoetoolError(
+            f"unsupported quantization_config: fp8 activation_scheme {activation!r} with block "
+            "scales; only 'dynamic' exists for block fp8"
+        )
+    return FormatName.FP8_BLOCK.value, {}
+
+
+def _read_compressed_tensors(config: dict) -> tuple[str, dict]:
+    groups = config.get("config_groups") or {}
+    if len(groups) != 1:
+        raise MoetoolError(
+            f"unsupported compressed-tensors quantization_config with {len(groups)} "
+            "config_groups; moetool reads exactly one"
+        )
+    group_name, scheme = next(iter(groups.items()))
+    if not isinstance(scheme, dict):
+        raise MoetoolError(
+            f"unsupported compressed-tensors config group {group_name!r} given as a preset name; "
+            "moetool reads groups with explicit weights arguments"
+        )
+    weights = scheme.get("weights") or {}
+    storage = scheme.get("format") or config.get("format")
+    kind = (weights.get("type"), weights.get("num_bits"), weights.get("strategy"))
+    if kind == ("float", 8, "channel") and storage in ("float-quantized", "naive-quantized"):
+        if weights.get("symmetric", True) is not True:
+            raise MoetoolError("unsupported compressed-tensors fp8 weights with zero points")
+        return FormatName.FP8_CHANNEL.value, {}
+    if kind == ("int", 4, "group") and storage == "pack-quantized":
+        if weights.get("actorder") == "group":
+            raise MoetoolError(
+                "unsupported compressed-tensors int4 with actorder 'group' (weight_g_idx)"
+            )
+        return FormatName.INT4_GROUP.value, {
+            "group_size": weights.get("group_size"),
+            "symmetric": weights.get("symmetric", True),
+        }
+    described = ", ".join(f"{key} {weights.get(key)}" for key in ("type", "num_bits", "strategy"))
+    raise MoetoolError(
+        f"unsupported compressed-tensors quantization_config: format {storage}, weights "
+        f"{described} (moetool reads float-quantized fp8 channel and pack-quantized int4 group)"
+    )

@@ -9,11 +9,24 @@ Format objects work on those ``{suffix: tensor}`` dicts and never touch files.
 """
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 import torch
 
 Tensors = dict[str, torch.Tensor]
+
+#: every format class by name, filled by ``@register``; re-exported as ``moetool.formats.FORMATS``
+FORMATS: dict[str, type[WeightFormat]] = {}
+
+_FormatClass = TypeVar("_FormatClass", bound="type[WeightFormat]")
+
+
+def register(cls: _FormatClass) -> _FormatClass:
+    """Class decorator: add a format to ``FORMATS`` under its ``name``."""
+    if cls.name in FORMATS:
+        raise ValueError(f"format {cls.name!r} is registered twice")
+    FORMATS[cls.name] = cls
+    return cls
 
 
 class WeightFormat:

@@ -1,0 +1,141 @@
+"""Checks and row operations shared by the format modules.
+
+Messages are written to follow a tensor or linear name that the caller puts in front
+("model.layers.0.mlp.experts.3.down_proj.weight contains NaN/Inf ..."), so they start in
+lower case and never name the tensor themselves.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from moetool.errors import MoetoolError
+from moetool.formats.base import Tensors
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def check_weight(w: torch.Tensor) -> None:
+    """A weight about to be quantized: 2-D, floating point, every value finite."""
+    if w.dim() != 2:
+        raise MoetoolError(f"is not a 2-D weight [N, K]: shape {list(w.shape)}")
+    if not w.is_floating_point():
+        raise MoetoolError(f"has dtype {w.dtype}, expected a floating point weight")
+    finite = torch.isfinite(w)
+    if not bool(finite.all()):
+        bad = w.numel() - int(finite.sum())
+        raise MoetoolError(f"contains NaN/Inf ({bad} of {w.numel()} values)")
+
+
+def scale_in_dtype(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Round float32 scales to ``dtype`` (the dtype they are stored in) and back to float32.
+
+    Scales are first raised to the smallest normal number of ``dtype``: a no-op for
+    bf16 / fp32 (the 1e-12 amax floor is far above it) that keeps fp16 scales of tiny
+    blocks from flushing to zero."""
+    rounded = scale.clamp(min=torch.finfo(dtype).tiny).to(dtype)
+    if not bool(torch.isfinite(rounded).all()):
+        raise MoetoolError(f"has values too large for {dtype} scales")
+    return rounded.float()
+
+
+def check_suffixes(format_name: str, t: Tensors, suffixes: Sequence[str]) -> None:
+    """``t`` holds exactly the tensors ``suffixes`` of one linear."""
+    missing = [s for s in suffixes if s not in t]
+    if missing:
+        raise MoetoolError(
+            f"is missing {', '.join(missing)} ({format_name} stores {', '.join(suffixes)})"
+        )
+    unexpected = sorted(set(t) - set(suffixes))
+    if unexpected:
+        raise MoetoolError(
+            f"has unexpected {', '.join(unexpected)} for {format_name} "
+            f"(which stores {', '.join(suffixes)})"
+        )
+
+
+def check_tensor(
+    t: Tensors,
+    suffix: str,
+    shape: Sequence[int],
+    dtypes: Sequence[torch.dtype] | None = None,
+    floating: bool = False,
+) -> torch.Tensor:
+    """``t[suffix]`` with the given shape and one of ``dtypes`` (or any float dtype)."""
+    tensor = t[suffix]
+    if tuple(tensor.shape) != tuple(shape):
+        raise MoetoolError(
+            f"{suffix} has shape {list(tensor.shape)}, expected {list(shape)}"
+        )
+    if dtypes is not None and tensor.dtype not in dtypes:
+        expected = " or ".join(str(d) for d in dtypes)
+        raise MoetoolError(f"{suffix} has dtype {tensor.dtype}, expected {expected}")
+    if floating and not tensor.is_floating_point():
+        raise MoetoolError(f"{suffix} has dtype {tensor.dtype}, expected a float dtype")
+    return tensor
+
+
+def cat_row_blocked(
+    format_name: str, parts: list[Tensors], rows: list[int], rows_per_stored_row: dict[str, int]
+) -> Tensors:
+    """Concatenate along dim 0 tensors that store ``rows_per_stored_row[suffix]`` logical rows
+    per row (1 for a weight, 128 for fp8 block scales, 8 for int4 zero points packed along N).
+
+    ``rows[i]`` is the logical N of ``parts[i]``. A stored row may only straddle parts at the
+    very end, so every part but the last must have N divisible by each block height."""
+    if not parts:
+        raise MoetoolError(f"{format_name}: nothing to concatenate")
+    _check_inner_boundaries(format_name, rows, rows_per_stored_row)
+    for suffix in rows_per_stored_row:
+        first = parts[0][suffix]
+        for part in parts[1:]:
+            other = part[suffix]
+            if other.shape[1:] != first.shape[1:] or other.dtype != first.dtype:
+                raise MoetoolError(
+                    f"{format_name}: cannot concatenate {suffix} {list(first.shape)} "
+                    f"{first.dtype} with {list(other.shape)} {other.dtype}"
+                )
+    return {
+        suffix: torch.cat([part[suffix] for part in parts], dim=0)
+        for suffix in rows_per_stored_row
+    }
+
+
+def split_row_blocked(
+    format_name: str,
+    t: Tensors,
+    n: int,
+    sizes: list[int],
+    rows_per_stored_row: dict[str, int],
+) -> list[Tensors]:
+    """Inverse of ``cat_row_blocked``: slice each tensor of a linear with N = ``n`` rows."""
+    if any(size <= 0 for size in sizes) or sum(sizes) != n:
+        raise MoetoolError(f"cannot split N={n} rows into parts of {sizes} rows")
+    _check_inner_boundaries(format_name, sizes, rows_per_stored_row)
+    parts: list[Tensors] = []
+    start = 0
+    for size in sizes:
+        end = start + size
+        parts.append(
+            {
+                suffix: t[suffix][start // block : ceil_div(end, block)].clone()
+                for suffix, block in rows_per_stored_row.items()
+            }
+        )
+        start = end
+    return parts
+
+
+def _check_inner_boundaries(
+    format_name: str, rows: list[int], rows_per_stored_row: dict[str, int]
+) -> None:
+    for suffix, block in rows_per_stored_row.items():
+        for n in rows[:-1]:
+            if n % block:
+                raise MoetoolError(
+                    f"{format_name}: a part of N={n} rows is not a multiple of {block}, "
+                    f"so its {suffix} rows cannot be joined exactly (parts: {rows})"
+                )

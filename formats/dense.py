@@ -1,0 +1,58 @@
+"""dense: the unquantized weight, stored in the model's dtype (bf16 usually)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from moetool.errors import MoetoolError
+from moetool.formats.base import Tensors, WeightFormat, register
+from moetool.formats.common import (
+    cat_row_blocked,
+    check_suffixes,
+    check_weight,
+    split_row_blocked,
+)
+
+_ROW_BLOCKS = {"weight": 1}
+
+
+@register
+@dataclass(frozen=True)
+class Dense(WeightFormat):
+    """``weight`` [N, K] in the original dtype; no ``quantization_config``."""
+
+    name: ClassVar[str] = "dense"
+    suffixes: ClassVar[tuple[str, ...]] = ("weight",)
+
+    def quantize(self, w: torch.Tensor, orig_dtype: torch.dtype) -> Tensors:
+        check_weight(w)
+        if not orig_dtype.is_floating_point:
+            raise MoetoolError(f"cannot store a dense weight as {orig_dtype}")
+        return {"weight": w.to(orig_dtype).contiguous()}
+
+    def dequantize(self, t: Tensors) -> torch.Tensor:
+        self.logical_shape(t)
+        return t["weight"].float()
+
+    def logical_shape(self, t: Tensors) -> tuple[int, int]:
+        check_suffixes(self.name, t, self.suffixes)
+        weight = t["weight"]
+        if weight.dim() != 2 or not weight.is_floating_point():
+            raise MoetoolError(
+                f"weight must be a 2-D float tensor, got {list(weight.shape)} {weight.dtype}"
+            )
+        n, k = weight.shape
+        return n, k
+
+    def cat_rows(self, parts: list[Tensors]) -> Tensors:
+        rows = [self.logical_shape(part)[0] for part in parts]
+        return cat_row_blocked(self.name, parts, rows, _ROW_BLOCKS)
+
+    def split_rows(self, t: Tensors, sizes: list[int]) -> list[Tensors]:
+        n, _ = self.logical_shape(t)
+        return split_row_blocked(self.name, t, n, sizes, _ROW_BLOCKS)
+
+    def quantization_config(self, ignore: list[str]) -> dict | None:
+        return None

@@ -1,0 +1,121 @@
+"""fp8-block: DeepSeek-V3 style 128x128 block-scaled float8_e4m3fn weights.
+
+Tensors of one linear:
+  ``weight``            float8_e4m3fn [N, K]
+  ``weight_scale_inv``  float32 [ceil(N/128), ceil(K/128)], the dequantization multiplier
+                        (w ~= q * s; the "_inv" in the name is historical)
+
+Loads in vLLM (``Fp8Config`` with ``weight_block_size``) and transformers
+(``FineGrainedFP8Config``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from moetool.errors import MoetoolError
+from moetool.formats.base import Tensors, WeightFormat, register
+from moetool.formats.common import (
+    cat_row_blocked,
+    ceil_div,
+    check_suffixes,
+    check_tensor,
+    check_weight,
+    split_row_blocked,
+)
+
+BLOCK = 128
+FP8_E4M3_MAX = 448.0
+#: amax floor: an all-zero block gets a tiny finite scale and q = 0
+AMAX_FLOOR = 1e-12
+
+_ROW_BLOCKS = {"weight": 1, "weight_scale_inv": BLOCK}
+
+
+def fp8_block_quant_ref(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact fp8-block quantization, w [N, K] (any float dtype) -> (q, s).
+
+    q float8_e4m3fn [N, K]; s float32 [ceil(N/128), ceil(K/128)]. Per 128x128 block (edge
+    blocks use their real elements only; zero padding is equivalent):
+        w32 = w.float();  amax = max |w32| over the block
+        s   = clamp(amax, min=1e-12) / 448            (float32)
+        q   = (w32 / s).clamp(-448, 448).to(float8_e4m3fn)   (a division, not * 1/s)
+    Kernels must reproduce this bit for bit. No NaN/Inf check here (``quantize`` does it).
+    """
+    n, k = w.shape
+    row_blocks, col_blocks = ceil_div(n, BLOCK), ceil_div(k, BLOCK)
+    padded = torch.nn.functional.pad(
+        w.float(), (0, col_blocks * BLOCK - k, 0, row_blocks * BLOCK - n)
+    )
+    blocks = padded.view(row_blocks, BLOCK, col_blocks, BLOCK)
+    amax = blocks.abs().amax(dim=(1, 3))
+    scale = amax.clamp(min=AMAX_FLOOR) / FP8_E4M3_MAX
+    scaled = blocks / scale[:, None, :, None]
+    q = scaled.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    q = q.view(row_blocks * BLOCK, col_blocks * BLOCK)[:n, :k].contiguous()
+    return q, scale
+
+
+def expand_block_scales(scale: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """s [ceil(N/128), ceil(K/128)] -> [N, K], each scale repeated over its block."""
+    return scale.repeat_interleave(BLOCK, dim=0)[:n].repeat_interleave(BLOCK, dim=1)[:, :k]
+
+
+@register
+@dataclass(frozen=True)
+class Fp8Block(WeightFormat):
+    name: ClassVar[str] = "fp8-block"
+    suffixes: ClassVar[tuple[str, ...]] = ("weight", "weight_scale_inv")
+
+    def quantize(self, w: torch.Tensor, orig_dtype: torch.dtype) -> Tensors:
+        """w [N, K] -> {weight: e4m3 [N, K], weight_scale_inv: fp32 [ceil(N/128), ceil(K/128)]}.
+        ``orig_dtype`` is unused: block scales are always float32."""
+        check_weight(w)
+        q, scale = fp8_block_quant_ref(w)
+        return {"weight": q, "weight_scale_inv": scale}
+
+    def dequantize(self, t: Tensors) -> torch.Tensor:
+        n, k = self.logical_shape(t)
+        return t["weight"].float() * expand_block_scales(t["weight_scale_inv"], n, k)
+
+    def logical_shape(self, t: Tensors) -> tuple[int, int]:
+        """Also checks that the tensors are complete and consistent."""
+        check_suffixes(self.name, t, self.suffixes)
+        weight = t["weight"]
+        if weight.dim() != 2:
+            raise MoetoolError(f"weight is not 2-D: shape {list(weight.shape)}")
+        n, k = weight.shape
+        check_tensor(t, "weight", (n, k), [torch.float8_e4m3fn])
+        check_tensor(
+            t, "weight_scale_inv", (ceil_div(n, BLOCK), ceil_div(k, BLOCK)), [torch.float32]
+        )
+        return n, k
+
+    def cat_rows(self, parts: list[Tensors]) -> Tensors:
+        """Every part but the last needs N % 128 == 0 (a scale block cannot span two parts)."""
+        rows = [self.logical_shape(part)[0] for part in parts]
+        return cat_row_blocked(self.name, parts, rows, _ROW_BLOCKS)
+
+    def split_rows(self, t: Tensors, sizes: list[int]) -> list[Tensors]:
+        n, _ = self.logical_shape(t)
+        return split_row_blocked(self.name, t, n, sizes, _ROW_BLOCKS)
+
+    def quantization_config(self, ignore: list[str]) -> dict | None:
+        """DeepSeek-V3's config plus the unquantized linears.
+
+        The skip list is written under both names readers use: vLLM's ``Fp8Config`` reads
+        ``ignored_layers`` (newer releases fall back to ``modules_to_not_convert``);
+        transformers' ``FineGrainedFP8Config`` reads ``modules_to_not_convert`` (5.x also
+        takes ``ignored_layers`` as an alias, 4.x does not)."""
+        config: dict = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [BLOCK, BLOCK],
+        }
+        if ignore:
+            config["ignored_layers"] = list(ignore)
+            config["modules_to_not_convert"] = list(ignore)
+        return config

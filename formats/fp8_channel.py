@@ -1,0 +1,112 @@
+"""fp8-channel: compressed-tensors ``float-quantized`` W8A8 (FP8_DYNAMIC style).
+
+Tensors of one linear:
+  ``weight``        float8_e4m3fn [N, K]
+  ``weight_scale``  [N, 1] in the original dtype, the dequantization multiplier (w ~= q * s)
+
+Activations are quantized per token at run time (dynamic), so nothing else is stored.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from moetool.errors import MoetoolError
+from moetool.formats.base import Tensors, WeightFormat, register
+from moetool.formats.common import (
+    cat_row_blocked,
+    check_suffixes,
+    check_tensor,
+    check_weight,
+    scale_in_dtype,
+    split_row_blocked,
+)
+from moetool.formats.fp8_block import AMAX_FLOOR, FP8_E4M3_MAX
+
+_ROW_BLOCKS = {"weight": 1, "weight_scale": 1}
+
+
+def fp8_channel_quant_ref(
+    w: torch.Tensor, orig_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact fp8-channel quantization, w [N, K] -> (q e4m3 [N, K], s orig_dtype [N, 1]).
+
+        w32 = w.float();  amax = max |w32| over the row
+        s   = (clamp(amax, min=1e-12) / 448).to(orig_dtype).float()   (rounded to orig dtype first)
+        q   = (w32 / s).clamp(-448, 448).to(float8_e4m3fn)
+    (``scale_in_dtype`` also floors s at orig_dtype's smallest normal: a no-op for bf16/fp32.)
+    """
+    w32 = w.float()
+    amax = w32.abs().amax(dim=1, keepdim=True)
+    scale = scale_in_dtype(amax.clamp(min=AMAX_FLOOR) / FP8_E4M3_MAX, orig_dtype)
+    q = (w32 / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, scale.to(orig_dtype)
+
+
+@register
+@dataclass(frozen=True)
+class Fp8Channel(WeightFormat):
+    name: ClassVar[str] = "fp8-channel"
+    suffixes: ClassVar[tuple[str, ...]] = ("weight", "weight_scale")
+
+    def quantize(self, w: torch.Tensor, orig_dtype: torch.dtype) -> Tensors:
+        """w [N, K] -> {weight: e4m3 [N, K], weight_scale: orig_dtype [N, 1]}."""
+        check_weight(w)
+        q, scale = fp8_channel_quant_ref(w, orig_dtype)
+        return {"weight": q, "weight_scale": scale}
+
+    def dequantize(self, t: Tensors) -> torch.Tensor:
+        self.logical_shape(t)
+        return t["weight"].float() * t["weight_scale"].float()
+
+    def logical_shape(self, t: Tensors) -> tuple[int, int]:
+        """Also checks that the tensors are complete and consistent."""
+        check_suffixes(self.name, t, self.suffixes)
+        weight = t["weight"]
+        if weight.dim() != 2:
+            raise MoetoolError(f"weight is not 2-D: shape {list(weight.shape)}")
+        n, k = weight.shape
+        check_tensor(t, "weight", (n, k), [torch.float8_e4m3fn])
+        check_tensor(t, "weight_scale", (n, 1), floating=True)
+        return n, k
+
+    def cat_rows(self, parts: list[Tensors]) -> Tensors:
+        rows = [self.logical_shape(part)[0] for part in parts]
+        return cat_row_blocked(self.name, parts, rows, _ROW_BLOCKS)
+
+    def split_rows(self, t: Tensors, sizes: list[int]) -> list[Tensors]:
+        n, _ = self.logical_shape(t)
+        return split_row_blocked(self.name, t, n, sizes, _ROW_BLOCKS)
+
+    def quantization_config(self, ignore: list[str]) -> dict | None:
+        """compressed-tensors: fp8 weights per output channel, fp8 activations per token,
+        computed at run time (dynamic)."""
+        return {
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": {
+                        "num_bits": 8,
+                        "type": "float",
+                        "strategy": "channel",
+                        "symmetric": True,
+                        "dynamic": False,
+                    },
+                    "input_activations": {
+                        "num_bits": 8,
+                        "type": "float",
+                        "strategy": "token",
+                        "symmetric": True,
+                        "dynamic": True,
+                    },
+                    "output_activations": None,
+                }
+            },
+            "ignore": list(ignore),
+            "kv_cache_scheme": None,
+        }

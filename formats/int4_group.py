@@ -1,0 +1,230 @@
+"""int4-group: compressed-tensors ``pack-quantized`` W4A16, group-wise int4 weights.
+
+Tensors of one linear (g = group size, G = ceil(K/g)):
+  ``weight_packed``      int32 [N, ceil(K/8)]; element 8w+i of a row sits in bits [4i, 4i+4) of
+                         word w, stored as the unsigned code q+8. Bits past K are zero.
+  ``weight_scale``       [N, G] in the original dtype, the dequantization multiplier
+  ``weight_shape``       int32 [2] = [N, K]
+  ``weight_zero_point``  (asymmetric only) int32 [ceil(N/8), G]: zero points z+8 packed the same
+                         way but along N (element 8w+i of a column in word w of that column)
+
+w ~= (q - z) * s with q, z in [-8, 7] (z = 0 when symmetric).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from moetool.errors import MoetoolError
+from moetool.formats.base import Tensors, WeightFormat, register
+from moetool.formats.common import (
+    cat_row_blocked,
+    ceil_div,
+    check_suffixes,
+    check_tensor,
+    check_weight,
+    scale_in_dtype,
+    split_row_blocked,
+)
+from moetool.formats.fp8_block import AMAX_FLOOR
+
+INT4_MIN, INT4_MAX = -8, 7
+NIBBLES_PER_WORD = 8
+
+
+def _nibble_shifts(device: torch.device) -> torch.Tensor:
+    return torch.arange(0, 32, 4, dtype=torch.int64, device=device)
+
+
+def pack_int4(q: torch.Tensor, packed_dim: int = 1) -> torch.Tensor:
+    """q int8 [N, K] with values in [-8, 7] -> int32 words, 8 codes (q+8) per word.
+
+    packed_dim=1: [N, ceil(K/8)], element 8w+i of a row in bits [4i, 4i+4) of word w.
+    packed_dim=0: [ceil(N/8), K], the same along columns (how zero points are stored).
+    Padding nibbles past the end are 0, as compressed-tensors' ``pack_to_int32`` writes them.
+    """
+    if packed_dim == 0:
+        return pack_int4(q.t(), packed_dim=1).t().contiguous()
+    if q.dtype != torch.int8 or q.dim() != 2:
+        raise ValueError(f"pack_int4 needs a 2-D int8 tensor, got {q.dtype} {list(q.shape)}")
+    if q.numel() and (int(q.min()) < INT4_MIN or int(q.max()) > INT4_MAX):
+        raise ValueError("pack_int4 values must lie in [-8, 7]")
+    n, k = q.shape
+    words = ceil_div(k, NIBBLES_PER_WORD)
+    codes = torch.nn.functional.pad(q.long() + 8, (0, words * NIBBLES_PER_WORD - k))
+    unsigned = (codes.view(n, words, NIBBLES_PER_WORD) << _nibble_shifts(q.device)).sum(dim=-1)
+    # unsigned words are in [0, 2**32): reinterpret the top bit as the int32 sign
+    return torch.where(unsigned >= 2**31, unsigned - 2**32, unsigned).to(torch.int32)
+
+
+def unpack_int4(packed: torch.Tensor, length: int, packed_dim: int = 1) -> torch.Tensor:
+    """Inverse of ``pack_int4``: int32 words -> int8 values in [-8, 7], cropped to ``length``
+    along ``packed_dim`` (K for weights, N for zero points)."""
+    if packed_dim == 0:
+        return unpack_int4(packed.t(), length, packed_dim=1).t().contiguous()
+    if packed.dtype != torch.int32 or packed.dim() != 2:
+        raise ValueError(
+            f"unpack_int4 needs a 2-D int32 tensor, got {packed.dtype} {list(packed.shape)}"
+        )
+    n, words = packed.shape
+    if words != ceil_div(length, NIBBLES_PER_WORD):
+        raise ValueError(f"{words} int32 words cannot hold {length} int4 values")
+    codes = (packed.long().unsqueeze(-1) >> _nibble_shifts(packed.device)) & 0xF
+    return (codes.reshape(n, words * NIBBLES_PER_WORD)[:, :length] - 8).to(torch.int8)
+
+
+def int4_group_quant_ref(
+    w: torch.Tensor, group_size: int, symmetric: bool, orig_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The exact int4 group quantization, w [N, K] (K % group_size == 0) ->
+    (q int8 [N, K], s orig_dtype [N, K/g], z int8 [N, K/g] or None when symmetric).
+
+    Per group of g consecutive elements of a row, w32 = w.float():
+      symmetric:  s = (clamp(max |w32|, 1e-12) / 7).to(orig_dtype).float()
+                  q = round(w32 / s).clamp(-8, 7)
+      asymmetric: mn = min(min w32, 0);  mx = max(max w32, 0)
+                  s = (clamp(mx - mn, 1e-12) / 15).to(orig_dtype).float()
+                  z = (round(-mn / s) - 8).clamp(-8, 7)
+                  q = (round(w32 / s) + z).clamp(-8, 7)
+    round is torch.round (half to even). (``scale_in_dtype`` also floors s at orig_dtype's
+    smallest normal: a no-op for bf16/fp32.)
+    """
+    n, k = w.shape
+    if k % group_size:
+        raise MoetoolError(
+            f"has K={k} columns, which group size {group_size} does not divide "
+            "(compressed-tensors and vLLM need whole groups; pick a divisor of K)"
+        )
+    groups = w.float().view(n, k // group_size, group_size)
+    if symmetric:
+        amax = groups.abs().amax(dim=-1)
+        scale = scale_in_dtype(amax.clamp(min=AMAX_FLOOR) / INT4_MAX, orig_dtype)
+        q = torch.round(groups / scale[..., None]).clamp(INT4_MIN, INT4_MAX)
+        zero_point = None
+    else:
+        low = groups.amin(dim=-1).clamp(max=0)
+        high = groups.amax(dim=-1).clamp(min=0)
+        levels = INT4_MAX - INT4_MIN
+        scale = scale_in_dtype((high - low).clamp(min=AMAX_FLOOR) / levels, orig_dtype)
+        zero = (torch.round(-low / scale) - 8).clamp(INT4_MIN, INT4_MAX)
+        q = (torch.round(groups / scale[..., None]) + zero[..., None]).clamp(INT4_MIN, INT4_MAX)
+        zero_point = zero.to(torch.int8)
+    return q.view(n, k).to(torch.int8), scale.to(orig_dtype), zero_point
+
+
+def expand_groups(per_group: torch.Tensor, group_size: int, k: int) -> torch.Tensor:
+    """[N, ceil(K/g)] -> [N, K], each value repeated over its group (the last may be partial)."""
+    return per_group.repeat_interleave(group_size, dim=1)[:, :k]
+
+
+@register
+@dataclass(frozen=True)
+class Int4Group(WeightFormat):
+    """``group_size``: columns per scale; ``symmetric``: False adds packed zero points.
+
+    ``suffixes`` is per instance: the class attribute is the symmetric set."""
+
+    name: ClassVar[str] = "int4-group"
+    suffixes: ClassVar[tuple[str, ...]] = ("weight_packed", "weight_scale", "weight_shape")
+
+    group_size: int = 128
+    symmetric: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int):
+            raise MoetoolError(f"int4-group group_size must be an integer, got {self.group_size!r}")
+        if self.group_size <= 0:
+            raise MoetoolError(f"int4-group group_size must be positive, got {self.group_size}")
+        if not isinstance(self.symmetric, bool):
+            raise MoetoolError(f"int4-group symmetric must be true or false, got {self.symmetric!r}")
+        if not self.symmetric:
+            object.__setattr__(self, "suffixes", (*Int4Group.suffixes, "weight_zero_point"))
+
+    def quantize(self, w: torch.Tensor, orig_dtype: torch.dtype) -> Tensors:
+        """w [N, K] -> weight_packed, weight_scale, weight_shape (+ weight_zero_point)."""
+        check_weight(w)
+        n, k = w.shape
+        q, scale, zero_point = int4_group_quant_ref(w, self.group_size, self.symmetric, orig_dtype)
+        t = {
+            "weight_packed": pack_int4(q),
+            "weight_scale": scale,
+            "weight_shape": torch.tensor([n, k], dtype=torch.int32),
+        }
+        if zero_point is not None:
+            t["weight_zero_point"] = pack_int4(zero_point, packed_dim=0)
+        return t
+
+    def dequantize(self, t: Tensors) -> torch.Tensor:
+        n, k = self.logical_shape(t)
+        q = unpack_int4(t["weight_packed"], k).float()
+        if not self.symmetric:
+            zero_point = unpack_int4(t["weight_zero_point"], n, packed_dim=0)
+            q = q - expand_groups(zero_point.float(), self.group_size, k)
+        return q * expand_groups(t["weight_scale"].float(), self.group_size, k)
+
+    def logical_shape(self, t: Tensors) -> tuple[int, int]:
+        """[N, K] from ``weight_shape``; also checks every tensor against it."""
+        check_suffixes(self.name, t, self.suffixes)
+        shape = check_tensor(t, "weight_shape", (2,), [torch.int32, torch.int64])
+        n, k = (int(v) for v in shape)
+        if n <= 0 or k <= 0:
+            raise MoetoolError(f"weight_shape {[n, k]} is not a valid [N, K]")
+        groups = ceil_div(k, self.group_size)
+        check_tensor(t, "weight_packed", (n, ceil_div(k, NIBBLES_PER_WORD)), [torch.int32])
+        check_tensor(t, "weight_scale", (n, groups), floating=True)
+        if not self.symmetric:
+            check_tensor(
+                t, "weight_zero_point", (ceil_div(n, NIBBLES_PER_WORD), groups), [torch.int32]
+            )
+        return n, k
+
+    def cat_rows(self, parts: list[Tensors]) -> Tensors:
+        """Asymmetric: every part but the last needs N % 8 == 0 (zero points are packed along N)."""
+        shapes = [self.logical_shape(part) for part in parts]
+        if len({k for _, k in shapes}) > 1:
+            raise MoetoolError(f"int4-group: cannot concatenate parts of different K: {shapes}")
+        rows = [n for n, _ in shapes]
+        t = cat_row_blocked(self.name, parts, rows, self._row_blocks())
+        t["weight_shape"] = torch.tensor([sum(rows), shapes[0][1]], dtype=torch.int32)
+        return t
+
+    def split_rows(self, t: Tensors, sizes: list[int]) -> list[Tensors]:
+        n, k = self.logical_shape(t)
+        parts = split_row_blocked(self.name, t, n, sizes, self._row_blocks())
+        for part, size in zip(parts, sizes):
+            part["weight_shape"] = torch.tensor([size, k], dtype=torch.int32)
+        return parts
+
+    def _row_blocks(self) -> dict[str, int]:
+        """Logical rows per stored row of each tensor that is cut along N."""
+        blocks = {"weight_packed": 1, "weight_scale": 1}
+        if not self.symmetric:
+            blocks["weight_zero_point"] = NIBBLES_PER_WORD
+        return blocks
+
+    def quantization_config(self, ignore: list[str]) -> dict | None:
+        """compressed-tensors W4A16: int4 weights in groups along K, activations unquantized."""
+        return {
+            "quant_method": "compressed-tensors",
+            "format": "pack-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": {
+                        "num_bits": 4,
+                        "type": "int",
+                        "strategy": "group",
+                        "group_size": self.group_size,
+                        "symmetric": self.symmetric,
+                        "dynamic": False,
+                    },
+                    "input_activations": None,
+                    "output_activations": None,
+                }
+            },
+            "ignore": list(ignore),
+            "kv_cache_scheme": None,
+        }
