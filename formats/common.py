@@ -33,10 +33,11 @@ def check_weight(w: torch.Tensor) -> None:
 def scale_in_dtype(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Round float32 scales to ``dtype`` (the dtype they are stored in) and back to float32.
 
-    Scales are first raised to the smallest normal number of ``dtype``: a no-op for
-    bf16 / fp32 (the 1e-12 amax floor is far above it) that keeps fp16 scales of tiny
-    blocks from flushing to zero."""
-    rounded = scale.clamp(min=torch.finfo(dtype).tiny).to(dtype)
+    Scales are first raised to the smallest positive number of ``dtype`` (its smallest
+    subnormal) so none rounds to zero. That changes nothing a plain ``.to(dtype)`` would keep
+    nonzero; in practice it only acts for fp16 and blocks of amax below about 1e-5."""
+    info = torch.finfo(dtype)
+    rounded = scale.clamp(min=info.tiny * info.eps).to(dtype)
     if not bool(torch.isfinite(rounded).all()):
         raise MoetoolError(f"has values too large for {dtype} scales")
     return rounded.float()

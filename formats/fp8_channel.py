@@ -36,7 +36,7 @@ def fp8_channel_quant_ref(
         w32 = w.float();  amax = max |w32| over the row
         s   = (clamp(amax, min=1e-12) / 448).to(orig_dtype).float()   (rounded to orig dtype first)
         q   = (w32 / s).clamp(-448, 448).to(float8_e4m3fn)
-    (``scale_in_dtype`` also floors s at orig_dtype's smallest normal: a no-op for bf16/fp32.)
+    (``scale_in_dtype`` keeps s from rounding to zero: see there; a no-op for bf16 / fp32.)
     """
     w32 = w.float()
     amax = w32.abs().amax(dim=1, keepdim=True)

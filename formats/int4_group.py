@@ -88,8 +88,8 @@ def int4_group_quant_ref(
                   s = (clamp(mx - mn, 1e-12) / 15).to(orig_dtype).float()
                   z = (round(-mn / s) - 8).clamp(-8, 7)
                   q = (round(w32 / s) + z).clamp(-8, 7)
-    round is torch.round (half to even). (``scale_in_dtype`` also floors s at orig_dtype's
-    smallest normal: a no-op for bf16/fp32.)
+    round is torch.round (half to even). (``scale_in_dtype`` keeps s from rounding to zero:
+    see there; a no-op for bf16 / fp32.)
     """
     n, k = w.shape
     if k % group_size:
