@@ -1,0 +1,23 @@
+"""Triton kernels with thin checked host wrappers, each with a pure-torch reference beside it.
+
+Run on CUDA tensors, or on CPU with TRITON_INTERPRET=1 set before this package is imported.
+"""
+from .quant import (
+    fp8_act_quant,
+    fp8_act_quant_ref,
+    fp8_block_quant,
+    fp8_block_quant_ref,
+    int4_dequant_ref,
+    int4_group_quant_pack,
+    int4_group_quant_pack_ref,
+)
+
+__all__ = [
+    "fp8_act_quant",
+    "fp8_act_quant_ref",
+    "fp8_block_quant",
+    "fp8_block_quant_ref",
+    "int4_dequant_ref",
+    "int4_group_quant_pack",
+    "int4_group_quant_pack_ref",
+]

@@ -1,0 +1,195 @@
+"""Quantize / pack kernels: bit-exact against their torch references (fp8 compared as bytes)."""
+import pytest
+import torch
+
+from moetool.kernels import quant as kq
+
+FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _bytes(q: torch.Tensor) -> torch.Tensor:
+    return q.view(torch.uint8)
+
+
+def _weights(shape, dtype, device):
+    """Normal data with a wide dynamic range per row, an all-zero block and exact ties."""
+    N, K = shape
+    w = torch.randn(N, K) * torch.exp(torch.randn(N, 1) * 2)
+    if N > 2 and K > 2:
+        w[: min(N, 3), : min(K, 3)] = 0.0  # part of an all-zero region
+    return w.to(dtype).to(device)
+
+
+def _assert_same(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key].dtype == b[key].dtype, key
+        assert a[key].shape == b[key].shape, key
+        assert torch.equal(a[key].cpu(), b[key].cpu()), key
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1), (128, 128), (200, 72), (33, 257)])
+def test_fp8_block_quant_bit_exact(shape, dtype, device):
+    w = _weights(shape, dtype, device)
+    q, s = kq.fp8_block_quant(w)
+    q_ref, s_ref = kq.fp8_block_quant_ref(w.cpu())
+    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
+    assert s.shape == (-(-shape[0] // 128), -(-shape[1] // 128))
+    assert torch.equal(s.cpu(), s_ref)
+    assert torch.equal(_bytes(q).cpu(), _bytes(q_ref))
+
+
+def test_fp8_block_quant_zero_block_is_finite(device):
+    w = torch.zeros(130, 130, device=device)
+    q, s = kq.fp8_block_quant(w)
+    assert torch.isfinite(s).all() and (s > 0).all()
+    assert (q.float() == 0).all()
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("shape,group", [((1, 128), 128), ((33, 200), 128), ((7, 96), 32), ((0, 64), 128)])
+def test_fp8_act_quant_bit_exact(shape, group, dtype, device):
+    x = _weights(shape, dtype, device)
+    q, s = kq.fp8_act_quant(x, group)
+    q_ref, s_ref = kq.fp8_act_quant_ref(x.cpu(), group)
+    assert s.shape == (shape[0], -(-shape[1] // group))
+    assert torch.equal(s.cpu(), s_ref)
+    assert torch.equal(_bytes(q).cpu(), _bytes(q_ref))
+
+
+def test_fp8_rounding_ties_and_subnormals(device):
+    """Every e4m3 value, every midpoint between neighbours and the floats next to them: the
+    block scale is forced to 1 (amax = 448), so q = e4m3(x) exercises the cast itself."""
+    vals = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    vals = vals[~vals.isnan()].sort().values
+    mids = (vals[1:] + vals[:-1]) / 2
+    up, down = torch.full_like(mids, 1e9), torch.full_like(mids, -1e9)
+    x = torch.cat([vals, mids, torch.nextafter(mids, up), torch.nextafter(mids, down), torch.tensor([-0.0])])
+    x = torch.cat([x, torch.zeros(-x.numel() % 128)]).view(-1, 128)
+    x[:, 0] = 448.0  # every row's amax is 448 -> s = 1
+    q, s = kq.fp8_act_quant(x.to(device))
+    assert torch.equal(s.cpu(), torch.ones_like(s.cpu()))
+    assert torch.equal(_bytes(q).cpu(), _bytes(x.to(torch.float8_e4m3fn)))
+    q_ref, _ = kq.fp8_act_quant_ref(x)
+    assert torch.equal(_bytes(q).cpu(), _bytes(q_ref))
+
+
+def test_fp8_soft_and_hardware_paths_agree_on_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA (the hardware e4m3 cast is wrong under the interpreter)")
+    w = torch.randn(300, 520, device="cuda", dtype=torch.bfloat16)
+    q_hw, s_hw = kq.fp8_block_quant(w, soft_fp8=False)
+    q_sw, s_sw = kq.fp8_block_quant(w, soft_fp8=True)
+    assert torch.equal(s_hw, s_sw) and torch.equal(_bytes(q_hw), _bytes(q_sw))
+
+
+@pytest.mark.parametrize("scale_dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("shape,group", [((1, 8), 8), ((16, 64), 32), ((37, 200), 64), ((24, 100), 32), ((9, 96), 96)])
+def test_int4_quant_pack_bit_exact(shape, group, symmetric, scale_dtype, device):
+    w = _weights(shape, torch.bfloat16, device)
+    out = kq.int4_group_quant_pack(w, group, symmetric, scale_dtype)
+    ref = kq.int4_group_quant_pack_ref(w.cpu(), group, symmetric, scale_dtype)
+    _assert_same(out, ref)
+    N, K = shape
+    assert out["weight_packed"].shape == (N, -(-K // 8))
+    assert out["weight_scale"].shape == (N, -(-K // group))
+    if not symmetric:
+        assert out["weight_zero_point"].shape == (-(-N // 8), -(-K // group))
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_int4_round_half_even_ties(symmetric, device):
+    """Rows whose scale is exactly 1 (fp32): w = j + 0.5 must round to even like torch.round."""
+    ties = torch.tensor([-6.5, -5.5, -4.5, -3.5, -2.5, -1.5, -0.5, 0.5, 1.5, 2.5, 3.5, 4.5, 5.5, 6.5])
+    if symmetric:
+        row = torch.cat([ties, torch.tensor([7.0, -7.0])])  # amax 7 -> s = 1
+    else:
+        row = torch.cat([ties, torch.tensor([7.5, -7.5])])  # max - min = 15 -> s = 1, z = round(7.5) - 8 = 0
+    w = row.repeat(8, 1).contiguous()
+    out = kq.int4_group_quant_pack(w.to(device), 16, symmetric, torch.float32)
+    ref = kq.int4_group_quant_pack_ref(w, 16, symmetric, torch.float32)
+    _assert_same(out, ref)
+    assert (out["weight_scale"].cpu() == 1).all()
+    if not symmetric:
+        # -mn/s = 7.5 -> round half even 8 -> z = 0 -> stored 8 in every nibble
+        assert (out["weight_zero_point"].cpu() == int("88888888", 16) - 2**32).all()
+    q = kq.unpack_int4_ref(out["weight_packed"].cpu(), 16) - 8
+    expect = torch.round(ties).clamp(-8, 7).to(torch.int32)
+    assert torch.equal(q[0, :14], expect)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_int4_zero_group_fp16_scale(symmetric, device):
+    """fp16 scales are floored at 2^-24 (fp16's smallest subnormal), so an all-zero or ~1e-9 group
+    gets a finite, non-zero scale and q = 0 instead of 0/0."""
+    w = torch.randn(16, 64)
+    w[:, :32] = 0.0
+    w[:8, 32:] = 1e-9
+    out = kq.int4_group_quant_pack(w.to(device), 32, symmetric, torch.float16)
+    ref = kq.int4_group_quant_pack_ref(w, 32, symmetric, torch.float16)
+    _assert_same(out, ref)
+    assert (out["weight_scale"][:, 0].cpu() == 2.0**-24).all()
+    deq = kq.int4_dequant_ref({k: v.cpu() for k, v in out.items()}, (16, 64), 32)
+    assert torch.isfinite(deq).all() and (deq[:, :32] == 0).all()
+
+
+def test_int4_dequant_roundtrip(device):
+    w = torch.randn(40, 128)
+    for symmetric in (True, False):
+        t = kq.int4_group_quant_pack(w.to(device), 32, symmetric, torch.float32)
+        deq = kq.int4_dequant_ref({k: v.cpu() for k, v in t.items()}, (40, 128), 32)
+        err = (deq - w).norm() / w.norm()
+        assert err < 0.12, (symmetric, err)
+
+
+def test_pack_unpack_ref_inverse():
+    u = torch.randint(0, 16, (5, 21), dtype=torch.int32)
+    assert torch.equal(kq.unpack_int4_ref(kq.pack_int4_ref(u), 21), u)
+
+
+def test_bad_inputs_raise(device):
+    from moetool.errors import MoetoolError
+
+    with pytest.raises(MoetoolError):
+        kq.fp8_block_quant(torch.randn(4, 4, 4, device=device))
+    with pytest.raises(MoetoolError):
+        kq.fp8_act_quant(torch.randn(8, 8, device=device).t())
+    with pytest.raises(MoetoolError):
+        kq.int4_group_quant_pack(torch.randn(8, 32, device=device), 12)
+    with pytest.raises(MoetoolError):
+        kq.fp8_block_quant(torch.randint(0, 3, (4, 4), device=device))
+
+
+def _get_format(name, **params):
+    formats = pytest.importorskip("moetool.formats")
+    if not hasattr(formats, "get_format"):
+        pytest.skip("moetool.formats.get_format not available yet")
+    return formats.get_format(name, **params)
+
+
+@pytest.mark.parametrize("shape", [(136, 200), (256, 128), (1, 300)])
+def test_fp8_block_matches_formats_package(shape, device):
+    """One source of truth: the kernel equals moetool.formats' fp8-block quantize."""
+    fmt = _get_format("fp8-block")
+    w = torch.randn(*shape, dtype=torch.bfloat16)
+    t = fmt.quantize(w, torch.bfloat16)
+    q, s = kq.fp8_block_quant(w.to(device))
+    assert torch.equal(_bytes(q).cpu(), _bytes(t["weight"]))
+    assert torch.equal(s.cpu(), t["weight_scale_inv"])
+    assert torch.equal(fmt.dequantize({"weight": q.cpu(), "weight_scale_inv": s.cpu()}),
+                       kq.fp8_dequant_block_ref(q.cpu(), s.cpu()))
+
+
+@pytest.mark.parametrize("scale_dtype", FLOAT_DTYPES)
+@pytest.mark.parametrize("symmetric,group", [(True, 128), (False, 32), (True, 64)])
+def test_int4_matches_formats_package(symmetric, group, scale_dtype, device):
+    """The kernel equals moetool.formats' int4-group quantize (whole groups: K % g == 0)."""
+    fmt = _get_format("int4-group", group_size=group, symmetric=symmetric)
+    w = torch.randn(72, 256, dtype=torch.bfloat16)
+    w[:, :group] = 0.0  # an all-zero group (fp16 scale floor)
+    t = fmt.quantize(w, scale_dtype)
+    ours = kq.int4_group_quant_pack(w.to(device), group, symmetric, scale_dtype)
+    _assert_same(ours, t)
+    assert torch.equal(fmt.dequantize(t), kq.int4_dequant_ref(t, (72, 256), group))
