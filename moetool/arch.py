@@ -1,0 +1,351 @@
+"""Architecture registry: each MoE family described as data, resolved against a checkpoint.
+
+A :class:`Family` row says where a family keeps its MoE tensors and how its config names
+things. :func:`describe` reads config.json and the tensor names of a checkpoint and returns a
+:class:`ModelSpec`: every MoE layer with its experts' storage (per-expert names, a fused
+tensor and how it splits, or our stacked vLLM layout), router, shared experts and dims; each
+shape is checked against the config.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Literal
+
+from moetool.errors import MoetoolError
+from moetool.spec import RouterSpec, SharedExpertSpec
+
+# ----------------------------------------------------------------------------- family table
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one family stores its MoE blocks. Names are relative to ``model.layers.{i}``."""
+
+    name: str
+    model_types: tuple[str, ...]
+    moe_module: str  # "mlp", "block_sparse_moe", "feed_forward"
+    router_module: str  # router linear: f"{moe}.{router_module}.weight"
+    expert_linears: tuple[str, str, str]  # per-expert (gate, up, down) module names
+    num_experts: tuple[str, ...]  # config keys tried in order
+    intermediate: tuple[str, ...]
+    router: Callable[[dict], RouterSpec]
+    moe_layers: Callable[[dict], list[int]]
+    shared_module: str | None = None
+    shared_gate_module: str | None = None
+    shared_intermediate: Callable[[dict], int] | None = None
+    #: fused on-disk default: (gate_up interleaved?, input-first?) when shapes can't tell
+    fused_interleaved: bool = False
+    fused_input_first: bool = False
+    router_has_bias: bool = False
+    notes: str = ""
+
+
+def _get(config: dict, keys: tuple[str, ...], what: str):
+    for k in keys:
+        if config.get(k) is not None:
+            return config[k]
+    raise MoetoolError(f"config.json: missing {what} (looked for {', '.join(keys)})")
+
+
+def _every_layer_with_sparse_step(config: dict) -> list[int]:
+    n = config["num_hidden_layers"]
+    step = config.get("decoder_sparse_step", 1) or 1
+    mlp_only = set(config.get("mlp_only_layers") or [])
+    return [i for i in range(n) if i not in mlp_only and (i + 1) % step == 0]
+
+
+def _all_layers(config: dict) -> list[int]:
+    return list(range(config["num_hidden_layers"]))
+
+
+def _deepseek_layers(config: dict) -> list[int]:
+    first = config.get("first_k_dense_replace", 0) or 0
+    freq = config.get("moe_layer_freq", 1) or 1
+    return [i for i in range(first, config["num_hidden_layers"]) if i % freq == 0]
+
+
+def _llama4_layers(config: dict) -> list[int]:
+    if config.get("moe_layers") is not None:
+        return list(config["moe_layers"])
+    step = config.get("interleave_moe_layer_step", 1) or 1
+    return [i for i in range(config["num_hidden_layers"]) if (i + 1) % step == 0]
+
+
+def _softmax_router(config: dict) -> RouterSpec:
+    return RouterSpec(top_k=config["num_experts_per_tok"], scoring="softmax", renormalize=bool(config.get("norm_topk_prob", False)))
+
+
+def _mixtral_router(config: dict) -> RouterSpec:
+    return RouterSpec(top_k=config["num_experts_per_tok"], scoring="softmax", renormalize=True)
+
+
+def _deepseek_v2_router(config: dict) -> RouterSpec:
+    grouped = config.get("topk_method") == "group_limited_greedy"
+    return RouterSpec(
+        top_k=config["num_experts_per_tok"],
+        scoring="softmax",
+        renormalize=bool(config.get("norm_topk_prob", False)),
+        n_group=config.get("n_group") if grouped else None,
+        topk_group=config.get("topk_group") if grouped else None,
+        group_score="max",
+        routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0) or 1.0),
+    )
+
+
+def _deepseek_v3_router(config: dict) -> RouterSpec:
+    n_group = config.get("n_group") or 1
+    return RouterSpec(
+        top_k=config["num_experts_per_tok"],
+        scoring=config.get("scoring_func", "sigmoid"),
+        renormalize=bool(config.get("norm_topk_prob", True)),
+        n_group=n_group if n_group > 1 else None,
+        topk_group=config.get("topk_group") if n_group > 1 else None,
+        group_score="top2-sum",
+        routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0) or 1.0),
+        has_correction_bias=True,
+    )
+
+
+def _llama4_router(config: dict) -> RouterSpec:
+    return RouterSpec(top_k=config["num_experts_per_tok"], scoring="sigmoid", renormalize=False, apply_weight_on_input=True)
+
+
+def _gpt_oss_router(config: dict) -> RouterSpec:
+    # top-k on logits then softmax over the k = softmax, top-k, renormalize
+    return RouterSpec(top_k=config.get("num_experts_per_tok") or config["experts_per_token"], scoring="softmax", renormalize=True)
+
+
+FAMILIES: list[Family] = [
+    Family("mixtral", ("mixtral",), "block_sparse_moe", "gate", ("w1", "w3", "w2"),
+           ("num_local_experts",), ("intermediate_size",), _mixtral_router, _all_layers),
+    Family("qwen2-moe", ("qwen2_moe",), "mlp", "gate", ("gate_proj", "up_proj", "down_proj"),
+           ("num_experts",), ("moe_intermediate_size",), _softmax_router, _every_layer_with_sparse_step,
+           shared_module="shared_expert", shared_gate_module="shared_expert_gate",
+           shared_intermediate=lambda c: c["shared_expert_intermediate_size"]),
+    Family("qwen3-moe", ("qwen3_moe",), "mlp", "gate", ("gate_proj", "up_proj", "down_proj"),
+           ("num_experts",), ("moe_intermediate_size",), _softmax_router, _every_layer_with_sparse_step),
+    Family("olmoe", ("olmoe",), "mlp", "gate", ("gate_proj", "up_proj", "down_proj"),
+           ("num_experts",), ("intermediate_size",), _softmax_router, _all_layers),
+    Family("deepseek-v2", ("deepseek_v2",), "mlp", "gate", ("gate_proj", "up_proj", "down_proj"),
+           ("n_routed_experts",), ("moe_intermediate_size",), _deepseek_v2_router, _deepseek_layers,
+           shared_module="shared_experts",
+           shared_intermediate=lambda c: c["moe_intermediate_size"] * (c.get("n_shared_experts") or 0)),
+    Family("deepseek-v3", ("deepseek_v3", "kimi_k2"), "mlp", "gate", ("gate_proj", "up_proj", "down_proj"),
+           ("n_routed_experts",), ("moe_intermediate_size",), _deepseek_v3_router, _deepseek_layers,
+           shared_module="shared_experts",
+           shared_intermediate=lambda c: c["moe_intermediate_size"] * (c.get("n_shared_experts") or 0)),
+    Family("llama4", ("llama4_text", "llama4"), "feed_forward", "router", ("gate_proj", "up_proj", "down_proj"),
+           ("num_local_experts",), ("intermediate_size",), _llama4_router, _llama4_layers,
+           shared_module="shared_expert", shared_intermediate=lambda c: c["intermediate_size"],
+           fused_input_first=True),
+    Family("gpt-oss", ("gpt_oss",), "mlp", "router", ("gate_proj", "up_proj", "down_proj"),
+           ("num_local_experts", "num_experts"), ("intermediate_size",), _gpt_oss_router, _all_layers,
+           fused_interleaved=True, fused_input_first=True, router_has_bias=True,
+           notes="clamped SwiGLU with expert biases: inspect only (conversion and verify not yet supported)"),
+]
+FAMILY_BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
+
+# ----------------------------------------------------------------------------- resolved spec
+
+StorageKind = Literal["per-expert", "fused", "stacked"]
+
+
+@dataclass(frozen=True)
+class ExpertStorage:
+    """How one layer's routed experts sit on disk.
+
+    per-expert: ``gate``/``up``/``down`` are base-name templates with ``{e}``; tensors are
+      ``f"{base}.{suffix}"`` (suffix from the weight format: weight, weight_scale_inv...).
+    fused: ``gate_up`` [E, 2N, H] (or input-first [E, H, 2N]) and ``down`` [E, H, N] (or
+      [E, N, H]) are whole tensor names (dense only); ``interleaved`` = gate/up rows alternate
+      (gpt-oss), else gate half then up half. Optional ``gate_up_bias``/``down_bias``.
+    stacked: our vLLM FusedMoE layout; ``gate_up``/``down`` are bases ``P.experts.w13``/
+      ``P.experts.w2`` and tensors are ``f"{base}_{suffix}"`` with a leading E dim.
+    """
+
+    kind: StorageKind
+    gate: str = ""
+    up: str = ""
+    down: str = ""
+    gate_up: str = ""
+    interleaved: bool = False
+    gate_up_input_first: bool = False
+    down_input_first: bool = False
+    gate_up_bias: str | None = None
+    down_bias: str | None = None
+
+    def per_expert_bases(self, e: int) -> tuple[str, str, str]:
+        return self.gate.format(e=e), self.up.format(e=e), self.down.format(e=e)
+
+
+@dataclass(frozen=True)
+class MoELayerSpec:
+    """One MoE layer. ``prefix`` is the MoE module (``model.layers.3.mlp``)."""
+
+    index: int
+    prefix: str
+    num_experts: int
+    hidden: int
+    intermediate: int
+    router: RouterSpec
+    router_weight: str
+    correction_bias: str | None
+    storage: ExpertStorage
+    shared: SharedExpertSpec | None = None
+    shared_bases: tuple[str, str, str] | None = None  # (gate, up, down) base names
+    shared_gate_weight: str | None = None
+    router_bias: str | None = None
+
+    def per_expert_template(self, linear: str) -> str:
+        """Canonical HF per-expert base names for output (``{e}`` placeholder)."""
+        return f"{self.prefix}.experts.{{e}}.{linear}"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    family: Family
+    model_type: str
+    num_layers: int
+    hidden: int
+    moe_layers: list[MoELayerSpec]
+    dense_layers: list[int] = field(default_factory=list)
+
+    @property
+    def num_experts(self) -> int:
+        return max((m.num_experts for m in self.moe_layers), default=0)
+
+    @property
+    def top_k(self) -> int:
+        return max((m.router.top_k for m in self.moe_layers), default=0)
+
+    def layer(self, index: int) -> MoELayerSpec:
+        for m in self.moe_layers:
+            if m.index == index:
+                return m
+        raise MoetoolError(f"layer {index} is not a MoE layer (MoE layers: {[m.index for m in self.moe_layers]})")
+
+
+def supported_families() -> str:
+    return ", ".join(f"{f.name} ({'/'.join(f.model_types)})" for f in FAMILIES)
+
+
+def family_for(config: dict) -> Family:
+    model_type = config.get("model_type")
+    if model_type is None and isinstance(config.get("text_config"), dict):
+        model_type = config["text_config"].get("model_type")
+    fam = FAMILY_BY_MODEL_TYPE.get(model_type)
+    if fam is None:
+        raise MoetoolError(f"config.json: unsupported architecture model_type={model_type!r}; supported: {supported_families()}")
+    return fam
+
+
+def text_config(config: dict) -> dict:
+    """Multimodal wrappers (Llama-4) keep the language model under text_config."""
+    if config.get("model_type") == "llama4" and isinstance(config.get("text_config"), dict):
+        return config["text_config"]
+    return config
+
+
+def _has_linear(names: set[str], base: str) -> bool:
+    """A linear exists in any format: base.weight or base.weight_packed."""
+    return f"{base}.weight" in names or f"{base}.weight_packed" in names
+
+
+def _layer_prefix(names: set[str], i: int) -> str:
+    for p in (f"model.layers.{i}", f"language_model.model.layers.{i}", f"model.language_model.layers.{i}"):
+        if any(n.startswith(p + ".") for n in names):
+            return p
+    return f"model.layers.{i}"
+
+
+def describe(config: dict, tensors: dict) -> ModelSpec:
+    """Resolve the family against config.json and the tensors present.
+
+    ``tensors``: {name: TensorInfo-like with .shape}. Every MoE layer must have its router and
+    all its experts (by name and shape) or a MoetoolError names what is missing.
+    """
+    family = family_for(config)
+    cfg = text_config(config)
+    names = set(tensors)
+    hidden = int(_get(cfg, ("hidden_size",), "hidden_size"))
+    num_experts = int(_get(cfg, family.num_experts, "expert count"))
+    intermediate = int(_get(cfg, family.intermediate, "expert intermediate size"))
+    router = family.router(cfg)
+    if router.top_k < 1 or router.top_k > num_experts:
+        raise MoetoolError(f"config.json: top-k {router.top_k} must be between 1 and the expert count {num_experts}")
+    layers = []
+    moe_indices = family.moe_layers(cfg)
+    for i in moe_indices:
+        lp = _layer_prefix(names, i)
+        prefix = f"{lp}.{family.moe_module}"
+        storage = _detect_storage(family, prefix, names, tensors, num_experts, hidden, intermediate)
+        router_weight = f"{prefix}.{family.router_module}.weight"
+        if router_weight not in names:
+            raise MoetoolError(f"layer {i}: router weight {router_weight} not found")
+        rshape = tuple(tensors[router_weight].shape)
+        if rshape != (num_experts, hidden):
+            raise MoetoolError(f"{router_weight}: shape {list(rshape)}, expected [{num_experts}, {hidden}]")
+        bias = None
+        if router.has_correction_bias:
+            bias = f"{prefix}.{family.router_module}.e_score_correction_bias"
+            if bias not in names:
+                raise MoetoolError(f"layer {i}: router correction bias {bias} not found")
+        shared = shared_bases = shared_gate = None
+        if family.shared_module and family.shared_intermediate:
+            sbase = f"{prefix}.{family.shared_module}"
+            if _has_linear(names, f"{sbase}.gate_proj"):
+                shared_bases = (f"{sbase}.gate_proj", f"{sbase}.up_proj", f"{sbase}.down_proj")
+                for b in shared_bases:
+                    if not _has_linear(names, b):
+                        raise MoetoolError(f"layer {i}: shared expert tensor {b}.weight not found")
+                if family.shared_gate_module:
+                    shared_gate = f"{prefix}.{family.shared_gate_module}.weight"
+                    if shared_gate not in names:
+                        shared_gate = None
+                shared = SharedExpertSpec(intermediate=family.shared_intermediate(cfg), has_gate=shared_gate is not None)
+        router_bias = f"{prefix}.{family.router_module}.bias" if family.router_has_bias else None
+        layers.append(MoELayerSpec(i, prefix, num_experts, hidden, intermediate, router, router_weight, bias, storage,
+                                   shared, shared_bases, shared_gate, router_bias))
+    if not layers:
+        raise MoetoolError(f"config.json: {family.name} model has no MoE layers")
+    n_layers = int(cfg["num_hidden_layers"])
+    dense = [i for i in range(n_layers) if i not in set(moe_indices)]
+    return ModelSpec(family, cfg.get("model_type", ""), n_layers, hidden, layers, dense)
+
+
+def _detect_storage(family: Family, prefix: str, names: set[str], tensors: dict, E: int, H: int, N: int) -> ExpertStorage:
+    if any(n.startswith(f"{prefix}.experts.w13_") for n in names):
+        st = ExpertStorage("stacked", gate_up=f"{prefix}.experts.w13", down=f"{prefix}.experts.w2")
+        for base in (st.gate_up, st.down):
+            if not any(n.startswith(base + "_") for n in names):
+                raise MoetoolError(f"{prefix}: stacked experts tensor {base}_weight not found")
+        return st
+    fused = f"{prefix}.experts.gate_up_proj"
+    if fused in names:
+        down = f"{prefix}.experts.down_proj"
+        if down not in names:
+            raise MoetoolError(f"{prefix}: fused experts tensor {down} not found")
+        gu, dn = tuple(tensors[fused].shape), tuple(tensors[down].shape)
+        gate_up_input_first = _input_first(fused, gu, (E, 2 * N, H), (E, H, 2 * N), family.fused_input_first)
+        down_input_first = _input_first(down, dn, (E, H, N), (E, N, H), family.fused_input_first)
+        gb, db = f"{fused}_bias", f"{down}_bias"
+        return ExpertStorage("fused", gate_up=fused, down=down, interleaved=family.fused_interleaved,
+                             gate_up_input_first=gate_up_input_first, down_input_first=down_input_first,
+                             gate_up_bias=gb if gb in names else None, down_bias=db if db in names else None)
+    g, u, d = (f"{prefix}.experts.{{e}}.{lin}" for lin in family.expert_linears)
+    st = ExpertStorage("per-expert", gate=g, up=u, down=d)
+    for e in range(E):
+        for base in st.per_expert_bases(e):
+            if not _has_linear(names, base):
+                raise MoetoolError(f"{prefix}: expert {e} tensor {base}.weight not found ({E} experts expected)")
+    return st
+
+
+def _input_first(name: str, shape: tuple, out_first: tuple, in_first: tuple, default: bool) -> bool:
+    if shape == out_first and shape == in_first:
+        return default
+    if shape == out_first:
+        return False
+    if shape == in_first:
+        return True
+    raise MoetoolError(f"{name}: shape {list(shape)}, expected {list(out_first)} or input-first {list(in_first)}")

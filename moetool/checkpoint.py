@@ -1,0 +1,266 @@
+"""Checkpoint reader: a local folder or a Hub repo id, validated up front, tensors read lazily.
+
+Only ``*.safetensors`` and ``*.json`` files are ever read. Pickle checkpoints (``.bin``,
+``.pt``...) are refused, never loaded. Headers are parsed here (plain JSON) so that every
+structural problem is found before any work starts; tensor data is memory-mapped through
+``safetensors.safe_open`` and read one tensor at a time.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from moetool.errors import MoetoolError
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+#: safetensors dtype string -> torch dtype. Anything else is refused.
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives: file (relative to the checkpoint root), dtype, shape and the
+    byte range of its data inside the file (absolute offsets)."""
+
+    name: str
+    file: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+def read_safetensors_header(path: Path) -> tuple[int, dict[str, TensorInfo], dict]:
+    """Parse and check one safetensors file's header without reading tensor data.
+
+    Returns (data_start, {name: TensorInfo}, metadata). Raises MoetoolError naming the file
+    for truncation, corruption, overlapping ranges or a dtype outside ``DTYPES``.
+    """
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise MoetoolError(f"{path}: truncated safetensors file ({size} bytes, no header)")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER_BYTES or 8 + n > size:
+            raise MoetoolError(f"{path}: corrupt or truncated safetensors header (header length {n}, file size {size})")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise MoetoolError(f"{path}: corrupt safetensors header ({e.__class__.__name__})") from None
+    if not isinstance(header, dict):
+        raise MoetoolError(f"{path}: corrupt safetensors header (not a JSON object)")
+    metadata = header.pop("__metadata__", None) or {}
+    data_start = 8 + n
+    infos: dict[str, TensorInfo] = {}
+    data_end = 0
+    for name, entry in header.items():
+        try:
+            dtype_name, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise MoetoolError(f"{path}: corrupt safetensors header entry for tensor {name}") from None
+        if dtype_name not in DTYPES:
+            raise MoetoolError(
+                f"{path}: tensor {name} has dtype {dtype_name}, not one of {', '.join(DTYPES)}"
+            )
+        dtype = DTYPES[dtype_name]
+        numel = 1
+        for d in shape:
+            numel *= int(d)
+        if end - begin != numel * dtype.itemsize or begin < 0:
+            raise MoetoolError(f"{path}: tensor {name} byte range {begin}..{end} does not match shape {shape} {dtype_name}")
+        infos[name] = TensorInfo(name, path.name, dtype, tuple(int(d) for d in shape), data_start + begin, data_start + end)
+        data_end = max(data_end, end)
+    if data_start + data_end > size:
+        raise MoetoolError(
+            f"{path}: truncated safetensors file: header says {data_start + data_end} bytes, file has {size}"
+        )
+    return data_start, infos, metadata
+
+
+def _check_relative(name: str, where: str) -> None:
+    p = Path(name)
+    if p.is_absolute() or ".." in p.parts or not name:
+        raise MoetoolError(f"{where}: shard path {name!r} must be a plain relative file name")
+
+
+class Checkpoint:
+    """A validated safetensors checkpoint folder.
+
+    ``tensors``: {name: TensorInfo} over all shards; ``config``: parsed config.json.
+    Tensor data is read lazily with :meth:`get`; shards are memory-mapped once each.
+    """
+
+    def __init__(self, root: Path, config: dict, tensors: dict[str, TensorInfo], files: list[str]):
+        self.root = root
+        self.config = config
+        self.tensors = tensors
+        self.files = files
+        self._stack = ExitStack()
+        self._handles: dict[str, object] = {}
+
+    # -- reading ---------------------------------------------------------------------------
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise MoetoolError(f"{self.root}: tensor {name} not found in the checkpoint") from None
+
+    def get(self, name: str) -> torch.Tensor:
+        """Read one tensor (a fresh CPU tensor; the shard stays memory-mapped)."""
+        return self._handle(self.info(name).file).get_tensor(name)
+
+    def get_rows(self, name: str, index: int) -> torch.Tensor:
+        """``tensor[index]`` along dim 0, reading only that slice (fused expert tensors [E, ...])."""
+        info = self.info(name)
+        handle = self._handle(info.file)
+        return handle.get_slice(name)[index]
+
+    def _handle(self, file: str):
+        handle = self._handles.get(file)
+        if handle is None:
+            handle = self._stack.enter_context(safe_open(str(self.root / file), framework="pt"))
+            self._handles[file] = handle
+        return handle
+
+    def close(self) -> None:
+        self._stack.close()
+        self._handles.clear()
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def files_bytes(self) -> int:
+        return sum((self.root / f).stat().st_size for f in self.files)
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({self.root}, {len(self.tensors)} tensors in {len(self.files)} files)"
+
+
+def resolve_source(source: str | os.PathLike, revision: str | None = None) -> Path:
+    """A local folder as is, else a Hub repo id fetched (safetensors + json only) into the HF cache.
+
+    Honours HF_HUB_OFFLINE and the local cache through huggingface_hub.
+    """
+    path = Path(source)
+    if path.exists():
+        if not path.is_dir():
+            raise MoetoolError(f"{path}: a checkpoint must be a folder (or a Hub repo id), not a file")
+        if revision is not None:
+            raise MoetoolError(f"--revision applies to Hub repo ids, but {path} is a local folder")
+        return path
+    text = str(source)
+    if text.count("/") != 1 or text.startswith((".", "/")) or text.endswith("/"):
+        raise MoetoolError(f"{source}: no such folder, and not a Hub repo id of the form owner/name")
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    except ImportError as e:  # pragma: no cover - a runtime dependency
+        raise MoetoolError(f"huggingface_hub is needed to fetch {source}: {e}") from None
+    try:
+        local = snapshot_download(text, revision=revision, allow_patterns=["*.safetensors", "*.json"])
+    except LocalEntryNotFoundError:
+        raise MoetoolError(f"{source}: not in the local Hugging Face cache and the Hub cannot be reached (HF_HUB_OFFLINE?)") from None
+    except HfHubHTTPError as e:
+        raise MoetoolError(f"{source}: Hub error: {str(e).splitlines()[0]}") from None
+    except Exception as e:  # repository not found, revision not found, network...
+        raise MoetoolError(f"{source}: cannot fetch from the Hub: {e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+    return Path(local)
+
+
+def open_checkpoint(source: str | os.PathLike, revision: str | None = None) -> Checkpoint:
+    """Resolve ``source`` and validate it completely; see module docstring for what is checked."""
+    root = resolve_source(source, revision)
+    names = sorted(p.name for p in root.iterdir() if p.is_file())
+    st_files = [n for n in names if n.endswith(".safetensors")]
+    pickles = [n for n in names if n.endswith(PICKLE_SUFFIXES)]
+    if not st_files:
+        if pickles:
+            raise MoetoolError(
+                f"{root / pickles[0]}: pickle checkpoints are refused (never loaded); convert the model to safetensors first"
+            )
+        raise MoetoolError(f"{root}: no .safetensors files found")
+    config_path = root / "config.json"
+    if not config_path.is_file():
+        raise MoetoolError(f"{config_path}: not found (every checkpoint needs its config.json)")
+    try:
+        config = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise MoetoolError(f"{config_path}: invalid JSON ({e})") from None
+
+    index_path = root / INDEX_NAME
+    weight_map: dict[str, str] | None = None
+    if index_path.is_file():
+        try:
+            index = json.loads(index_path.read_text())
+            weight_map = index["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+            raise MoetoolError(f"{index_path}: invalid index (needs a JSON object with a weight_map)") from None
+        shard_names = sorted(set(weight_map.values()))
+        for shard in shard_names:
+            _check_relative(shard, str(index_path))
+            if not (root / shard).is_file():
+                raise MoetoolError(f"{root / shard}: shard named in {INDEX_NAME} is missing")
+        for extra in sorted(set(st_files) - set(shard_names)):
+            raise MoetoolError(f"{root / extra}: shard is not listed in {INDEX_NAME}")
+    elif len(st_files) > 1 and SINGLE_NAME in st_files:
+        raise MoetoolError(f"{root}: has {SINGLE_NAME} and other .safetensors files but no {INDEX_NAME}")
+    else:
+        shard_names = st_files
+
+    tensors: dict[str, TensorInfo] = {}
+    for shard in shard_names:
+        _, infos, _ = read_safetensors_header(root / shard)
+        for name, info in infos.items():
+            if name in tensors:
+                raise MoetoolError(f"{root / shard}: tensor {name} also stored in {tensors[name].file}")
+            if weight_map is not None and weight_map.get(name) != shard:
+                where = weight_map.get(name)
+                raise MoetoolError(
+                    f"{root / shard}: tensor {name} is not in {INDEX_NAME}" if where is None
+                    else f"{root / shard}: tensor {name} is indexed under {where}"
+                )
+            tensors[name] = info
+    if weight_map is not None:
+        for name, shard in weight_map.items():
+            if name not in tensors:
+                raise MoetoolError(f"{root / shard}: tensor {name} is listed in {INDEX_NAME} but absent from its shard")
+    return Checkpoint(root, config, dict(sorted(tensors.items())), list(shard_names))

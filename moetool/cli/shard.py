@@ -1,0 +1,1 @@
+from moetool.cli import app  # noqa: F401

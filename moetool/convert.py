@@ -1,0 +1,482 @@
+"""Conversion plans (pure values) and the streaming executor shared by quantize, repack and shard.
+
+A :class:`Plan` lists output files; each file lists *groups*, and each group knows the exact
+output tensors (name, dtype, shape) it produces before any data is read:
+
+- :class:`Copy`          a tensor passed through bit-identical,
+- :class:`Dequant`       a quantized non-expert linear written back in the model dtype,
+- :class:`ExpertLinear`  one expert's gate, up or down linear in the output format (per-expert layout),
+- :class:`SharedLinear`  a shared-expert linear requantized (``--include-shared-experts``),
+- :class:`Stacked`       a layer's ``w13_*`` or ``w2_*`` tensors for a list of experts (stacked layout).
+
+The executor streams each file through :meth:`OutputDir.write_safetensors`: one expert at a
+time is read, converted and handed to the writer thread, so memory holds a few experts (plus
+the small scale tensors of one stacked group), never a shard.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Union
+
+import torch
+
+from moetool.arch import ModelSpec, MoELayerSpec
+from moetool.checkpoint import Checkpoint
+from moetool.errors import MoetoolError
+from moetool.experts_io import ExpertReader, Linear, suffixes_of
+from moetool.formats.base import WeightFormat
+from moetool.writer import OutputDir, TensorSpec
+
+ROLES = ("gate", "up", "down")
+DTYPE_BY_NAME = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+OTHER_FILE_SUFFIXES = (".json", ".txt", ".model", ".tiktoken", ".jinja")
+SKIP_FILES = {"config.json", "model.safetensors.index.json", "manifest.json"}
+
+
+@dataclass(frozen=True)
+class Copy:
+    src: str
+    dst: str
+    source: int = 0
+
+
+@dataclass(frozen=True)
+class Dequant:
+    src_base: str
+    dst: str
+    source: int = 0
+
+
+@dataclass(frozen=True)
+class ExpertLinear:
+    layer: int
+    expert: int
+    role: str  # gate | up | down
+    dst_base: str
+    source: int = 0
+
+
+@dataclass(frozen=True)
+class SharedLinear:
+    src_base: str
+    dst_base: str
+    source: int = 0
+
+
+@dataclass(frozen=True)
+class Stacked:
+    layer: int
+    which: str  # w13 | w2
+    experts: tuple[int, ...]
+    dst_base: str
+    #: per-entry source index (merge reads each expert from its rank); empty = all from 0
+    sources: tuple[int, ...] = ()
+
+
+Group = Union[Copy, Dequant, ExpertLinear, SharedLinear, Stacked]
+
+
+@dataclass
+class PlannedFile:
+    name: str
+    groups: list[Group]
+    specs: list[TensorSpec] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.specs)
+
+
+@dataclass
+class Plan:
+    files: list[PlannedFile]
+    config: dict
+    out_format: str
+    layout: str
+    other_files: list[tuple[Path, str]] = field(default_factory=list)  # (source path, output name)
+    manifest_extra: dict = field(default_factory=dict)
+    write_index: bool = True
+    #: extra JSON files written with the config (e.g. per-rank config.json): name -> obj
+    json_files: dict[str, dict] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        lines = [f"plan: {len(self.files)} file(s), format {self.out_format}, layout {self.layout}"]
+        for f in self.files:
+            kinds: dict[str, int] = {}
+            for g in f.groups:
+                kinds[type(g).__name__] = kinds.get(type(g).__name__, 0) + 1
+            what = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+            lines.append(f"  {f.name}: {len(f.specs)} tensors, {f.nbytes / 1e6:.1f} MB ({what})")
+        for src, name in self.other_files:
+            lines.append(f"  {name}: copied")
+        return "\n".join(lines)
+
+
+def model_dtype(config: dict) -> torch.dtype:
+    name = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
+    if isinstance(name, str) and name.startswith("torch."):
+        name = name[6:]
+    return DTYPE_BY_NAME.get(name, torch.bfloat16)
+
+
+def same_format(a: WeightFormat, b: WeightFormat) -> bool:
+    return type(a) is type(b) and vars(a) == vars(b)
+
+
+# ---------------------------------------------------------------------------------- sources
+
+
+class Source:
+    """One input checkpoint with its reader, converting linears to the output format."""
+
+    def __init__(self, ckpt: Checkpoint, spec: ModelSpec, out_fmt: WeightFormat | None, stats: "ErrorStats",
+                 device: str = "cpu"):
+        self.ckpt = ckpt
+        self.device = torch.device(device)
+        self.reader = ExpertReader(ckpt, spec)
+        self.spec = spec
+        self.in_fmt = self.reader.fmt
+        self.out_fmt = out_fmt or self.in_fmt
+        self.passthrough = same_format(self.in_fmt, self.out_fmt)
+        self.dtype = model_dtype(ckpt.config)
+        self.stats = stats
+        self._layers = {m.index: m for m in spec.moe_layers}
+
+    def layer(self, index: int) -> MoELayerSpec:
+        return self._layers[index]
+
+    def convert(self, lin: Linear, where: str, in_fmt: WeightFormat | None = None) -> Linear:
+        fmt = in_fmt or self.in_fmt
+        if same_format(fmt, self.out_fmt):
+            return lin
+        try:
+            w = fmt.dequantize({k: v.to(self.device, non_blocking=True) for k, v in lin.items()})
+            q = self.out_fmt.quantize(w, self.dtype)
+        except MoetoolError as err:
+            raise MoetoolError(f"{where}: {err}") from None
+        self.stats.add(w, self.out_fmt.dequantize(q))
+        return {k: v.cpu() for k, v in q.items()} if self.device.type != "cpu" else q
+
+    def expert_role(self, layer: MoELayerSpec, e: int, role: str) -> Linear:
+        where = f"{layer.prefix} expert {e} {role}"
+        st = layer.storage
+        if st.kind == "per-expert":
+            base = st.per_expert_bases(e)[ROLES.index(role)]
+            return self.convert(self.reader.linear(base), base)
+        if role == "down":
+            return self.convert(self.reader.down(layer, e), where)
+        return self.convert(self.reader.gate_up_down(layer, e)[ROLES.index(role)], where)
+
+    def expert_w13(self, layer: MoELayerSpec, e: int) -> Linear:
+        if self.passthrough:
+            return self.reader.w13(layer, e)
+        gate, up = (self.expert_role(layer, e, r) for r in ("gate", "up"))
+        return self.out_fmt.cat_rows([gate, up])
+
+    def plain_linear(self, base: str) -> Linear:
+        fmt, lin = self.reader.plain_linear(base)
+        return self.convert(lin, base, in_fmt=fmt)
+
+
+class ErrorStats:
+    """Relative error and SQNR of dequantize(quantize(w)) against w, over all converted linears."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.sum_rel = 0.0
+        self.max_rel = 0.0
+        self.min_sqnr = float("inf")
+        self.sig = 0.0
+        self.noise = 0.0
+
+    def add(self, ref: torch.Tensor, got: torch.Tensor) -> None:
+        ref = ref.float()
+        sig = float(ref.pow(2).sum())
+        noise = float((got.float() - ref).pow(2).sum())
+        rel = (noise / sig) ** 0.5 if sig > 0 else (0.0 if noise == 0 else float("inf"))
+        self.count += 1
+        self.sum_rel += rel
+        self.max_rel = max(self.max_rel, rel)
+        self.sig += sig
+        self.noise += noise
+        if noise > 0 and sig > 0:
+            import math
+
+            self.min_sqnr = min(self.min_sqnr, 10 * math.log10(sig / noise))
+
+    def summary(self) -> dict:
+        import math
+
+        if self.count == 0:
+            return {}
+        sqnr = 10 * math.log10(self.sig / self.noise) if self.noise > 0 and self.sig > 0 else float("inf")
+        return {"linears": self.count, "mean_rel_err": self.sum_rel / self.count, "max_rel_err": self.max_rel,
+                "sqnr_db": sqnr, "min_sqnr_db": self.min_sqnr}
+
+
+# ---------------------------------------------------------------------------------- planning
+
+
+class Planner:
+    """Builds the groups of a conversion and their output tensor specs (probing one expert per
+    distinct layer shape to learn the output format's dtypes and shapes)."""
+
+    def __init__(self, sources: list[Source]):
+        self.sources = sources
+        self._probe_cache: dict[tuple, dict[str, tuple[torch.dtype, tuple[int, ...]]]] = {}
+
+    # -- expert tensors in the input, for "what is not an expert" and up-front validation ---
+    @staticmethod
+    def expert_tensor_names(ckpt: Checkpoint, layer: MoELayerSpec) -> set[str]:
+        st = layer.storage
+        names: set[str] = set()
+        if st.kind == "per-expert":
+            for e in range(layer.num_experts):
+                for base in st.per_expert_bases(e):
+                    names |= {f"{base}.{s}" for s in suffixes_of(ckpt.tensors, base)}
+        elif st.kind == "stacked":
+            names |= {n for n in ckpt.tensors if n.startswith(st.gate_up + "_") or n.startswith(st.down + "_")}
+        else:
+            names |= {st.gate_up, st.down}
+            names |= {b for b in (st.gate_up_bias, st.down_bias) if b}
+        return names
+
+    def validate_experts(self, src: Source) -> None:
+        """Every expert of a layer must store the same tensors with the same dtypes and shapes."""
+        ckpt = src.ckpt
+        for layer in src.spec.moe_layers:
+            st = layer.storage
+            if st.gate_up_bias or st.down_bias:
+                raise MoetoolError(f"{st.gate_up}: experts with biases (gpt-oss) cannot be converted yet; inspect only")
+            if st.kind != "per-expert":
+                continue
+            for r, _ in enumerate(ROLES):
+                ref_base = st.per_expert_bases(0)[r]
+                want = {s: (ckpt.tensors[f"{ref_base}.{s}"].dtype, ckpt.tensors[f"{ref_base}.{s}"].shape)
+                        for s in suffixes_of(ckpt.tensors, ref_base)}
+                for e in range(1, layer.num_experts):
+                    base = st.per_expert_bases(e)[r]
+                    got = {s: (ckpt.tensors[f"{base}.{s}"].dtype, ckpt.tensors[f"{base}.{s}"].shape)
+                           for s in suffixes_of(ckpt.tensors, base)}
+                    if got != want:
+                        raise MoetoolError(f"{base}: tensors {_fmt_sig(got)} differ from expert 0's {_fmt_sig(want)}")
+
+    def _probe(self, src_index: int, layer: MoELayerSpec, what: str) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        src = self.sources[src_index]
+        key = (src_index, layer.num_experts, layer.hidden, layer.intermediate, layer.storage.kind, what,
+               _storage_sig(src.ckpt, layer))
+        if key not in self._probe_cache:
+            stats, src.stats = src.stats, ErrorStats()  # a probe is not part of the output's statistics
+            try:
+                lin = src.expert_w13(layer, 0) if what == "w13" else src.expert_role(layer, 0, "down" if what == "w2" else what)
+            finally:
+                src.stats = stats
+            self._probe_cache[key] = {s: (t.dtype, tuple(t.shape)) for s, t in lin.items()}
+        return self._probe_cache[key]
+
+    def specs(self, group: Group) -> list[TensorSpec]:
+        src = self.sources[group.source if not isinstance(group, Stacked) else (group.sources[0] if group.sources else 0)]
+        if isinstance(group, Copy):
+            info = src.ckpt.info(group.src)
+            return [TensorSpec(group.dst, info.dtype, info.shape)]
+        if isinstance(group, Dequant):
+            w = src.reader.dequantize_any(group.src_base)  # packed formats need data for the shape
+            return [TensorSpec(group.dst, src.dtype, tuple(w.shape))]
+        if isinstance(group, SharedLinear):
+            out = src.plain_linear(group.src_base)
+            return [TensorSpec(f"{group.dst_base}.{s}", t.dtype, tuple(t.shape)) for s, t in out.items()]
+        layer = src.layer(group.layer)
+        if isinstance(group, ExpertLinear):
+            sig = self._probe(group.source, layer, group.role)
+            return [TensorSpec(f"{group.dst_base}.{s}", d, shp) for s, (d, shp) in sig.items()]
+        sig = self._probe(group.sources[0] if group.sources else 0, layer, group.which)
+        n = len(group.experts)
+        return [TensorSpec(f"{group.dst_base}_{s}", d, (n, *shp)) for s, (d, shp) in sig.items()]
+
+
+def _fmt_sig(sig: dict) -> str:
+    return "{" + ", ".join(f"{s}: {str(d).replace('torch.', '')}{list(shp)}" for s, (d, shp) in sorted(sig.items())) + "}"
+
+
+def _storage_sig(ckpt: Checkpoint, layer: MoELayerSpec) -> tuple:
+    st = layer.storage
+    if st.kind == "per-expert":
+        base = st.per_expert_bases(0)[0]
+        return tuple(sorted((s, str(ckpt.tensors[f"{base}.{s}"].dtype)) for s in suffixes_of(ckpt.tensors, base)))
+    base = st.gate_up
+    return tuple(sorted((n, str(i.dtype)) for n, i in ckpt.tensors.items() if n.startswith(base)))[:4]
+
+
+def assign_files(groups: list[Group], homes: list[str], specs: list[list[TensorSpec]],
+                 max_shard_size: int | None, prefix: str = "") -> list[PlannedFile]:
+    """Put groups into output files: by their home input file, or greedily by size."""
+    buckets: list[tuple[list[Group], list[TensorSpec]]] = []
+    if max_shard_size:
+        size = 0
+        for g, sp in zip(groups, specs):
+            nb = sum(s.nbytes for s in sp)
+            if not buckets or (size + nb > max_shard_size and size > 0):
+                buckets.append(([], []))
+                size = 0
+            buckets[-1][0].append(g)
+            buckets[-1][1].extend(sp)
+            size += nb
+    else:
+        order: dict[str, int] = {}
+        for g, sp, home in zip(groups, specs, homes):
+            if home not in order:
+                order[home] = len(buckets)
+                buckets.append(([], []))
+            buckets[order[home]][0].append(g)
+            buckets[order[home]][1].extend(sp)
+    n = len(buckets)
+    files = []
+    for i, (gs, sp) in enumerate(buckets):
+        name = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        files.append(PlannedFile(prefix + name, gs, sp))
+    return files
+
+
+# ---------------------------------------------------------------------------------- executing
+
+
+class Executor:
+    def __init__(self, sources: list[Source]):
+        self.sources = sources
+
+    def chunks(self, pf: PlannedFile) -> Iterator[tuple[str, torch.Tensor]]:
+        specs = iter(pf.specs)
+        for g in pf.groups:
+            if isinstance(g, Stacked):
+                yield from self._stacked(g, specs)
+                continue
+            tensors = self._produce(g)
+            for t in tensors:
+                spec = next(specs)
+                yield spec.name, t
+
+    def _produce(self, g: Group) -> list[torch.Tensor]:
+        src = self.sources[g.source]
+        if isinstance(g, Copy):
+            return [src.ckpt.get(g.src)]
+        if isinstance(g, Dequant):
+            return [src.reader.dequantize_any(g.src_base).to(src.dtype)]
+        if isinstance(g, SharedLinear):
+            return list(src.plain_linear(g.src_base).values())
+        lin = src.expert_role(src.layer(g.layer), g.expert, g.role)
+        return list(lin.values())
+
+    def _stacked(self, g: Stacked, specs: Iterator[TensorSpec]) -> Iterator[tuple[str, torch.Tensor]]:
+        first_spec = next(specs)
+        stash: dict[str, list[torch.Tensor]] = {}
+        for i, e in enumerate(g.experts):
+            src = self.sources[g.sources[i] if g.sources else 0]
+            layer = src.layer(g.layer)
+            lin = src.expert_w13(layer, e) if g.which == "w13" else src.expert_role(layer, e, "down")
+            items = list(lin.items())
+            yield first_spec.name, items[0][1]
+            for s, t in items[1:]:
+                stash.setdefault(s, []).append(t)
+        for s, parts in stash.items():
+            spec = next(specs)
+            for t in parts:
+                yield spec.name, t
+
+
+# ---------------------------------------------------------------------------------- running
+
+
+@dataclass
+class Summary:
+    tensors: int
+    bytes_in: int
+    bytes_out: int
+    seconds: float
+    files_written: int
+    files_skipped: int
+    errors: dict
+    out_format: str
+    layout: str
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes_in / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def render(self) -> str:
+        lines = [
+            f"{self.tensors} tensors, {self.bytes_in / 1e9:.3f} GB in -> {self.bytes_out / 1e9:.3f} GB out "
+            f"in {self.seconds:.2f} s ({self.gbps:.2f} GB/s); {self.files_written} file(s) written, "
+            f"{self.files_skipped} resumed"
+        ]
+        if self.errors:
+            e = self.errors
+            lines.append(
+                f"{self.out_format} error over {e['linears']} linears: mean rel {e['mean_rel_err']:.4f}, "
+                f"max rel {e['max_rel_err']:.4f}, SQNR {e['sqnr_db']:.1f} dB (min {e['min_sqnr_db']:.1f} dB)"
+            )
+        return "\n".join(lines)
+
+
+def run_plan(plan: Plan, sources: list[Source], out: OutputDir, *, bytes_in: int, progress: bool = True,
+             stats: ErrorStats | None = None) -> Summary:
+    """Write every file of ``plan`` (skipping ones a previous run finished), then the JSON files,
+    index and manifest last."""
+    from tqdm import tqdm
+
+    t0 = time.perf_counter()
+    executor = Executor(sources)
+    total = sum(f.nbytes for f in plan.files)
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="writing", disable=not progress,
+               leave=False)
+    written = 0
+    try:
+        for pf in plan.files:
+            if out.already_done(pf.name):
+                bar.update(pf.nbytes)
+                continue
+            out.write_safetensors(pf.name, pf.specs, executor.chunks(pf), metadata={"format": "pt"}, on_bytes=bar.update)
+            written += 1
+    finally:
+        bar.close()
+    for src_path, name in plan.other_files:
+        out.copy_file(src_path, name)
+    for name, obj in plan.json_files.items():
+        out.write_json(name, obj)
+    if plan.write_index:
+        write_indexes(plan, out)
+    out.finish(plan.manifest_extra)
+    seconds = time.perf_counter() - t0
+    return Summary(
+        tensors=sum(len(f.specs) for f in plan.files),
+        bytes_in=bytes_in,
+        bytes_out=total,
+        seconds=seconds,
+        files_written=written,
+        files_skipped=len(plan.files) - written,
+        errors=(stats.summary() if stats else {}),
+        out_format=plan.out_format,
+        layout=plan.layout,
+    )
+
+
+def write_indexes(plan: Plan, out: OutputDir) -> None:
+    """One model.safetensors.index.json per output folder holding several safetensors files."""
+    folders: dict[str, list[PlannedFile]] = {}
+    for f in plan.files:
+        folder = f.name.rsplit("/", 1)[0] + "/" if "/" in f.name else ""
+        folders.setdefault(folder, []).append(f)
+    for folder, files in folders.items():
+        if len(files) == 1 and files[0].name.endswith("/model.safetensors" if folder else "model.safetensors"):
+            continue
+        weight_map = {s.name: f.name[len(folder):] for f in files for s in f.specs}
+        total = sum(f.nbytes for f in files)
+        out.write_json(f"{folder}model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
+def other_files(root: Path) -> list[tuple[Path, str]]:
+    """Small side files (tokenizer, generation config) copied as they are; never pickles."""
+    return [(p, p.name) for p in sorted(root.iterdir())
+            if p.is_file() and p.suffix in OTHER_FILE_SUFFIXES and p.name not in SKIP_FILES
+            and not p.name.endswith(".incomplete")]

@@ -1,0 +1,156 @@
+"""Read one expert's linears from any on-disk storage, as format tensors or fp32.
+
+A *linear* is ``{suffix: tensor}`` in the checkpoint's weight format (see formats/base.py).
+Per-expert, fused (dense only) and stacked storages all come out the same way, so the
+converters and the verifier never branch on how a checkpoint was laid out.
+"""
+from __future__ import annotations
+
+import torch
+
+from moetool.arch import ExpertStorage, ModelSpec, MoELayerSpec, describe
+from moetool.checkpoint import Checkpoint
+from moetool.errors import MoetoolError
+from moetool.formats import detect_format, linear_format
+from moetool.formats.base import WeightFormat
+
+Linear = dict[str, torch.Tensor]
+
+
+def suffixes_of(names, base: str, sep: str = ".") -> set[str]:
+    """Suffixes present for ``base`` (``base.weight``, ``base.weight_scale_inv``...)."""
+    head = base + sep
+    return {n[len(head):] for n in names if n.startswith(head) and "." not in n[len(head):]}
+
+
+class ExpertReader:
+    """Reads experts of a described checkpoint. ``fmt`` is the experts' weight format."""
+
+    def __init__(self, ckpt: Checkpoint, spec: ModelSpec | None = None, fmt: WeightFormat | None = None):
+        self.ckpt = ckpt
+        self.spec = spec or describe(ckpt.config, ckpt.tensors)
+        self.fmt = fmt or detect_expert_format(ckpt, self.spec)
+
+    # -- format tensors ------------------------------------------------------------------
+    def _linear(self, base: str, sep: str = ".") -> Linear:
+        t = {s: self.ckpt.get(f"{base}{sep}{s}") for s in self.fmt.suffixes if f"{base}{sep}{s}" in self.ckpt}
+        if self.fmt.suffixes[0] not in t:
+            raise MoetoolError(f"{base}{sep}{self.fmt.suffixes[0]}: not found ({self.fmt.name} weights expected)")
+        return t
+
+    def linear(self, base: str) -> Linear:
+        """A plain linear (shared experts, dense MLPs) by its base name."""
+        return self._linear(base)
+
+    def gate_up_down(self, layer: MoELayerSpec, e: int) -> tuple[Linear, Linear, Linear]:
+        """Expert e's (gate [N,H], up [N,H], down [H,N]) linears in the checkpoint's format."""
+        _check_expert(layer, e)
+        st = layer.storage
+        if st.kind == "per-expert":
+            return tuple(self._linear(b) for b in st.per_expert_bases(e))  # type: ignore[return-value]
+        if st.kind == "stacked":
+            gate, up = self.fmt.split_rows(self._stacked_slot(st.gate_up, e), [layer.intermediate, layer.intermediate])
+            return gate, up, self._stacked_slot(st.down, e)
+        gate, up, down = self._fused_dense(layer, st, e)
+        return {"weight": gate}, {"weight": up}, {"weight": down}
+
+    def w13(self, layer: MoELayerSpec, e: int) -> Linear:
+        """Expert e's fused gate+up linear [2N, H] (gate rows first)."""
+        if layer.storage.kind == "stacked":
+            _check_expert(layer, e)
+            return self._stacked_slot(layer.storage.gate_up, e)
+        gate, up, _ = self.gate_up_down(layer, e)
+        return self.fmt.cat_rows([gate, up])
+
+    def down(self, layer: MoELayerSpec, e: int) -> Linear:
+        if layer.storage.kind == "stacked":
+            _check_expert(layer, e)
+            return self._stacked_slot(layer.storage.down, e)
+        return self.gate_up_down(layer, e)[2]
+
+    def _stacked_slot(self, base: str, e: int) -> Linear:
+        t = {}
+        for s in self.fmt.suffixes:
+            name = f"{base}_{s}"
+            if name in self.ckpt:
+                t[s] = self.ckpt.get_rows(name, e)
+        if self.fmt.suffixes[0] not in t:
+            raise MoetoolError(f"{base}_{self.fmt.suffixes[0]}: not found ({self.fmt.name} weights expected)")
+        return t
+
+    def _fused_dense(self, layer: MoELayerSpec, st: ExpertStorage, e: int):
+        if self.fmt.name != "dense":
+            raise MoetoolError(f"{st.gate_up}: fused expert tensors are only read unquantized, found {self.fmt.name}")
+        n = layer.intermediate
+        gu = self.ckpt.get_rows(st.gate_up, e)  # [2N, H] or [H, 2N]
+        if st.gate_up_input_first:
+            gu = gu.t()
+        gate, up = (gu[0::2], gu[1::2]) if st.interleaved else (gu[:n], gu[n:])
+        down = self.ckpt.get_rows(st.down, e)
+        if st.down_input_first:
+            down = down.t()
+        return gate.contiguous(), up.contiguous(), down.contiguous()
+
+    # -- fp32 -------------------------------------------------------------------------------
+    def expert_fp32(self, layer: MoELayerSpec, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate [N,H], up [N,H], down [H,N]) dequantized to float32."""
+        return tuple(self.dequantize(lin, f"layer {layer.index} expert {e}") for lin in self.gate_up_down(layer, e))  # type: ignore[return-value]
+
+    def shared_fp32(self, layer: MoELayerSpec):
+        """(gate, up, down, shared_gate_weight|None) of the shared expert in float32, or None."""
+        if layer.shared_bases is None:
+            return None
+        g, u, d = (self.dequantize_any(b) for b in layer.shared_bases)
+        sg = self.ckpt.get(layer.shared_gate_weight).float() if layer.shared_gate_weight else None
+        return g, u, d, sg
+
+    def dequantize(self, lin: Linear, where: str) -> torch.Tensor:
+        try:
+            return self.fmt.dequantize(lin)
+        except MoetoolError as err:
+            raise MoetoolError(f"{where}: {err}") from None
+
+    def dequantize_any(self, base: str) -> torch.Tensor:
+        """A linear outside the experts, in whatever format it is stored (may differ from experts')."""
+        fmt, lin = self.plain_linear(base)
+        try:
+            return fmt.dequantize(lin)
+        except MoetoolError as err:
+            raise MoetoolError(f"{base}: {err}") from None
+
+    def plain_linear(self, base: str) -> tuple[WeightFormat, Linear]:
+        """(its format, its tensors) for a linear outside the routed experts: the checkpoint's
+        format when it has all that format's tensors, dense when it is in the ignore list."""
+        fmt = self.linear_format(base)
+        return fmt, {s: self.ckpt.get(f"{base}.{s}") for s in fmt.suffixes if f"{base}.{s}" in self.ckpt}
+
+    def linear_format(self, base: str) -> WeightFormat:
+        sufs = suffixes_of(self.ckpt.tensors, base)
+        info = self.ckpt.tensors.get(f"{base}.weight")
+        try:
+            return linear_format(self.fmt, sufs, info.dtype if info else None)
+        except MoetoolError as err:
+            raise MoetoolError(f"{base}: {err}") from None
+
+
+def _check_expert(layer: MoELayerSpec, e: int) -> None:
+    if not 0 <= e < layer.num_experts:
+        raise MoetoolError(f"layer {layer.index}: expert {e} out of range (0..{layer.num_experts - 1})")
+
+
+def detect_expert_format(ckpt: Checkpoint, spec: ModelSpec) -> WeightFormat:
+    """The format of the routed experts, from config.json and the first expert's tensors."""
+    layer = spec.moe_layers[0]
+    st = layer.storage
+    if st.kind == "per-expert":
+        base = st.per_expert_bases(0)[0]
+        sufs, main = suffixes_of(ckpt.tensors, base), f"{base}.weight"
+    elif st.kind == "stacked":
+        sufs, main = suffixes_of(ckpt.tensors, st.gate_up, sep="_"), f"{st.gate_up}_weight"
+    else:
+        sufs, main = {"weight"}, st.gate_up
+    info = ckpt.tensors.get(main)
+    try:
+        return detect_format(ckpt.config, sufs, info.dtype if info else None)
+    except MoetoolError as err:
+        raise MoetoolError(f"{ckpt.root}: experts of {layer.prefix}: {err}") from None

@@ -1,0 +1,168 @@
+"""Tiny synthetic MoE checkpoints in the real on-disk layout of each family, written with our
+own streaming writer. Used by ``moetool demo`` and the tests (no download, a few MB)."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from moetool.writer import OutputDir, TensorSpec
+
+FAMILY_CONFIGS = {
+    "mixtral": dict(model_type="mixtral", architectures=["MixtralForCausalLM"], num_local_experts="E",
+                    intermediate_size="N"),
+    "qwen2_moe": dict(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], num_experts="E",
+                      moe_intermediate_size="N", intermediate_size="2N", shared_expert_intermediate_size="2N",
+                      norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[]),
+    "qwen3_moe": dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_experts="E",
+                      moe_intermediate_size="N", intermediate_size="2N", norm_topk_prob=True, decoder_sparse_step=1,
+                      mlp_only_layers=[]),
+    "olmoe": dict(model_type="olmoe", architectures=["OlmoeForCausalLM"], num_experts="E", intermediate_size="N",
+                  norm_topk_prob=False),
+    "deepseek_v2": dict(model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"], n_routed_experts="E",
+                        moe_intermediate_size="N", intermediate_size="2N", n_shared_experts=2, first_k_dense_replace=1,
+                        n_group=4, topk_group=2, topk_method="group_limited_greedy", norm_topk_prob=False,
+                        routed_scaling_factor=1.0),
+    "deepseek_v3": dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], n_routed_experts="E",
+                        moe_intermediate_size="N", intermediate_size="2N", n_shared_experts=1, first_k_dense_replace=1,
+                        n_group=4, topk_group=2, topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True,
+                        routed_scaling_factor=2.5),
+    "llama4": dict(model_type="llama4_text", architectures=["Llama4ForCausalLM"], num_local_experts="E",
+                   intermediate_size="N", intermediate_size_mlp="2N", interleave_moe_layer_step=1),
+    "gpt_oss": dict(model_type="gpt_oss", architectures=["GptOssForCausalLM"], num_local_experts="E",
+                    intermediate_size="N", swiglu_limit=7.0),
+}
+FAMILY_LAYOUT = {  # moe module, router module, per-expert linear names (None = fused on disk)
+    "mixtral": ("block_sparse_moe", "gate", ("w1", "w3", "w2")),
+    "qwen2_moe": ("mlp", "gate", ("gate_proj", "up_proj", "down_proj")),
+    "qwen3_moe": ("mlp", "gate", ("gate_proj", "up_proj", "down_proj")),
+    "olmoe": ("mlp", "gate", ("gate_proj", "up_proj", "down_proj")),
+    "deepseek_v2": ("mlp", "gate", ("gate_proj", "up_proj", "down_proj")),
+    "deepseek_v3": ("mlp", "gate", ("gate_proj", "up_proj", "down_proj")),
+    "llama4": ("feed_forward", "router", None),
+    "gpt_oss": ("mlp", "router", None),
+}
+
+
+def tiny_config(family: str, *, hidden: int, intermediate: int, experts: int, top_k: int, layers: int,
+                dtype: torch.dtype) -> dict:
+    base = dict(FAMILY_CONFIGS[family])
+    sizes = {"E": experts, "N": intermediate, "2N": 2 * intermediate}
+    cfg = {k: (sizes[v] if isinstance(v, str) and v in sizes else v) for k, v in base.items()}
+    cfg.update(hidden_size=hidden, num_hidden_layers=layers, num_experts_per_tok=top_k, vocab_size=128,
+               num_attention_heads=4, num_key_value_heads=2, torch_dtype=str(dtype).replace("torch.", ""),
+               rms_norm_eps=1e-6)
+    return cfg
+
+
+def moe_layer_indices(cfg: dict) -> list[int]:
+    first = cfg.get("first_k_dense_replace", 0)
+    return list(range(first, cfg["num_hidden_layers"]))
+
+
+def tiny_tensors(family: str, cfg: dict, *, seed: int = 0, fused_v5: bool = False) -> dict[str, torch.Tensor]:
+    """All tensors of a tiny model: embeddings, attention, norms, MoE blocks, dense MLPs, lm_head.
+
+    Weights are N(0, 1/fan_in) so activations keep their scale through the layer (real checkpoints
+    look alike); the router is scaled up so routing is decisive. ``fused_v5`` stores experts as
+    transformers-v5 ``experts.gate_up_proj`` [E, 2N, H] / ``experts.down_proj`` [E, H, N].
+    """
+    g = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, cfg["torch_dtype"])
+    H, E = cfg["hidden_size"], _experts(cfg)
+    N = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+    moe_module, router_module, linears = FAMILY_LAYOUT[family]
+
+    def rnd(*shape, scale=None):
+        fan_in = shape[-1]
+        return (torch.randn(*shape, generator=g) * (scale if scale is not None else 1 / math.sqrt(fan_in))).to(dtype)
+
+    t: dict[str, torch.Tensor] = {"model.embed_tokens.weight": rnd(cfg["vocab_size"], H, scale=1.0)}
+    moe = set(moe_layer_indices(cfg))
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        t[f"{p}.input_layernorm.weight"] = torch.ones(H, dtype=dtype)
+        t[f"{p}.post_attention_layernorm.weight"] = torch.ones(H, dtype=dtype)
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            t[f"{p}.self_attn.{proj}.weight"] = rnd(H, H)
+        if i not in moe:
+            inter = cfg["intermediate_size"]
+            t[f"{p}.mlp.gate_proj.weight"] = rnd(inter, H)
+            t[f"{p}.mlp.up_proj.weight"] = rnd(inter, H)
+            t[f"{p}.mlp.down_proj.weight"] = rnd(H, inter)
+            continue
+        m = f"{p}.{moe_module}"
+        t[f"{m}.{router_module}.weight"] = rnd(E, H, scale=4 / math.sqrt(H))
+        if family == "deepseek_v3":
+            t[f"{m}.{router_module}.e_score_correction_bias"] = (torch.randn(E, generator=g) * 0.1).float()
+        if family == "gpt_oss":
+            t[f"{m}.router.bias"] = rnd(E, scale=0.1)
+        if linears is None or fused_v5:
+            gu = torch.stack([torch.cat([rnd(N, H), rnd(N, H)]) for _ in range(E)])  # [E, 2N, H]
+            dn = torch.stack([rnd(H, N) for _ in range(E)])  # [E, H, N]
+            if family in ("llama4", "gpt_oss"):
+                if family == "gpt_oss":  # interleave gate/up rows
+                    gu = torch.stack([gu[:, :N], gu[:, N:]], dim=2).reshape(E, 2 * N, H)
+                gu, dn = gu.transpose(1, 2).contiguous(), dn.transpose(1, 2).contiguous()
+            t[f"{m}.experts.gate_up_proj"] = gu
+            t[f"{m}.experts.down_proj"] = dn
+            if family == "gpt_oss":
+                t[f"{m}.experts.gate_up_proj_bias"] = rnd(E, 2 * N, scale=0.01)
+                t[f"{m}.experts.down_proj_bias"] = rnd(E, H, scale=0.01)
+        else:
+            for e in range(E):
+                t[f"{m}.experts.{e}.{linears[0]}.weight"] = rnd(N, H)
+                t[f"{m}.experts.{e}.{linears[1]}.weight"] = rnd(N, H)
+                t[f"{m}.experts.{e}.{linears[2]}.weight"] = rnd(H, N)
+        shared = {"qwen2_moe": ("shared_expert", cfg.get("shared_expert_intermediate_size")),
+                  "deepseek_v2": ("shared_experts", N * cfg.get("n_shared_experts", 0)),
+                  "deepseek_v3": ("shared_experts", N * cfg.get("n_shared_experts", 0)),
+                  "llama4": ("shared_expert", N)}.get(family)
+        if shared:
+            name, inter = shared
+            t[f"{m}.{name}.gate_proj.weight"] = rnd(inter, H)
+            t[f"{m}.{name}.up_proj.weight"] = rnd(inter, H)
+            t[f"{m}.{name}.down_proj.weight"] = rnd(H, inter)
+            if family == "qwen2_moe":
+                t[f"{m}.shared_expert_gate.weight"] = rnd(1, H)
+    t["model.norm.weight"] = torch.ones(H, dtype=dtype)
+    t["lm_head.weight"] = rnd(cfg["vocab_size"], H)
+    return t
+
+
+def _experts(cfg: dict) -> int:
+    for k in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if k in cfg:
+            return cfg[k]
+    raise KeyError("experts")
+
+
+def write_checkpoint(path: Path, config: dict, tensors: dict[str, torch.Tensor], *, shards: int = 1) -> Path:
+    """Write a checkpoint folder (config.json, safetensors shards, index when sharded) with our writer."""
+    path = Path(path)
+    out = OutputDir(path, force=True)
+    names = list(tensors)
+    per = math.ceil(len(names) / shards)
+    weight_map = {}
+    for s in range(shards):
+        part = names[s * per:(s + 1) * per]
+        fname = "model.safetensors" if shards == 1 else f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        specs = [TensorSpec(n, tensors[n].dtype, tuple(tensors[n].shape)) for n in part]
+        out.write_safetensors(fname, specs, ((n, tensors[n]) for n in part), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in part})
+    if shards > 1:
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        out.write_json("model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+    out.write_json("config.json", config)
+    out.finish({"kind": "checkpoint"})
+    (path / "manifest.json").unlink()  # an input checkpoint, not a moetool output
+    return path
+
+
+def make_tiny_checkpoint(path: Path, family: str = "deepseek_v3", *, hidden: int = 256, intermediate: int = 192,
+                         experts: int = 16, top_k: int = 4, layers: int = 3, dtype: torch.dtype = torch.bfloat16,
+                         shards: int = 2, seed: int = 0, fused_v5: bool = False) -> Path:
+    cfg = tiny_config(family, hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k, layers=layers,
+                      dtype=dtype)
+    return write_checkpoint(path, cfg, tiny_tensors(family, cfg, seed=seed, fused_v5=fused_v5), shards=shards)

@@ -1,0 +1,417 @@
+"""Dispatchers: move routed tokens to the ranks that hold their experts, and results back.
+
+As vLLM's ``FusedMoEPrepareAndFinalize``: ``prepare`` quantizes activations where the format
+allows it and sends tokens plus top-k ids/weights, handing the experts backend LOCAL ids
+(-1 = not on this rank) and per-local-expert counts; ``finalize`` brings expert outputs back
+and sums them per token. Any dispatcher composes with any experts backend.
+
+Topology. World size R = ep ranks, ``dp`` data-parallel groups of ``tp = R // dp`` ranks:
+group g = ranks [g*tp, (g+1)*tp) holds the same tokens (replicated); experts are placed over
+all R ranks. The "dp subgroup" of tp-index i = ranks {g*tp + i : g < dp}.
+
+Replicas. A token with global index t (position in the concatenation of all groups'
+tokens) that chose expert e goes to ``replicas[e][t % len(replicas[e])]``, so every replica
+is exercised, identically in both backends.
+
+Letters: t = tokens of a chunk, m = tokens this rank routes, P = (token, destination) pairs
+sent, M = rows received, H = hidden, k = top-k, L = local slots, G = ceil(H/128).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from moetool.errors import MoetoolError
+from moetool.spec import ExpertPlacement, LocalExperts
+from moetool.verify.experts import ACT_GROUP, weight_and_reduce
+
+# torch 2.13 renamed the tensor collectives; the old names warn on every call
+all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+#: formats whose activations are quantized before the send (W8A8, per-token 1x128 groups)
+ACT_QUANT_FORMATS = ("fp8-block",)
+
+
+# --------------------------------------------------------------------------- topology
+
+
+@dataclass
+class Topology:
+    """This rank's place in the dp x tp grid and its two process groups."""
+
+    rank: int
+    world_size: int
+    dp: int
+    tp: int
+    group_index: int  # g: which dp group (token set) this rank serves
+    tp_index: int  # i: position inside the group
+    tp_ranks: list[int]
+    dp_ranks: list[int]
+    tp_group: Any  # ProcessGroup over tp_ranks
+    dp_group: Any  # ProcessGroup over dp_ranks (the dp subgroup)
+    device: torch.device
+
+    @classmethod
+    def create(cls, dp: int, device: torch.device | None = None) -> "Topology":
+        """Collective: every rank of the initialised default group must call it, same ``dp``."""
+        if not dist.is_initialized():
+            raise MoetoolError("Topology.create needs an initialised process group")
+        R, rank = dist.get_world_size(), dist.get_rank()
+        if dp < 1 or R % dp:
+            raise MoetoolError(f"--dp {dp} must divide the number of ranks (--ep {R})")
+        tp = R // dp
+        if device is None:
+            device = (torch.device("cuda", torch.cuda.current_device())
+                      if dist.get_backend() == "nccl" else torch.device("cpu"))
+        tp_group = dp_group = None
+        # new_group is collective over the world: every rank creates every group, same order
+        for g in range(dp):
+            ranks = list(range(g * tp, (g + 1) * tp))
+            pg = dist.new_group(ranks)
+            if rank in ranks:
+                tp_group, tp_ranks = pg, ranks
+        for i in range(tp):
+            ranks = [g * tp + i for g in range(dp)]
+            pg = dist.new_group(ranks)
+            if rank in ranks:
+                dp_group, dp_ranks = pg, ranks
+        return cls(rank, R, dp, tp, rank // tp, rank % tp, tp_ranks, dp_ranks, tp_group, dp_group, device)
+
+
+@dataclass
+class RouteTable:
+    """Global expert -> replicas as tensors; picks each (token, k)'s destination."""
+
+    rank: torch.Tensor  # int64 [E, max_replicas], -1 padded
+    slot: torch.Tensor  # int64 [E, max_replicas]
+    count: torch.Tensor  # int64 [E]
+
+    @classmethod
+    def build(cls, placement: ExpertPlacement, device: torch.device) -> "RouteTable":
+        E = placement.num_experts
+        missing = [e for e in range(E) if not placement.replicas.get(e)]
+        if missing:
+            raise MoetoolError(f"expert placement has no rank for expert(s) {missing[:8]}")
+        width = max(len(placement.replicas[e]) for e in range(E))
+        rank = torch.full((E, width), -1, dtype=torch.int64)
+        slot = torch.full((E, width), -1, dtype=torch.int64)
+        for e in range(E):
+            for j, (r, s) in enumerate(placement.replicas[e]):
+                if not 0 <= r < placement.num_ranks:
+                    raise MoetoolError(f"expert placement puts expert {e} on rank {r} of {placement.num_ranks}")
+                rank[e, j], slot[e, j] = r, s
+        count = torch.tensor([len(placement.replicas[e]) for e in range(E)], dtype=torch.int64)
+        return cls(rank.to(device), slot.to(device), count.to(device))
+
+    def destinations(self, topk_ids: torch.Tensor, token_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """topk_ids int64 [m, k] (global), token_index int64 [m] (global token positions)
+        -> (rank, local slot) int64 [m, k] each."""
+        choice = token_index[:, None] % self.count[topk_ids]  # [m, k]
+        return self.rank[topk_ids, choice], self.slot[topk_ids, choice]
+
+
+def check_local_experts(local: LocalExperts, placement: ExpertPlacement, rank: int, world_size: int) -> None:
+    """The shard this rank loaded must be the one the placement describes."""
+    if placement.num_ranks != world_size:
+        raise MoetoolError(f"the expert placement is for {placement.num_ranks} ranks but {world_size} are running")
+    slot_ids = sorted(s for places in placement.replicas.values() for r, s in places if r == rank)
+    if slot_ids != list(range(len(slot_ids))):
+        raise MoetoolError(f"rank {rank}: placement slots {slot_ids} are not 0..{len(slot_ids) - 1}")
+    want = placement.slots[rank]
+    if list(local.slot_to_global) != want:
+        raise MoetoolError(f"rank {rank} holds experts {list(local.slot_to_global)} but the "
+                           f"placement puts {want} there")
+
+
+# --------------------------------------------------------------------------- values passed around
+
+
+@dataclass(frozen=True)
+class ChunkInfo:
+    """One chunk of every dp group's tokens: ``sizes[g]`` rows starting at global token
+    position ``starts[g]`` (chunks are cut identically on every rank)."""
+
+    sizes: list[int]  # [dp]
+    starts: list[int]  # [dp]
+
+
+@dataclass
+class Prepared:
+    """What ``prepare`` hands the experts backend, plus its own state for ``finalize``."""
+
+    hidden: torch.Tensor  # [M, H] comm dtype, or float8_e4m3fn
+    hidden_scale: torch.Tensor | None  # float32 [M, G] with fp8 hidden
+    local_ids: torch.Tensor  # int64 [M, k], -1 = not on this rank
+    topk_weights: torch.Tensor  # float32 [M, k]
+    expert_num_tokens: torch.Tensor  # int64 [L]
+    state: dict = field(default_factory=dict)
+
+
+@dataclass
+class CommStats:
+    """Counters one rank accumulates over a layer. Bytes are the algorithm's logical payload
+    to or from OTHER ranks (a ring all-gather of n ranks moves (n-1) blocks each way; a
+    ring all-reduce 2(n-1)/n of the buffer), not what the transport adds."""
+
+    tokens_received: int = 0  # token rows that reached this rank's experts (padding excluded)
+    pairs_computed: int = 0  # (token, local slot) pairs computed = sum of expert_num_tokens
+    rows_padding: int = 0  # rows carried only to even out collectives
+    dispatch_bytes_sent: int = 0
+    dispatch_bytes_recv: int = 0
+    combine_bytes_sent: int = 0
+    combine_bytes_recv: int = 0
+    expert_tokens: list[int] = field(default_factory=list)  # [L] pairs per local slot
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def fp8_act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [m, H] -> (q float8_e4m3fn [m, H], s float32 [m, G]), x ~ q * s per 1x128 group:
+    the kernel on CUDA, its pure-torch reference elsewhere (both from moetool.kernels.quant)."""
+    try:
+        from moetool.kernels import quant
+    except ImportError as e:
+        raise MoetoolError(f"fp8 activation quantization needs moetool.kernels.quant ({e})") from None
+    fn = quant.fp8_act_quant if x.is_cuda else quant.fp8_act_quant_ref
+    q, s = fn(x.contiguous())
+    return q, s.float()
+
+
+def _pack_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """2-D tensors with the same row count -> uint8 [rows, sum of row bytes]: one collective
+    carries tokens, scales, ids and weights together (gloo cannot send float8 either)."""
+    return torch.cat([p.contiguous().view(torch.uint8) for p in parts], dim=1)
+
+
+def _unpack_rows(buf: torch.Tensor, like: list[tuple[torch.dtype, int]]) -> list[torch.Tensor]:
+    """Inverse of _pack_rows: ``like`` = [(dtype, columns)] of each part."""
+    out, col = [], 0
+    for dtype, cols in like:
+        nbytes = cols * torch.empty(0, dtype=dtype).element_size()
+        part = buf.new_empty(buf.shape[0], nbytes)  # fresh strides: a 1-row slice keeps its old ones
+        part.copy_(buf[:, col:col + nbytes])
+        out.append(part.view(dtype))
+        col += nbytes
+    return out
+
+
+def _payload(x: torch.Tensor, act_quant: bool, comm_dtype: torch.dtype) -> tuple[list[torch.Tensor], list]:
+    """x [m, H] -> the parts to send (hidden, [scales]) and their (dtype, columns)."""
+    if act_quant:
+        q, s = fp8_act_quant(x.float())  # [m, H], [m, G]
+        return [q, s], [(torch.float8_e4m3fn, q.shape[1]), (torch.float32, s.shape[1])]
+    h = x.to(comm_dtype)
+    return [h], [(comm_dtype, h.shape[1])]
+
+
+def _expert_counts(local_ids: torch.Tensor, num_slots: int) -> torch.Tensor:
+    valid = local_ids[local_ids >= 0]
+    return torch.bincount(valid, minlength=num_slots)[:num_slots]  # [L]
+
+
+def _row_split(t: int, parts: int) -> list[int]:
+    """torch.tensor_split sizes: the first t % parts parts get one row more."""
+    return [t // parts + (1 if i < t % parts else 0) for i in range(parts)]
+
+
+# --------------------------------------------------------------------------- dispatchers
+
+
+class Dispatcher:
+    """Prepare (quantize + dispatch) and finalize (combine) for one communication backend."""
+
+    name: ClassVar[str]
+
+    def __init__(self, topo: Topology, quantize_activations: bool | None = None,
+                 comm_dtype: torch.dtype = torch.float32):
+        """``quantize_activations``: None = when the format allows (fp8-block), False = never.
+        ``comm_dtype``: dtype of unquantized token rows on the wire; expert outputs always
+        travel back in float32."""
+        self.topo = topo
+        self.quantize_activations = quantize_activations
+        self.comm_dtype = comm_dtype
+
+    def act_quant_for(self, fmt_name: str) -> bool:
+        if self.quantize_activations is False:
+            return False
+        if self.quantize_activations and fmt_name not in ACT_QUANT_FORMATS:
+            raise MoetoolError(f"activation quantization is defined for {ACT_QUANT_FORMATS}, not {fmt_name}")
+        return fmt_name in ACT_QUANT_FORMATS
+
+    def token_slice(self, t: int) -> slice:
+        """Rows of this group's chunk of t tokens that this rank routes and sends."""
+        raise NotImplementedError
+
+    def prepare(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                token_index: torch.Tensor, chunk: ChunkInfo, table: RouteTable, num_slots: int,
+                act_quant: bool, stats: CommStats) -> Prepared:
+        """x [m, H] float32, topk_ids int64 [m, k] (global), topk_weights float32 [m, k],
+        token_index int64 [m] (global positions) for the rows ``token_slice`` chose."""
+        raise NotImplementedError
+
+    def finalize(self, expert_out: torch.Tensor, prep: Prepared, reduced: bool,
+                 stats: CommStats) -> torch.Tensor:
+        """Expert output ([M, H] if ``reduced`` else [M, k, H]) -> this group's chunk
+        [t, H] float32, every expert's weighted contribution summed, replicated on the tp group."""
+        raise NotImplementedError
+
+
+class AllGatherDispatcher(Dispatcher):
+    """Naive DP/EP (vLLM naive all2all): all-gather every group's chunk over the dp subgroup,
+    run the local experts on all of it (weights applied on the expert side), reduce-scatter
+    the sums back over the dp subgroup, then all-reduce over the tp group, whose ranks hold
+    different experts of the same tokens."""
+
+    name = "allgather"
+
+    def token_slice(self, t: int) -> slice:
+        return slice(0, t)
+
+    def prepare(self, x, topk_ids, topk_weights, token_index, chunk, table, num_slots, act_quant, stats):
+        topo = self.topo
+        dev = x.device
+        t, k = topk_ids.shape
+        sizes = chunk.sizes  # [dp]
+        tmax = max(sizes)
+        parts, like = _payload(x, act_quant, self.comm_dtype)
+        parts += [topk_ids, topk_weights.float()]
+        like += [(torch.int64, k), (torch.float32, k)]
+        buf = _pack_rows(parts)  # uint8 [t, B]
+        if t < tmax:
+            buf = torch.cat([buf, buf.new_zeros(tmax - t, buf.shape[1])])
+        if topo.dp > 1:
+            gathered = buf.new_empty(topo.dp * tmax, buf.shape[1])
+            all_gather_tensor(gathered, buf, group=topo.dp_group)
+        else:
+            gathered = buf
+        stats.dispatch_bytes_sent += (topo.dp - 1) * buf.numel()
+        stats.dispatch_bytes_recv += (topo.dp - 1) * buf.numel()
+        unpacked = _unpack_rows(gathered, like)
+        ids, weights = unpacked[-2], unpacked[-1]  # [dp*tmax, k]
+        rows = torch.arange(tmax, device=dev)
+        valid = torch.cat([rows < sizes[g] for g in range(topo.dp)])  # [dp*tmax]
+        gidx = torch.cat([chunk.starts[g] + rows for g in range(topo.dp)])  # [dp*tmax]
+        ids = torch.where(valid[:, None], ids, torch.zeros_like(ids))  # padding rows hold zeros
+        dest_rank, dest_slot = table.destinations(ids, gidx)
+        mine = (dest_rank == topo.rank) & valid[:, None]
+        local_ids = torch.where(mine, dest_slot, torch.full_like(dest_slot, -1))  # [dp*tmax, k]
+        counts = _expert_counts(local_ids, num_slots)
+        stats.tokens_received += int(mine.any(dim=1).sum())
+        stats.rows_padding += topo.dp * tmax - sum(sizes)
+        return Prepared(unpacked[0], unpacked[1] if act_quant else None, local_ids, weights, counts,
+                        {"t": t})
+
+    def finalize(self, expert_out, prep, reduced, stats):
+        topo = self.topo
+        out = expert_out if reduced else weight_and_reduce(expert_out, prep.local_ids, prep.topk_weights)
+        out = out.float().contiguous()  # [dp*tmax, H]
+        tmax = out.shape[0] // topo.dp
+        if topo.dp > 1:
+            y = out.new_empty(tmax, out.shape[1])
+            reduce_scatter_tensor(y, out, group=topo.dp_group)
+        else:
+            y = out
+        stats.combine_bytes_sent += (topo.dp - 1) * y.numel() * 4
+        stats.combine_bytes_recv += (topo.dp - 1) * y.numel() * 4
+        y = y[:prep.state["t"]].contiguous()  # [t, H]
+        if topo.tp > 1:
+            dist.all_reduce(y, group=topo.tp_group)
+            ring = 2 * (topo.tp - 1) * y.numel() * 4 // topo.tp
+            stats.combine_bytes_sent += ring
+            stats.combine_bytes_recv += ring
+        return y
+
+
+class All2AllDispatcher(Dispatcher):
+    """DeepEP high-throughput style. Rank i of a tp group takes the i-th contiguous slice of
+    the group's chunk (no token is sent twice), sends each token row once to every rank
+    holding one of its experts (counts first, then one packed payload: row, [fp8 scales],
+    local slot ids with -1 for its experts elsewhere, weights), and the combine returns one
+    float32 row per (token, destination) with the top-k weights already applied on the
+    expert side (by the experts, or by ``weight_and_reduce`` before the send); the source
+    only sums. An all-gather in the tp group restores the replicated [t, H] chunk."""
+
+    name = "all2all"
+
+    def token_slice(self, t: int) -> slice:
+        split = _row_split(t, self.topo.tp)
+        start = sum(split[:self.topo.tp_index])
+        return slice(start, start + split[self.topo.tp_index])
+
+    def prepare(self, x, topk_ids, topk_weights, token_index, chunk, table, num_slots, act_quant, stats):
+        topo = self.topo
+        R, dev = topo.world_size, x.device
+        m, k = topk_ids.shape
+        dest_rank, dest_slot = table.destinations(topk_ids, token_index)  # [m, k] x2
+        to_rank = torch.zeros(m, R, dtype=torch.bool, device=dev)
+        to_rank.scatter_(1, dest_rank, True)  # [m, R]
+        pair_rank, pair_tok = torch.nonzero(to_rank.t(), as_tuple=True)  # [P] sorted by rank, then token
+        send_counts = torch.bincount(pair_rank, minlength=R)  # [R]
+        ids_send = torch.where(dest_rank[pair_tok] == pair_rank[:, None], dest_slot[pair_tok],
+                               torch.full_like(dest_slot[pair_tok], -1))  # [P, k]
+        parts, like = _payload(x, act_quant, self.comm_dtype)
+        parts = [p[pair_tok] for p in parts] + [ids_send, topk_weights.float()[pair_tok]]
+        like += [(torch.int64, k), (torch.float32, k)]
+        send = _pack_rows(parts)  # uint8 [P, B]
+        B = send.shape[1]
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts)  # counts first
+        send_l, recv_l = send_counts.tolist(), recv_counts.tolist()
+        recv = send.new_empty(sum(recv_l), B)
+        dist.all_to_all_single(recv, send, output_split_sizes=recv_l, input_split_sizes=send_l)
+        me = topo.rank
+        stats.dispatch_bytes_sent += (sum(send_l) - send_l[me]) * B + 8 * (R - 1)
+        stats.dispatch_bytes_recv += (sum(recv_l) - recv_l[me]) * B + 8 * (R - 1)
+        hidden, *rest = _unpack_rows(recv, like)
+        scale = rest[0] if act_quant else None
+        local_ids, weights = rest[-2], rest[-1]  # [M, k]
+        stats.tokens_received += recv.shape[0]
+        counts = _expert_counts(local_ids, num_slots)
+        return Prepared(hidden, scale, local_ids, weights, counts,
+                        {"m": m, "pair_tok": pair_tok, "send": send_l, "recv": recv_l,
+                         "t": chunk.sizes[topo.group_index]})
+
+    def finalize(self, expert_out, prep, reduced, stats):
+        topo = self.topo
+        st = prep.state
+        out = expert_out if reduced else weight_and_reduce(expert_out, prep.local_ids, prep.topk_weights)
+        out = out.float().contiguous()  # [M, H]
+        H = out.shape[1]
+        back = out.new_empty(sum(st["send"]), H)  # [P, H]
+        dist.all_to_all_single(back, out, output_split_sizes=st["send"], input_split_sizes=st["recv"])
+        me = topo.rank
+        stats.combine_bytes_sent += (sum(st["recv"]) - st["recv"][me]) * H * 4
+        stats.combine_bytes_recv += (sum(st["send"]) - st["send"][me]) * H * 4
+        y = out.new_zeros(st["m"], H)
+        y.index_add_(0, st["pair_tok"], back)  # [m, H], summed over destinations in rank order
+        if topo.tp == 1:
+            return y
+        split = _row_split(st["t"], topo.tp)
+        width = max(split)
+        if y.shape[0] < width:
+            y = torch.cat([y, y.new_zeros(width - y.shape[0], H)])
+        full = y.new_empty(topo.tp * width, H)
+        all_gather_tensor(full, y, group=topo.tp_group)
+        stats.combine_bytes_sent += (topo.tp - 1) * width * H * 4
+        stats.combine_bytes_recv += (topo.tp - 1) * width * H * 4
+        return torch.cat([full[i * width:i * width + split[i]] for i in range(topo.tp)])  # [t, H]
+
+
+DISPATCHERS: dict[str, type[Dispatcher]] = {"allgather": AllGatherDispatcher, "all2all": All2AllDispatcher}
+
+
+def get_dispatcher(name: str, topo: Topology, **kwargs) -> Dispatcher:
+    """A dispatcher by CLI name: "allgather" or "all2all"."""
+    if name not in DISPATCHERS:
+        raise MoetoolError(f"unknown dispatch backend {name!r} (known: {', '.join(DISPATCHERS)})")
+    return DISPATCHERS[name](topo, **kwargs)
+
+
+def num_chunks(tokens: int, chunk_size: int) -> int:
+    return math.ceil(tokens / chunk_size) if tokens else 0

@@ -1,0 +1,187 @@
+"""Experts backends: run one rank's local experts on dispatched tokens.
+
+As vLLM's ``FusedMoEPermuteExpertsUnpermute``: an experts backend sees only LOCAL expert
+ids (slot numbers of this rank's ``LocalExperts``; -1 = the expert is on another rank, never
+computed), declares its input format, and declares whether it applies the top-k weights
+and sums over k itself ("weight-and-reduce"), or returns one row per (token, k) and leaves
+that to the dispatcher's finalize (``weight_and_reduce`` below).
+
+Letters: M = token rows on this rank, H = hidden, N = expert intermediate,
+L = local expert slots, k = top-k, G = ceil(H / 128) activation scale groups.
+"""
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+import torch
+import torch.nn.functional as F
+
+from moetool.errors import MoetoolError
+from moetool.spec import LocalExperts
+
+#: fp8 activation quantization groups along H (DeepSeek-V3 block size)
+ACT_GROUP = 128
+
+
+def dequant_activations(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """q float8_e4m3fn [M, H], scale float32 [M, G] (per 128-column group) -> float32 [M, H]."""
+    if q.dtype != torch.float8_e4m3fn:
+        raise MoetoolError(f"quantized activations must be float8_e4m3fn, got {q.dtype}")
+    H = q.shape[1]
+    s = scale.float().repeat_interleave(ACT_GROUP, dim=1)[:, :H]  # [M, H]
+    return q.float() * s
+
+
+def weight_and_reduce(out: torch.Tensor, local_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """out float32 [M, k, H] (unweighted expert outputs, one per (token, k)), local_ids [M, k],
+    topk_weights [M, k] -> sum_j w[m, j] * out[m, j] over the slots on this rank: [M, H]."""
+    w = torch.where(local_ids >= 0, topk_weights.float(), torch.zeros_like(topk_weights, dtype=torch.float32))
+    return (out * w[:, :, None]).sum(dim=1)
+
+
+class ExpertsBackend:
+    """One compute backend for a rank's local experts."""
+
+    name: ClassVar[str]
+    #: "standard": hidden [M, H] with local ids [M, k]; ("batched" [L, max_M, H] is not built)
+    input_format: ClassVar[Literal["standard", "batched"]] = "standard"
+
+    @property
+    def applies_weights_and_reduces(self) -> bool:
+        """True: ``apply`` returns [M, H] = sum over local slots of w * expert(x).
+        False: ``apply`` returns unweighted [M, k, H] (zero where id is -1) and the
+        dispatcher applies ``weight_and_reduce``."""
+        raise NotImplementedError
+
+    def bind(self, local: LocalExperts, device: torch.device) -> None:
+        """Take this rank's experts of the layer about to run (once per layer, not per chunk)."""
+        raise NotImplementedError
+
+    def apply(self, hidden: torch.Tensor, hidden_scale: torch.Tensor | None, local_ids: torch.Tensor,
+              topk_weights: torch.Tensor, expert_num_tokens: torch.Tensor) -> torch.Tensor:
+        """hidden [M, H] (float, or float8_e4m3fn with hidden_scale float32 [M, G]),
+        local_ids int64 [M, k] (-1: not here), topk_weights float32 [M, k],
+        expert_num_tokens int64 [L] (rows per local slot) -> see applies_weights_and_reduces."""
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """Drop what bind cached."""
+
+
+def _check_ids(local_ids: torch.Tensor, num_slots: int) -> None:
+    if local_ids.numel() and (int(local_ids.max()) >= num_slots or int(local_ids.min()) < -1):
+        raise MoetoolError(f"local expert id out of range: ids span [{int(local_ids.min())}, "
+                           f"{int(local_ids.max())}] with {num_slots} local slots")
+
+
+class TorchExperts(ExpertsBackend):
+    """Reference compute: a loop over local slots, weights dequantized to float32 once per
+    layer by the format's own ``dequantize``, fp8 activations dequantized (q * s per 128)."""
+
+    name = "torch"
+
+    def __init__(self, reduce: bool = True):
+        self._reduce = reduce
+        self._bound: LocalExperts | None = None
+        self._gate: list[torch.Tensor] = []  # L x [N, H]
+        self._up: list[torch.Tensor] = []  # L x [N, H]
+        self._down: list[torch.Tensor] = []  # L x [H, N]
+
+    @property
+    def applies_weights_and_reduces(self) -> bool:
+        return self._reduce
+
+    def bind(self, local: LocalExperts, device: torch.device) -> None:
+        if self._bound is local:
+            return
+        self.release()
+        fmt, N, H = local.fmt, local.intermediate, local.hidden
+        for i, e in enumerate(local.slot_to_global):
+            t13, t2 = local.slot(i)
+            try:
+                w13 = fmt.dequantize(t13)  # [2N, H]
+                w2 = fmt.dequantize(t2)  # [H, N]
+            except MoetoolError as err:
+                raise MoetoolError(f"local slot {i} (expert {e}): {err}") from err
+            if tuple(w13.shape) != (2 * N, H) or tuple(w2.shape) != (H, N):
+                raise MoetoolError(f"local slot {i} (expert {e}): w13 {list(w13.shape)}, w2 "
+                                   f"{list(w2.shape)}; expected [{2 * N}, {H}] and [{H}, {N}]")
+            w13 = w13.to(device=device, dtype=torch.float32)
+            self._gate.append(w13[:N].contiguous())
+            self._up.append(w13[N:].contiguous())
+            self._down.append(w2.to(device=device, dtype=torch.float32).contiguous())
+        self._bound = local
+
+    def release(self) -> None:
+        self._bound = None
+        self._gate, self._up, self._down = [], [], []
+
+    def apply(self, hidden, hidden_scale, local_ids, topk_weights, expert_num_tokens):
+        if self._bound is None:
+            raise MoetoolError("TorchExperts.apply before bind")
+        L = len(self._gate)
+        _check_ids(local_ids, L)
+        x = dequant_activations(hidden, hidden_scale) if hidden_scale is not None else hidden.float()  # [M, H]
+        M, k = local_ids.shape
+        H = x.shape[1]
+        out = x.new_zeros((M, H) if self._reduce else (M, k, H))
+        for s in range(L):
+            if int(expert_num_tokens[s]) == 0:
+                continue
+            tok, j = torch.nonzero(local_ids == s, as_tuple=True)  # [n], [n]
+            h = F.silu(x[tok] @ self._gate[s].t()) * (x[tok] @ self._up[s].t())  # [n, N]
+            y = h @ self._down[s].t()  # [n, H]
+            if self._reduce:
+                out.index_add_(0, tok, y * topk_weights[tok, j].float()[:, None])
+            else:
+                out[tok, j] = y
+        return out
+
+
+class TritonExperts(ExpertsBackend):
+    """The fused Triton kernels (``moetool.kernels.fused_moe.fused_experts``) reading the
+    format's stacked tensors directly; they apply the top-k weights and reduce over k."""
+
+    name = "triton"
+
+    def __init__(self):
+        self._bound: LocalExperts | None = None
+        self._w13: dict[str, torch.Tensor] = {}
+        self._w2: dict[str, torch.Tensor] = {}
+
+    @property
+    def applies_weights_and_reduces(self) -> bool:
+        return True
+
+    def bind(self, local: LocalExperts, device: torch.device) -> None:
+        if self._bound is local:
+            return
+        self._w13 = {k: v.to(device) for k, v in local.w13.items()}
+        self._w2 = {k: v.to(device) for k, v in local.w2.items()}
+        self._fmt_name = local.fmt.name
+        self._num_slots = len(local.slot_to_global)
+        self._bound = local
+
+    def release(self) -> None:
+        self._bound, self._w13, self._w2 = None, {}, {}
+
+    def apply(self, hidden, hidden_scale, local_ids, topk_weights, expert_num_tokens):
+        if self._bound is None:
+            raise MoetoolError("TritonExperts.apply before bind")
+        from moetool.kernels.fused_moe import fused_experts  # lazy: needs triton + CUDA
+
+        _check_ids(local_ids, self._num_slots)
+        if local_ids.shape[0] == 0:
+            return torch.zeros(0, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+        return fused_experts(hidden, self._w13, self._w2, self._fmt_name, local_ids, topk_weights,
+                             hidden_scale=hidden_scale, apply_router_weight=True).float()
+
+
+EXPERTS: dict[str, type[ExpertsBackend]] = {"torch": TorchExperts, "triton": TritonExperts}
+
+
+def get_experts(name: str) -> ExpertsBackend:
+    """An experts backend by CLI name: "torch" or "triton"."""
+    if name not in EXPERTS:
+        raise MoetoolError(f"unknown experts backend {name!r} (known: {', '.join(EXPERTS)})")
+    return EXPERTS[name]()

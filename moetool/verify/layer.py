@@ -1,0 +1,175 @@
+"""One distributed MoE layer: route -> quantize + dispatch -> experts -> combine -> + shared.
+
+Runs on every rank of an initialised process group (see ``launch.py``). Letters:
+T_g = tokens of this rank's dp group, H = hidden, E = experts, k = top-k, L = local slots.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import torch
+
+from moetool.errors import MoetoolError
+from moetool.spec import ExpertPlacement, LocalExperts, RouterSpec
+from moetool.verify.dispatch import (
+    ChunkInfo,
+    CommStats,
+    Dispatcher,
+    RouteTable,
+    all_gather_tensor,
+    check_local_experts,
+    num_chunks,
+)
+from moetool.verify.experts import ExpertsBackend
+from moetool.verify.reference import SharedWeights, shared_forward
+from moetool.verify.router import route
+
+PHASES = ("route", "dispatch", "experts", "combine", "shared")
+
+
+class PhaseTimer:
+    """Wall time per phase (time.perf_counter); on CUDA also CUDA-event time, with a
+    synchronize around each phase so the wall time belongs to that phase."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.wall = {p: 0.0 for p in PHASES}
+        self._events: dict[str, list] = {p: [] for p in PHASES}
+
+    @contextmanager
+    def phase(self, name: str):
+        if self.cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.cuda:
+                end.record()
+                torch.cuda.synchronize()
+                self._events[name].append((start, end))
+            self.wall[name] += time.perf_counter() - t0
+
+    def report(self) -> dict[str, float]:
+        out = {f"time_{p}_s": self.wall[p] for p in PHASES}
+        if self.cuda:
+            for p in PHASES:
+                out[f"cuda_{p}_s"] = sum(s.elapsed_time(e) for s, e in self._events[p]) / 1e3
+        return out
+
+
+def run_moe_layer(x_group: torch.Tensor, gate_weight: torch.Tensor,
+                  correction_bias: torch.Tensor | None, router: RouterSpec, local: LocalExperts,
+                  placement: ExpertPlacement, shared: SharedWeights | None,
+                  dispatcher: Dispatcher, experts: ExpertsBackend,
+                  chunk_size: int = 4096) -> tuple[torch.Tensor, dict]:
+    """Collective: every rank calls it with its group's tokens.
+
+    x_group [T_g, H] float32 (identical on the tp ranks of a dp group); gate_weight [E, H];
+    correction_bias [E] or None; local: this rank's experts (slots as ``placement.slots[rank]``);
+    shared: dense float32 shared expert, replicated, added once per token after combine.
+    Returns (y [T_g, H] float32, replicated in the tp group; stats: a dict of plain values,
+    see ``_stats``). Tokens run in chunks of ``chunk_size`` per group; ranks whose group has
+    fewer chunks join the others' collectives with empty chunks.
+    """
+    topo = dispatcher.topo
+    dev = topo.device
+    if chunk_size < 1:
+        raise MoetoolError(f"--chunk-size must be positive, got {chunk_size}")
+    if x_group.dim() != 2 or x_group.shape[1] != local.hidden:
+        raise MoetoolError(f"rank {topo.rank}: tokens {list(x_group.shape)} do not match hidden size {local.hidden}")
+    if router.apply_weight_on_input and router.top_k != 1:
+        raise MoetoolError(f"apply_weight_on_input needs top_k 1, not {router.top_k}")
+    check_local_experts(local, placement, topo.rank, topo.world_size)
+    timer = PhaseTimer(dev)
+    t_start = time.perf_counter()
+    x_group = x_group.to(device=dev, dtype=torch.float32)
+    gate_weight = gate_weight.to(dev)
+    correction_bias = None if correction_bias is None else correction_bias.to(dev)
+    if shared is not None:
+        shared = tuple(None if w is None else w.to(device=dev, dtype=torch.float32) for w in shared)
+    experts.bind(local, dev)
+    table = RouteTable.build(placement, dev)
+    num_slots = len(local.slot_to_global)
+    act_quant = dispatcher.act_quant_for(local.fmt.name)
+
+    # every group's token count: global token positions, padding and the common chunk count
+    counts = torch.zeros(topo.world_size, dtype=torch.int64, device=dev)
+    all_gather_tensor(counts, torch.tensor([x_group.shape[0]], dtype=torch.int64, device=dev))
+    counts_l = counts.tolist()
+    group_tokens = [counts_l[g * topo.tp] for g in range(topo.dp)]
+    for r, c in enumerate(counts_l):
+        if c != group_tokens[r // topo.tp]:
+            raise MoetoolError(f"rank {r} has {c} tokens but rank {(r // topo.tp) * topo.tp} of the "
+                               f"same dp group has {group_tokens[r // topo.tp]}")
+    group_start = [sum(group_tokens[:g]) for g in range(topo.dp)]
+    chunks = max(num_chunks(t, chunk_size) for t in group_tokens)
+
+    stats = CommStats(expert_tokens=[0] * num_slots)
+    g = topo.group_index
+    y = torch.zeros_like(x_group)  # [T_g, H]
+    for c in range(chunks):
+        lo = c * chunk_size
+        sizes = [max(0, min(chunk_size, t - lo)) for t in group_tokens]
+        info = ChunkInfo(sizes=sizes, starts=[group_start[i] + lo for i in range(topo.dp)])
+        rows = dispatcher.token_slice(sizes[g])
+        x_c = x_group[lo + rows.start:lo + rows.stop]  # [m, H]
+        with timer.phase("route"):
+            topk_ids, topk_weights = route(x_c, gate_weight, router, correction_bias)  # [m, k] x2
+            if router.apply_weight_on_input:
+                x_c = x_c * topk_weights  # [m, H] * [m, 1]
+                topk_weights = torch.ones_like(topk_weights)
+            token_index = info.starts[g] + rows.start + torch.arange(x_c.shape[0], device=dev)  # [m]
+        with timer.phase("dispatch"):
+            prep = dispatcher.prepare(x_c, topk_ids, topk_weights, token_index, info, table,
+                                      num_slots, act_quant, stats)
+        with timer.phase("experts"):
+            out = experts.apply(prep.hidden, prep.hidden_scale, prep.local_ids, prep.topk_weights,
+                                prep.expert_num_tokens)
+        for s, n in enumerate(prep.expert_num_tokens.tolist()):
+            stats.expert_tokens[s] += n
+        with timer.phase("combine"):
+            y_c = dispatcher.finalize(out, prep, experts.applies_weights_and_reduces, stats)  # [t, H]
+        if sizes[g]:
+            if shared is not None:
+                with timer.phase("shared"):
+                    y_c = y_c + shared_forward(x_group[lo:lo + sizes[g]], shared)
+            y[lo:lo + sizes[g]] = y_c
+    stats.pairs_computed = sum(stats.expert_tokens)
+    return y, _stats(topo, dispatcher, experts, stats, timer, x_group.shape[0], chunks,
+                     time.perf_counter() - t_start, act_quant, local)
+
+
+def _stats(topo, dispatcher, experts, cs: CommStats, timer: PhaseTimer, tokens: int, chunks: int,
+           total_s: float, act_quant: bool, local: LocalExperts) -> dict:
+    """Per-rank stats, plain values only:
+    rank, dp_group, tp_index, dispatcher, experts, format, act_quant, chunks,
+    tokens_in (tokens of this rank's group), tokens_received (token rows reaching its experts),
+    pairs_computed ((token, local slot) pairs run), rows_padding, expert_tokens [L],
+    local_experts [L] (global ids), dispatch/combine_bytes_sent/recv, time_{route,dispatch,
+    experts,combine,shared}_s, time_total_s (and cuda_*_s on CUDA)."""
+    return {
+        "rank": topo.rank,
+        "dp_group": topo.group_index,
+        "tp_index": topo.tp_index,
+        "dispatcher": dispatcher.name,
+        "experts": experts.name,
+        "format": local.fmt.name,
+        "act_quant": act_quant,
+        "chunks": chunks,
+        "tokens_in": tokens,
+        "tokens_received": cs.tokens_received,
+        "pairs_computed": cs.pairs_computed,
+        "rows_padding": cs.rows_padding,
+        "expert_tokens": list(cs.expert_tokens),
+        "local_experts": list(local.slot_to_global),
+        "dispatch_bytes_sent": cs.dispatch_bytes_sent,
+        "dispatch_bytes_recv": cs.dispatch_bytes_recv,
+        "combine_bytes_sent": cs.combine_bytes_sent,
+        "combine_bytes_recv": cs.combine_bytes_recv,
+        **timer.report(),
+        "time_total_s": total_s,
+    }

@@ -1,0 +1,337 @@
+"""Atomic, resumable output folders and a streaming safetensors writer.
+
+Every data file is written to ``<name>.incomplete``, fsync'd and renamed. A journal
+(``.moetool-journal.json``) records each finished file with its sha256, so a re-run of the
+same plan skips files whose bytes still match. The index, config.json and ``manifest.json``
+(sha256 + size of every file) are written last: an output folder without a manifest is
+visibly unfinished. The input folder is never written.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import queue
+import shutil
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import torch
+
+from moetool.checkpoint import DTYPE_NAMES
+from moetool.errors import MoetoolError
+
+MANIFEST_NAME = "manifest.json"
+JOURNAL_NAME = ".moetool-journal.json"
+INCOMPLETE = ".incomplete"
+HASH_BLOCK = 8 << 20
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """An output tensor known before any data is computed."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """Zero-copy byte view of a CPU tensor (made contiguous first if needed)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(b"")
+    buf = (ctypes.c_char * n).from_address(t.data_ptr())
+    buf.owner = t  # the view keeps buf alive, buf keeps the tensor's memory alive
+    return memoryview(buf).cast("B")
+
+
+def safetensors_header(specs: list[TensorSpec], metadata: dict[str, str] | None = None) -> bytes:
+    """The 8-byte length + JSON header (padded with spaces to 8 bytes) for tensors in order."""
+    header: dict = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    for s in specs:
+        header[s.name] = {"dtype": DTYPE_NAMES[s.dtype], "shape": list(s.shape), "data_offsets": [offset, offset + s.nbytes]}
+        offset += s.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(HASH_BLOCK)
+            if not block:
+                return h.hexdigest()
+            h.update(block)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class _HashingSink:
+    """File writer that hashes what it writes, on a background thread so that the producer's
+    compute overlaps hashing and disk writes (both release the GIL)."""
+
+    def __init__(self, path: Path, depth: int = 4):
+        self.path = path
+        self.file = open(path, "wb")
+        self.hash = hashlib.sha256()
+        self.size = 0
+        self.error: BaseException | None = None
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            if self.error is not None:
+                continue
+            try:
+                data = item if isinstance(item, (bytes, memoryview)) else tensor_bytes(item)
+                self.hash.update(data)
+                self.file.write(data)
+                self.size += len(data)
+            except BaseException as e:  # surfaced by close()
+                self.error = e
+
+    def write(self, item) -> None:
+        if self.error is not None:
+            raise self.error
+        self.queue.put(item)
+
+    def close(self, ok: bool) -> str:
+        self.queue.put(None)
+        self.thread.join()
+        try:
+            if ok and self.error is None:
+                self.file.flush()
+                os.fsync(self.file.fileno())
+        finally:
+            self.file.close()
+        if self.error is not None:
+            raise self.error
+        return self.hash.hexdigest()
+
+
+@dataclass
+class FileRecord:
+    sha256: str
+    size: int
+
+
+class OutputDir:
+    """One output folder of a conversion.
+
+    ``plan_id`` identifies the plan (input checksum-free fingerprint: input file sizes and
+    mtimes + options); a journal from another plan is discarded on resume.
+    """
+
+    def __init__(self, root: Path, *, inputs: Iterable[Path] = (), force: bool = False, plan_id: str = ""):
+        self.root = Path(root)
+        self.plan_id = plan_id
+        self.records: dict[str, FileRecord] = {}
+        self.skipped: list[str] = []
+        for inp in inputs:
+            _refuse_nesting(self.root, Path(inp))
+        manifest = self.root / MANIFEST_NAME
+        if manifest.exists():
+            if not force:
+                raise MoetoolError(f"{self.root}: already holds a complete output ({MANIFEST_NAME}); use --force to overwrite")
+            manifest.unlink()
+        self.root.mkdir(parents=True, exist_ok=True)
+        if force:
+            (self.root / JOURNAL_NAME).unlink(missing_ok=True)
+        self._journal = self._load_journal()
+
+    # -- journal ------------------------------------------------------------------------
+    def _load_journal(self) -> dict[str, dict]:
+        path = self.root / JOURNAL_NAME
+        if not path.exists():
+            return {}
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return {}
+        if data.get("plan_id") != self.plan_id:
+            return {}
+        return dict(data.get("files", {}))
+
+    def _save_journal(self) -> None:
+        self._write_atomic(JOURNAL_NAME, json.dumps({"plan_id": self.plan_id, "files": self._journal}, indent=1).encode())
+
+    def already_done(self, name: str) -> bool:
+        """True (and recorded) when a previous run finished ``name`` and its bytes still match."""
+        rec = self._journal.get(name)
+        path = self.root / name
+        if rec is None or not path.is_file() or path.stat().st_size != rec["size"]:
+            return False
+        if sha256_file(path) != rec["sha256"]:
+            return False
+        self.records[name] = FileRecord(rec["sha256"], rec["size"])
+        self.skipped.append(name)
+        return True
+
+    def _finish_file(self, name: str, record: FileRecord) -> None:
+        self.records[name] = record
+        self._journal[name] = {"sha256": record.sha256, "size": record.size}
+        self._save_journal()
+
+    # -- writing ------------------------------------------------------------------------
+    def _write_atomic(self, name: str, data: bytes) -> FileRecord:
+        final = self.root / name
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.with_name(final.name + INCOMPLETE)
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        _fsync_dir(final.parent)
+        return FileRecord(hashlib.sha256(data).hexdigest(), len(data))
+
+    def write_json(self, name: str, obj, *, record: bool = True) -> None:
+        data = (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode()
+        rec = self._write_atomic(name, data)
+        if record:
+            self.records[name] = rec
+
+    def copy_file(self, src: Path, name: str) -> None:
+        final = self.root / name
+        tmp = final.with_name(final.name + INCOMPLETE)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        self.records[name] = FileRecord(sha256_file(final), final.stat().st_size)
+
+    def write_safetensors(
+        self,
+        name: str,
+        specs: list[TensorSpec],
+        chunks: Iterator[tuple[str, torch.Tensor]],
+        metadata: dict[str, str] | None = None,
+        on_bytes: Callable[[int], None] | None = None,
+    ) -> FileRecord:
+        """Stream ``chunks`` — (tensor name, data) pairs in ``specs`` order, a tensor's data
+        possibly split over several consecutive chunks along its bytes — into ``name``.
+
+        Every tensor must receive exactly its spec's byte count, dtype included, or the file
+        is left as ``.incomplete`` and a MoetoolError names the tensor.
+        """
+        final = self.root / name
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.with_name(final.name + INCOMPLETE)
+        sink = _HashingSink(tmp)
+        ok = False
+        try:
+            sink.write(safetensors_header(specs, metadata))
+            want = iter(specs)
+            current, remaining = None, 0
+            for tname, data in chunks:
+                if remaining == 0:
+                    current = next(want, None)
+                    if current is None:
+                        raise MoetoolError(f"{name}: unexpected extra tensor {tname}")
+                    remaining = current.nbytes
+                if tname != current.name or data.dtype != current.dtype:
+                    raise MoetoolError(f"{name}: expected data of {current.name} ({current.dtype}), got {tname} ({data.dtype})")
+                n = data.numel() * data.element_size()
+                if n > remaining:
+                    raise MoetoolError(f"{name}: tensor {tname} got {n} bytes more than its shape {list(current.shape)} holds")
+                remaining -= n
+                sink.write(data)
+                if on_bytes is not None:
+                    on_bytes(n)
+            if remaining or next(want, None) is not None:
+                raise MoetoolError(f"{name}: tensor data ended early ({current.name if current else 'first tensor'})")
+            ok = True
+        finally:
+            digest = sink.close(ok)
+        os.replace(tmp, final)
+        _fsync_dir(final.parent)
+        record = FileRecord(digest, final.stat().st_size)
+        self._finish_file(name, record)
+        return record
+
+    def finish(self, manifest_extra: dict | None = None) -> dict:
+        """Write manifest.json last (sha256 and size of every file) and drop the journal."""
+        files = {n: {"sha256": r.sha256, "size": r.size} for n, r in sorted(self.records.items())}
+        manifest = {"moetool_version": _version(), **(manifest_extra or {}), "files": files}
+        self.write_json(MANIFEST_NAME, manifest, record=False)
+        (self.root / JOURNAL_NAME).unlink(missing_ok=True)
+        _fsync_dir(self.root)
+        return manifest
+
+
+def _version() -> str:
+    from moetool import __version__
+
+    return __version__
+
+
+def _refuse_nesting(out: Path, inp: Path) -> None:
+    out_r, in_r = out.resolve(), inp.resolve()
+    if out_r == in_r or in_r in out_r.parents:
+        raise MoetoolError(f"output {out} is inside the input {inp}; the input folder is never written")
+    if out_r in in_r.parents:
+        raise MoetoolError(f"input {inp} is inside the output {out}; choose an output folder elsewhere")
+
+
+def verify_manifest(root: Path, names: Iterable[str] | None = None) -> dict:
+    """Check files of a finished output against its manifest (all, or only ``names``).
+
+    Raises MoetoolError naming the first missing, truncated or modified file.
+    """
+    path = Path(root) / MANIFEST_NAME
+    if not path.is_file():
+        raise MoetoolError(f"{root}: no {MANIFEST_NAME} (output unfinished or not made by moetool)")
+    try:
+        manifest = json.loads(path.read_text())
+        files = manifest["files"]
+    except (json.JSONDecodeError, KeyError, UnicodeDecodeError):
+        raise MoetoolError(f"{path}: invalid manifest") from None
+    for name in (names if names is not None else files):
+        rec = files.get(name)
+        if rec is None:
+            raise MoetoolError(f"{path}: no entry for {name}")
+        p = Path(root) / name
+        if not p.is_file():
+            raise MoetoolError(f"{p}: missing (listed in {MANIFEST_NAME})")
+        if p.stat().st_size != rec["size"]:
+            raise MoetoolError(f"{p}: size {p.stat().st_size} bytes, manifest says {rec['size']} (truncated or modified)")
+        if sha256_file(p) != rec["sha256"]:
+            raise MoetoolError(f"{p}: sha256 does not match {MANIFEST_NAME} (file modified or corrupt)")
+    return manifest
