@@ -188,14 +188,14 @@ class Int4Group(WeightFormat):
         rows = [n for n, _ in shapes]
         t = cat_row_blocked(self.name, parts, rows, self._row_blocks())
         t["weight_shape"] = torch.tensor([sum(rows), shapes[0][1]], dtype=torch.int32)
-        return t
+        return {suffix: t[suffix] for suffix in self.suffixes}
 
     def split_rows(self, t: Tensors, sizes: list[int]) -> list[Tensors]:
         n, k = self.logical_shape(t)
         parts = split_row_blocked(self.name, t, n, sizes, self._row_blocks())
         for part, size in zip(parts, sizes):
             part["weight_shape"] = torch.tensor([size, k], dtype=torch.int32)
-        return parts
+        return [{suffix: part[suffix] for suffix in self.suffixes} for part in parts]
 
     def _row_blocks(self) -> dict[str, int]:
         """Logical rows per stored row of each tensor that is cut along N."""
