@@ -195,6 +195,12 @@ class MoELayerSpec:
     shared_bases: tuple[str, str, str] | None = None  # (gate, up, down) base names
     shared_gate_weight: str | None = None
     router_bias: str | None = None
+    #: experts present on disk (an EP rank folder holds fewer than ``num_experts``, by local slot)
+    stored_experts: int = -1
+
+    @property
+    def n_stored(self) -> int:
+        return self.num_experts if self.stored_experts < 0 else self.stored_experts
 
     def per_expert_template(self, linear: str) -> str:
         """Canonical HF per-expert base names for output (``{e}`` placeholder)."""
@@ -258,11 +264,12 @@ def _layer_prefix(names: set[str], i: int) -> str:
     return f"model.layers.{i}"
 
 
-def describe(config: dict, tensors: dict) -> ModelSpec:
+def describe(config: dict, tensors: dict, stored_experts: dict[int, int] | None = None) -> ModelSpec:
     """Resolve the family against config.json and the tensors present.
 
     ``tensors``: {name: TensorInfo-like with .shape}. Every MoE layer must have its router and
     all its experts (by name and shape) or a MoetoolError names what is missing.
+    ``stored_experts``: for EP rank folders, how many experts (local slots) each layer holds.
     """
     family = family_for(config)
     cfg = text_config(config)
@@ -278,7 +285,8 @@ def describe(config: dict, tensors: dict) -> ModelSpec:
     for i in moe_indices:
         lp = _layer_prefix(names, i)
         prefix = f"{lp}.{family.moe_module}"
-        storage = _detect_storage(family, prefix, names, tensors, num_experts, hidden, intermediate)
+        n_stored = stored_experts.get(i, 0) if stored_experts is not None else num_experts
+        storage = _detect_storage(family, prefix, names, tensors, n_stored, hidden, intermediate)
         router_weight = f"{prefix}.{family.router_module}.weight"
         if router_weight not in names:
             raise MoetoolError(f"layer {i}: router weight {router_weight} not found")
@@ -305,7 +313,8 @@ def describe(config: dict, tensors: dict) -> ModelSpec:
                 shared = SharedExpertSpec(intermediate=family.shared_intermediate(cfg), has_gate=shared_gate is not None)
         router_bias = f"{prefix}.{family.router_module}.bias" if family.router_has_bias else None
         layers.append(MoELayerSpec(i, prefix, num_experts, hidden, intermediate, router, router_weight, bias, storage,
-                                   shared, shared_bases, shared_gate, router_bias))
+                                   shared, shared_bases, shared_gate, router_bias,
+                                   stored_experts=-1 if stored_experts is None else n_stored))
     if not layers:
         raise MoetoolError(f"config.json: {family.name} model has no MoE layers")
     n_layers = int(cfg["num_hidden_layers"])
@@ -314,6 +323,7 @@ def describe(config: dict, tensors: dict) -> ModelSpec:
 
 
 def _detect_storage(family: Family, prefix: str, names: set[str], tensors: dict, E: int, H: int, N: int) -> ExpertStorage:
+    """E: experts stored on disk."""
     if any(n.startswith(f"{prefix}.experts.w13_") for n in names):
         st = ExpertStorage("stacked", gate_up=f"{prefix}.experts.w13", down=f"{prefix}.experts.w2")
         for base in (st.gate_up, st.down):

@@ -233,7 +233,7 @@ class Planner:
         st = layer.storage
         names: set[str] = set()
         if st.kind == "per-expert":
-            for e in range(layer.num_experts):
+            for e in range(layer.n_stored):
                 for base in st.per_expert_bases(e):
                     names |= {f"{base}.{s}" for s in suffixes_of(ckpt.tensors, base)}
         elif st.kind == "stacked":
@@ -256,7 +256,7 @@ class Planner:
                 ref_base = st.per_expert_bases(0)[r]
                 want = {s: (ckpt.tensors[f"{ref_base}.{s}"].dtype, ckpt.tensors[f"{ref_base}.{s}"].shape)
                         for s in suffixes_of(ckpt.tensors, ref_base)}
-                for e in range(1, layer.num_experts):
+                for e in range(1, layer.n_stored):
                     base = st.per_expert_bases(e)[r]
                     got = {s: (ckpt.tensors[f"{base}.{s}"].dtype, ckpt.tensors[f"{base}.{s}"].shape)
                            for s in suffixes_of(ckpt.tensors, base)}

@@ -134,8 +134,8 @@ class ExpertReader:
 
 
 def _check_expert(layer: MoELayerSpec, e: int) -> None:
-    if not 0 <= e < layer.num_experts:
-        raise MoetoolError(f"layer {layer.index}: expert {e} out of range (0..{layer.num_experts - 1})")
+    if not 0 <= e < layer.n_stored:
+        raise MoetoolError(f"layer {layer.index}: expert {e} out of range (0..{layer.n_stored - 1})")
 
 
 def detect_expert_format(ckpt: Checkpoint, spec: ModelSpec) -> WeightFormat:

@@ -50,7 +50,7 @@ def expert_groups(src: Source, layout: Layout, *, slots: dict[int, list[int]] | 
     groups: list[Group] = []
     homes: list[str] = []
     for layer in src.spec.moe_layers:
-        experts = slots[layer.index] if slots is not None else list(range(layer.num_experts))
+        experts = slots[layer.index] if slots is not None else list(range(layer.n_stored))
         lin_names = src.spec.family.expert_linears
         home = _home_of_layer(src.ckpt, layer)
         if layout == "stacked":

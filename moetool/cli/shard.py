@@ -1,1 +1,44 @@
-from moetool.cli import app  # noqa: F401
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from moetool.cli import app
+from moetool.cli.options import DryRun, Force, MaxShardSize, Out, Quiet, Revision, Source, parse_size
+from moetool.errors import MoetoolError
+from moetool.shard import merge, shard
+
+
+@app.command("shard")
+def shard_cmd(
+    source: Source,
+    out: Out,
+    ep: Annotated[Optional[int], typer.Option("--ep", help="number of expert-parallel ranks")] = None,
+    placement: Annotated[str, typer.Option("--placement", help="linear (vLLM) or round-robin")] = "linear",
+    redundant_experts: Annotated[int, typer.Option("--redundant-experts", help="extra replicas of the hottest experts, per layer")] = 0,
+    expert_load: Annotated[Optional[Path], typer.Option("--expert-load", help='JSON {"layers": {"<layer>": [tokens per expert]}}')] = None,
+    layout: Annotated[str, typer.Option("--layout", help="stacked (vLLM FusedMoE w13/w2) or per-expert")] = "stacked",
+    merge_: Annotated[bool, typer.Option("--merge", help="SOURCE is a shard output: rebuild the unsharded checkpoint")] = False,
+    max_shard_size: MaxShardSize = None,
+    dry_run: DryRun = False,
+    force: Force = False,
+    quiet: Quiet = False,
+    revision: Revision = None,
+) -> None:
+    """Split experts over EP ranks: one folder per rank plus a manifest (or --merge them back)."""
+    if layout not in ("per-expert", "stacked"):
+        raise MoetoolError(f"--layout {layout!r}: expected per-expert or stacked")
+    if merge_:
+        if ep is not None:
+            raise MoetoolError("--merge takes the rank count from the manifest; drop --ep")
+        result = merge(source, out, max_shard_size=parse_size(max_shard_size), dry_run=dry_run, force=force,
+                       progress=not quiet)
+    else:
+        if ep is None:
+            raise MoetoolError("--ep N is required (or --merge)")
+        result = shard(source, out, ep, placement=placement, redundant=redundant_experts, expert_load=expert_load,
+                       layout=layout, max_shard_size=parse_size(max_shard_size), dry_run=dry_run, force=force,
+                       progress=not quiet, revision=revision)
+    typer.echo(result.describe() if dry_run else result.render())

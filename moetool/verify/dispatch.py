@@ -173,13 +173,15 @@ class CommStats:
 
 def fp8_act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [m, H] -> (q float8_e4m3fn [m, H], s float32 [m, G]), x ~ q * s per 1x128 group:
-    the kernel on CUDA, its pure-torch reference elsewhere (both from moetool.kernels.quant)."""
-    try:
-        from moetool.kernels import quant
-    except ImportError as e:
-        raise MoetoolError(f"fp8 activation quantization needs moetool.kernels.quant ({e})") from None
+    the Triton kernel on CUDA, its pure-torch reference elsewhere (moetool.kernels.quant)."""
+    from moetool.kernels import quant
+
+    x = x.float().contiguous()
+    if x.shape[0] == 0:
+        return (torch.empty(0, x.shape[1], dtype=torch.float8_e4m3fn, device=x.device),
+                torch.empty(0, math.ceil(x.shape[1] / ACT_GROUP), dtype=torch.float32, device=x.device))
     fn = quant.fp8_act_quant if x.is_cuda else quant.fp8_act_quant_ref
-    q, s = fn(x.contiguous())
+    q, s = fn(x, ACT_GROUP)
     return q, s.float()
 
 

@@ -25,11 +25,11 @@ ACT_GROUP = 128
 
 def dequant_activations(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """q float8_e4m3fn [M, H], scale float32 [M, G] (per 128-column group) -> float32 [M, H]."""
+    from moetool.kernels.quant import fp8_dequant_act_ref
+
     if q.dtype != torch.float8_e4m3fn:
         raise MoetoolError(f"quantized activations must be float8_e4m3fn, got {q.dtype}")
-    H = q.shape[1]
-    s = scale.float().repeat_interleave(ACT_GROUP, dim=1)[:, :H]  # [M, H]
-    return q.float() * s
+    return fp8_dequant_act_ref(q, scale, ACT_GROUP)
 
 
 def weight_and_reduce(out: torch.Tensor, local_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,115 @@
+"""Expert placement over EP ranks: linear (vLLM ``determine_expert_map``), round-robin, and
+redundant replicas of the hottest experts (EPLB) from a load-statistics file."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from moetool.errors import MoetoolError
+from moetool.spec import ExpertPlacement
+
+PLACEMENTS = ("linear", "round-robin")
+
+
+def check_ep(ep: int, num_experts: int) -> None:
+    if ep < 1:
+        raise MoetoolError(f"--ep {ep}: must be at least 1")
+    if ep > num_experts:
+        raise MoetoolError(f"--ep {ep}: more ranks than experts ({num_experts}); every rank needs an expert")
+
+
+def linear_placement(num_experts: int, ep: int) -> ExpertPlacement:
+    """Rank r owns experts [r*base, (r+1)*base) with base = E // ep; the last rank also takes
+    the remainder (vLLM ``determine_expert_map``)."""
+    check_ep(ep, num_experts)
+    base = num_experts // ep
+    replicas = {}
+    for e in range(num_experts):
+        rank = min(e // base, ep - 1)
+        replicas[e] = [(rank, e - rank * base)]
+    return ExpertPlacement(num_experts, ep, replicas)
+
+
+def round_robin_placement(num_experts: int, ep: int) -> ExpertPlacement:
+    """Expert e on rank e % ep, local slot e // ep."""
+    check_ep(ep, num_experts)
+    return ExpertPlacement(num_experts, ep, {e: [(e % ep, e // ep)] for e in range(num_experts)})
+
+
+def make_placement(kind: str, num_experts: int, ep: int) -> ExpertPlacement:
+    if kind == "linear":
+        return linear_placement(num_experts, ep)
+    if kind == "round-robin":
+        return round_robin_placement(num_experts, ep)
+    raise MoetoolError(f"--placement {kind!r}: expected one of {', '.join(PLACEMENTS)}")
+
+
+def add_redundant(placement: ExpertPlacement, load: list[float], redundant: int) -> ExpertPlacement:
+    """Add ``redundant`` replicas, one at a time: the expert with the highest load per copy gets
+    a copy on the least-loaded rank that does not hold it yet (load split evenly over copies).
+    Deterministic: ties go to the lower expert id / rank."""
+    E, R = placement.num_experts, placement.num_ranks
+    if redundant < 0:
+        raise MoetoolError(f"--redundant-experts {redundant}: must be >= 0")
+    if redundant and R == 1:
+        raise MoetoolError("--redundant-experts needs --ep of at least 2 (a replica must sit on another rank)")
+    if len(load) != E:
+        raise MoetoolError(f"expert load has {len(load)} entries, the layer has {E} experts")
+    reps = {e: list(p) for e, p in placement.replicas.items()}
+    next_slot = [0] * R
+    for places in reps.values():
+        for r, s in places:
+            next_slot[r] = max(next_slot[r], s + 1)
+
+    def rank_load(r: int) -> float:
+        return sum(load[e] / len(p) for e, p in reps.items() for rr, _ in p if rr == r)
+
+    for _ in range(redundant):
+        e = max(range(E), key=lambda x: (load[x] / len(reps[x]), -x))
+        held = {r for r, _ in reps[e]}
+        free = [r for r in range(R) if r not in held]
+        if not free:
+            raise MoetoolError(f"--redundant-experts {redundant}: expert {e} already has a copy on every rank")
+        r = min(free, key=lambda x: (rank_load(x), x))
+        reps[e].append((r, next_slot[r]))
+        next_slot[r] += 1
+    return ExpertPlacement(E, R, reps)
+
+
+def read_expert_load(path: Path, moe_layers: dict[int, int]) -> dict[int, list[float]]:
+    """Load file: JSON ``{"layers": {"<layer>": [tokens per expert, ...], ...}}`` (or the
+    inner mapping alone), one entry per MoE layer, one count per expert."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise MoetoolError(f"--expert-load {path}: no such file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise MoetoolError(f"--expert-load {path}: invalid JSON ({e})") from None
+    layers = data.get("layers", data) if isinstance(data, dict) else None
+    if not isinstance(layers, dict):
+        raise MoetoolError(f"--expert-load {path}: expected {{\"layers\": {{\"<layer>\": [counts...]}}}}")
+    try:
+        loads = {int(k): [float(x) for x in v] for k, v in layers.items()}
+    except (TypeError, ValueError):
+        raise MoetoolError(f"--expert-load {path}: layer keys must be integers and counts numbers") from None
+    if set(loads) != set(moe_layers):
+        missing = sorted(set(moe_layers) - set(loads))
+        extra = sorted(set(loads) - set(moe_layers))
+        raise MoetoolError(f"--expert-load {path}: layers do not match the model's MoE layers "
+                           f"(missing {missing}, not MoE layers {extra})")
+    for layer, counts in loads.items():
+        if len(counts) != moe_layers[layer]:
+            raise MoetoolError(f"--expert-load {path}: layer {layer} has {len(counts)} counts for {moe_layers[layer]} experts")
+        if any(c < 0 for c in counts):
+            raise MoetoolError(f"--expert-load {path}: layer {layer} has a negative count")
+    return loads
+
+
+def placement_to_json(p: ExpertPlacement) -> dict:
+    return {"replicas": {str(e): [list(x) for x in places] for e, places in sorted(p.replicas.items())},
+            "slots": p.slots}
+
+
+def placement_from_json(d: dict, num_experts: int, num_ranks: int) -> ExpertPlacement:
+    reps = {int(e): [tuple(x) for x in places] for e, places in d["replicas"].items()}
+    return ExpertPlacement(num_experts, num_ranks, reps)
