@@ -1,0 +1,152 @@
+"""Tiny MoE layers and the rank functions the verify tests spawn (module level: spawn
+pickles them by name). Letters: T = tokens, H = hidden, N = intermediate, E = experts."""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from moetool.formats import get_format
+from moetool.spec import ExpertPlacement, LocalExperts, RouterSpec
+from moetool.verify.dispatch import Topology, get_dispatcher
+from moetool.verify.experts import TorchExperts
+from moetool.verify.layer import run_moe_layer
+
+H, N = 48, 32
+
+#: router families: name -> (spec, experts E)
+ROUTERS = {
+    "softmax": (RouterSpec(top_k=2), 8),  # Mixtral / Qwen-MoE
+    "softmax-noren": (RouterSpec(top_k=3, renormalize=False), 7),  # DeepSeek-V2 without groups
+    "v2-grouped": (RouterSpec(top_k=3, n_group=4, topk_group=2, group_score="max", renormalize=False,
+                              routed_scaling_factor=1.5), 8),
+    "v3-grouped": (RouterSpec(top_k=3, scoring="sigmoid", n_group=4, topk_group=2, group_score="top2-sum",
+                              routed_scaling_factor=2.5, has_correction_bias=True), 8),
+    "llama4": (RouterSpec(top_k=1, scoring="sigmoid", renormalize=False, apply_weight_on_input=True), 7),
+}
+
+
+def make_layer(router: str, seed: int = 0, shared: bool = False, shared_gate: bool = False) -> dict:
+    """A random fp32 MoE layer with E experts: gate, bias, spec, experts [(g, u, d)], shared."""
+    spec, E = ROUTERS[router]
+    gen = torch.Generator().manual_seed(seed)
+    gate = torch.randn(E, H, generator=gen)
+    bias = torch.randn(E, generator=gen) * 0.1 if spec.has_correction_bias else None
+    experts = [(torch.randn(N, H, generator=gen) / H ** 0.5, torch.randn(N, H, generator=gen) / H ** 0.5,
+                torch.randn(H, N, generator=gen) / N ** 0.5) for _ in range(E)]
+    sh = None
+    if shared:
+        sh = (torch.randn(2 * N, H, generator=gen) / H ** 0.5, torch.randn(2 * N, H, generator=gen) / H ** 0.5,
+              torch.randn(H, 2 * N, generator=gen) / N ** 0.5,
+              torch.randn(1, H, generator=gen) if shared_gate else None)
+    return {"gate": gate, "bias": bias, "spec": spec, "experts": experts, "shared": sh}
+
+
+def make_tokens(total: int, seed: int = 1) -> torch.Tensor:
+    """[T, H]: random rows whose column 0 is the token's global position (a token that
+    comes back to the wrong place shows up as the wrong position)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(total, H, generator=gen)
+    x[:, 0] = torch.arange(total, dtype=torch.float32) / total
+    return x
+
+
+def linear_placement(E: int, R: int, extra: dict[int, list[int]] | None = None) -> ExpertPlacement:
+    """vLLM linear placement (remainder on the last rank) plus redundant replicas
+    ``extra[e] = [ranks]`` appended as new slots."""
+    replicas: dict[int, list[tuple[int, int]]] = {}
+    nslots = [0] * R
+    per = E // R
+    for e in range(E):
+        r = min(e // per, R - 1)
+        replicas[e] = [(r, nslots[r])]
+        nslots[r] += 1
+    for e, ranks in (extra or {}).items():
+        for r in ranks:
+            replicas[e].append((r, nslots[r]))
+            nslots[r] += 1
+    return ExpertPlacement(num_experts=E, num_ranks=R, replicas=replicas)
+
+
+def local_experts(layer: dict, placement: ExpertPlacement, rank: int, fmt_name: str = "dense",
+                  dtype: torch.dtype = torch.float32) -> LocalExperts:
+    """Rank ``rank``'s experts in ``fmt_name``, stacked as a shard holds them."""
+    fmt = get_format(fmt_name)
+    slots = placement.slots[rank]
+    w13s, w2s = [], []
+    for e in slots:
+        g, u, d = layer["experts"][e]
+        w13s.append(fmt.quantize(torch.cat([g, u]), dtype))
+        w2s.append(fmt.quantize(d, dtype))
+
+    def stack(ts):
+        return {k: torch.stack([t[k] for t in ts]) for k in ts[0]} if ts else {}
+
+    return LocalExperts(fmt=fmt, w13=stack(w13s), w2=stack(w2s), slot_to_global=list(slots),
+                        intermediate=N, hidden=H)
+
+
+def group_tokens(x: torch.Tensor, group_sizes: list[int], g: int) -> torch.Tensor:
+    start = sum(group_sizes[:g])
+    return x[start:start + group_sizes[g]]
+
+
+def run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    """Each case: dp, router, seed, shared, shared_gate, group_sizes [dp], placement extra,
+    dispatcher, reduce (TorchExperts), chunk_size, fmt, swap (rank, slot a, slot b) to corrupt.
+    Returns per case {"y": this rank's [T_g, H], "stats": ...}."""
+    torch.manual_seed(0)
+    topos: dict[int, Topology] = {}
+    results = []
+    for case in cases:
+        dp = case["dp"]
+        if dp not in topos:
+            topos[dp] = Topology.create(dp)
+        topo = topos[dp]
+        layer = make_layer(case["router"], case.get("seed", 0), case.get("shared", False),
+                           case.get("shared_gate", False))
+        E = layer["gate"].shape[0]
+        placement = linear_placement(E, world, case.get("extra"))
+        local = local_experts(layer, placement, rank, case.get("fmt", "dense"))
+        swap = case.get("swap")
+        if swap and swap[0] == rank:
+            _, a, b = swap
+            for t in (local.w13, local.w2):
+                for k, v in t.items():
+                    v[[a, b]] = v[[b, a]]
+        sizes = case["group_sizes"]
+        x = group_tokens(make_tokens(sum(sizes), case.get("seed", 0) + 1), sizes, topo.group_index)
+        dispatcher = get_dispatcher(case["dispatcher"], topo)
+        experts = TorchExperts(reduce=case.get("reduce", True))
+        y, stats = run_moe_layer(x, layer["gate"], layer["bias"], layer["spec"], local, placement,
+                                 layer["shared"], dispatcher, experts, case.get("chunk_size", 4096))
+        results.append({"y": y, "stats": stats})
+    return results
+
+
+def raise_on(rank: int, world: int, bad_rank: int) -> int:
+    """Every rank enters a collective; ``bad_rank`` raises first."""
+    if rank == bad_rank:
+        raise ValueError(f"shard for rank {rank} is corrupt (test)")
+    t = torch.ones(4)
+    torch.distributed.all_reduce(t)
+    return rank
+
+
+def exit_on(rank: int, world: int, bad_rank: int) -> int:
+    """``bad_rank`` dies without a word (as a segfault or the OOM killer would)."""
+    if rank == bad_rank:
+        os._exit(7)
+    t = torch.ones(4)
+    torch.distributed.all_reduce(t)
+    return rank
+
+
+def hang_on(rank: int, world: int, bad_rank: int) -> int:
+    """``bad_rank`` never joins the collective; the others must time out, not hang."""
+    if rank == bad_rank:
+        time.sleep(600)
+    t = torch.ones(4)
+    torch.distributed.all_reduce(t)
+    return rank
