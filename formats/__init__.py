@@ -127,17 +127,18 @@ def detect_format(
             f"quantization_config says {fmt.name} but the quantized weights are {weight_dtype}, "
             "not float8_e4m3fn"
         )
+    declared = (
+        f"config.json declares {fmt.name}"
+        if quantization_config is not None
+        else "config.json has no quantization_config (dense)"
+    )
     missing = [s for s in fmt.suffixes if s not in suffixes]
     if missing:
-        described = "quantization_config" if quantization_config else "no quantization_config"
-        raise MoetoolError(
-            f"config.json has {described} ({fmt.name}) but no tensor ends in {', '.join(missing)}"
-        )
+        raise MoetoolError(f"{declared} but no tensor ends in {', '.join(missing)}")
     foreign = sorted((_quantized_suffixes() & suffixes) - set(fmt.suffixes))
     if foreign:
         raise MoetoolError(
-            f"tensors ending in {', '.join(foreign)} do not belong to {fmt.name}, the format "
-            "config.json declares"
+            f"{declared} but tensors ending in {', '.join(foreign)} do not belong to {fmt.name}"
         )
     return fmt
 
