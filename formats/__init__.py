@@ -46,6 +46,8 @@ class FormatName(str, Enum):
     INT4_GROUP = "int4-group"
 
 
+_FP8_FORMATS = {FormatName.FP8_BLOCK.value, FormatName.FP8_CHANNEL.value}
+
 #: Expected error of dequantize(quantize(w)) against w, per format: ``rel_err`` is the largest
 #: relative Frobenius error ||w' - w|| / ||w|| allowed and ``sqnr_db`` = -20 log10(rel_err) the
 #: smallest SQNR. Measured on torch.randn weights, shapes 256x256 .. 2048x512 (and 300x384),
@@ -119,12 +121,9 @@ def detect_format(
     ):
         name = FormatName.FP8_BLOCK.value
     fmt = get_format(name, **params)
-    if fmt.name in (FormatName.FP8_BLOCK, FormatName.FP8_CHANNEL) and weight_dtype not in (
-        None,
-        torch.float8_e4m3fn,
-    ):
+    if fmt.name in _FP8_FORMATS and weight_dtype not in (None, torch.float8_e4m3fn):
         raise MoetoolError(
-            f"quantization_config says {fmt.name} but the quantized weights are {weight_dtype}, "
+            f"config.json declares {fmt.name} but the quantized weights are {weight_dtype}, "
             "not float8_e4m3fn"
         )
     declared = (
@@ -146,24 +145,28 @@ def detect_format(
 def linear_format(
     checkpoint_format: WeightFormat, suffixes: set[str], weight_dtype: torch.dtype | None
 ) -> WeightFormat:
-    """The format of one linear of a checkpoint in ``checkpoint_format``: the checkpoint's own
-    when the linear has all its tensors, dense when it has a plain float ``weight`` only (a
-    linear in the ignore list). ``weight_dtype`` is the dtype of its ``weight`` tensor, if any;
-    fp8 is recognised by float8_e4m3fn, never by element size."""
-    if set(checkpoint_format.suffixes) <= suffixes:
-        if "weight" in checkpoint_format.suffixes and weight_dtype != torch.float8_e4m3fn:
+    """The format of one linear of a checkpoint in ``checkpoint_format``.
+
+    ``suffixes``: the suffixes of the linear's tensors; ``weight_dtype``: the dtype of its
+    ``weight`` tensor, if it has one. A linear with the format's tensors is in the checkpoint's
+    format (fp8 only with float8_e4m3fn weights: recognised by dtype, never by element size);
+    one with a plain float ``weight`` and no scales is dense (a linear in the ignore list)."""
+    quantized = _quantized_suffixes() & suffixes
+    if quantized:
+        stores = ", ".join(checkpoint_format.suffixes)
+        if not set(checkpoint_format.suffixes) <= suffixes or quantized - set(
+            checkpoint_format.suffixes
+        ):
+            raise MoetoolError(
+                f"has {', '.join(sorted(suffixes))}, which is no {checkpoint_format.name} linear "
+                f"({checkpoint_format.name} stores {stores})"
+            )
+        if checkpoint_format.name in _FP8_FORMATS and weight_dtype != torch.float8_e4m3fn:
             raise MoetoolError(
                 f"has {checkpoint_format.name} scales but its weight is {weight_dtype}, "
                 "not float8_e4m3fn"
             )
         return checkpoint_format
-    quantized = sorted(_quantized_suffixes() & suffixes)
-    if quantized:
-        missing = [s for s in checkpoint_format.suffixes if s not in suffixes]
-        raise MoetoolError(
-            f"has {', '.join(quantized)} but is missing {', '.join(missing)} "
-            f"({checkpoint_format.name})"
-        )
     if "weight" not in suffixes:
         raise MoetoolError(f"has no weight tensor (found {', '.join(sorted(suffixes)) or 'none'})")
     if weight_dtype is not None and not weight_dtype.is_floating_point:

@@ -138,7 +138,9 @@ class Int4Group(WeightFormat):
         if self.group_size <= 0:
             raise MoetoolError(f"int4-group group_size must be positive, got {self.group_size}")
         if not isinstance(self.symmetric, bool):
-            raise MoetoolError(f"int4-group symmetric must be true or false, got {self.symmetric!r}")
+            raise MoetoolError(
+                f"int4-group symmetric must be true or false, got {self.symmetric!r}"
+            )
         if not self.symmetric:
             object.__setattr__(self, "suffixes", (*Int4Group.suffixes, "weight_zero_point"))
 
@@ -193,7 +195,7 @@ class Int4Group(WeightFormat):
     def split_rows(self, t: Tensors, sizes: list[int]) -> list[Tensors]:
         n, k = self.logical_shape(t)
         parts = split_row_blocked(self.name, t, n, sizes, self._row_blocks())
-        for part, size in zip(parts, sizes):
+        for part, size in zip(parts, sizes, strict=True):
             part["weight_shape"] = torch.tensor([size, k], dtype=torch.int32)
         return [{suffix: part[suffix] for suffix in self.suffixes} for part in parts]
 

@@ -60,8 +60,9 @@ def test_fp8_block_without_its_config_is_recognised_by_dtype_and_scale():
 
 
 def test_fp8_config_with_non_fp8_weights_is_refused():
-    with pytest.raises(MoetoolError, match="quantized weights are torch.float8_e5m2"):
-        detect_format(checkpoint_config(Fp8Block()), {"weight", "weight_scale_inv"}, torch.float8_e5m2)
+    config = checkpoint_config(Fp8Block())
+    with pytest.raises(MoetoolError, match=r"quantized weights are torch\.float8_e5m2"):
+        detect_format(config, {"weight", "weight_scale_inv"}, torch.float8_e5m2)
 
 
 def test_config_and_tensors_must_agree():
@@ -134,11 +135,21 @@ def test_linear_format_tells_ignored_linears_from_quantized_ones():
     fmt = Fp8Block()
     assert linear_format(fmt, {"weight", "weight_scale_inv"}, torch.float8_e4m3fn) == fmt
     assert linear_format(fmt, {"weight", "bias"}, torch.bfloat16) == Dense()
-    with pytest.raises(MoetoolError, match="weight is torch.bfloat16, not float8_e4m3fn"):
+    with pytest.raises(MoetoolError, match=r"weight is torch\.bfloat16, not float8_e4m3fn"):
         linear_format(fmt, {"weight", "weight_scale_inv"}, torch.bfloat16)
     with pytest.raises(MoetoolError, match="float8_e4m3fn weight without scales"):
         linear_format(fmt, {"weight"}, torch.float8_e4m3fn)
     int4 = Int4Group(symmetric=False)
-    with pytest.raises(MoetoolError, match="is missing weight_zero_point"):
+    with pytest.raises(MoetoolError, match="which is no int4-group linear"):
         linear_format(int4, {"weight_packed", "weight_scale", "weight_shape"}, None)
     assert linear_format(int4, set(int4.suffixes), None) == int4
+    with pytest.raises(MoetoolError, match="which is no fp8-block linear"):
+        linear_format(fmt, {"weight", "weight_scale"}, torch.float8_e4m3fn)
+
+
+def test_linear_format_in_a_dense_checkpoint():
+    assert linear_format(Dense(), {"weight", "bias"}, torch.bfloat16) == Dense()
+    with pytest.raises(MoetoolError, match="which is no dense linear"):
+        linear_format(Dense(), {"weight", "weight_scale_inv"}, torch.float8_e4m3fn)
+    with pytest.raises(MoetoolError, match="has no weight tensor"):
+        linear_format(Dense(), {"bias"}, None)

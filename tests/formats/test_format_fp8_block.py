@@ -100,7 +100,8 @@ def test_scale_of_the_wrong_block_grid_is_rejected():
     fmt = Fp8Block()
     t = fmt.quantize(random_weight((300, 200)), torch.bfloat16)
     t["weight_scale_inv"] = torch.ones(2, 2)
-    with pytest.raises(MoetoolError, match=r"weight_scale_inv has shape \[2, 2\], expected \[3, 2\]"):
+    expected = r"weight_scale_inv has shape \[2, 2\], expected \[3, 2\]"
+    with pytest.raises(MoetoolError, match=expected):
         fmt.dequantize(t)
 
 

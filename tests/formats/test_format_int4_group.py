@@ -7,7 +7,13 @@ import torch
 from moetool.errors import MoetoolError
 from moetool.formats import Int4Group, int4_group_quant_ref, pack_int4, unpack_int4
 
-SHAPES_AND_GROUPS = [((300, 200), 8), ((1, 8), 8), ((128, 128), 64), ((129, 256), 64), ((7, 384), 128)]
+SHAPES_AND_GROUPS = [
+    ((300, 200), 8),
+    ((1, 8), 8),
+    ((128, 128), 64),
+    ((129, 256), 64),
+    ((7, 384), 128),
+]
 
 
 def random_weight(shape, dtype=torch.bfloat16, seed=0) -> torch.Tensor:
@@ -182,7 +188,8 @@ def test_weight_shape_must_agree_with_the_packed_weight():
     fmt = Int4Group()
     t = fmt.quantize(random_weight((8, 256)), torch.bfloat16)
     t["weight_shape"] = torch.tensor([8, 512], dtype=torch.int32)
-    with pytest.raises(MoetoolError, match=r"weight_packed has shape \[8, 32\], expected \[8, 64\]"):
+    expected = r"weight_packed has shape \[8, 32\], expected \[8, 64\]"
+    with pytest.raises(MoetoolError, match=expected):
         fmt.dequantize(t)
 
 
