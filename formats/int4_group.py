@@ -152,7 +152,7 @@ class Int4Group(WeightFormat):
         t = {
             "weight_packed": pack_int4(q),
             "weight_scale": scale,
-            "weight_shape": torch.tensor([n, k], dtype=torch.int32),
+            "weight_shape": torch.tensor([n, k], dtype=torch.int32, device=w.device),
         }
         if zero_point is not None:
             t["weight_zero_point"] = pack_int4(zero_point, packed_dim=0)
@@ -189,14 +189,18 @@ class Int4Group(WeightFormat):
             raise MoetoolError(f"int4-group: cannot concatenate parts of different K: {shapes}")
         rows = [n for n, _ in shapes]
         t = cat_row_blocked(self.name, parts, rows, self._row_blocks())
-        t["weight_shape"] = torch.tensor([sum(rows), shapes[0][1]], dtype=torch.int32)
+        t["weight_shape"] = torch.tensor(
+            [sum(rows), shapes[0][1]], dtype=torch.int32, device=t["weight_packed"].device
+        )
         return {suffix: t[suffix] for suffix in self.suffixes}
 
     def split_rows(self, t: Tensors, sizes: list[int]) -> list[Tensors]:
         n, k = self.logical_shape(t)
         parts = split_row_blocked(self.name, t, n, sizes, self._row_blocks())
         for part, size in zip(parts, sizes, strict=True):
-            part["weight_shape"] = torch.tensor([size, k], dtype=torch.int32)
+            part["weight_shape"] = torch.tensor(
+                [size, k], dtype=torch.int32, device=t["weight_packed"].device
+            )
         return [{suffix: part[suffix] for suffix in self.suffixes} for part in parts]
 
     def _row_blocks(self) -> dict[str, int]:
