@@ -10,10 +10,11 @@ import torch
 from moetool.formats import get_format
 from moetool.spec import ExpertPlacement, LocalExperts, RouterSpec
 from moetool.verify.dispatch import Topology, get_dispatcher
-from moetool.verify.experts import TorchExperts
+from moetool.verify.experts import ExpertsBackend, TorchExperts
 from moetool.verify.layer import run_moe_layer
 
-H, N = 48, 32
+#: H > 128 and not a multiple of it: two fp8 activation groups, the second partial
+H, N = 136, 32
 
 #: router families: name -> (spec, experts E)
 ROUTERS = {
@@ -43,13 +44,46 @@ def make_layer(router: str, seed: int = 0, shared: bool = False, shared_gate: bo
     return {"gate": gate, "bias": bias, "spec": spec, "experts": experts, "shared": sh}
 
 
-def make_tokens(total: int, seed: int = 1) -> torch.Tensor:
+def make_tokens(total: int, seed: int = 1, integer: bool = False) -> torch.Tensor:
     """[T, H]: random rows whose column 0 is the token's global position (a token that
-    comes back to the wrong place shows up as the wrong position)."""
+    comes back to the wrong place shows up as the wrong position). ``integer``: small
+    integers only (DeepEP style), so sums of power-of-two multiples are exact in any order."""
     gen = torch.Generator().manual_seed(seed)
+    if integer:
+        x = torch.randint(-4, 5, (total, H), generator=gen).float()
+        x[:, 0] = torch.arange(total, dtype=torch.float32) + 1
+        return x
     x = torch.randn(total, H, generator=gen)
     x[:, 0] = torch.arange(total, dtype=torch.float32) / total
     return x
+
+
+class ProbeExperts(ExpertsBackend):
+    """Expert e multiplies its token by 2**e and ignores the top-k weights: with integer
+    tokens every output is exact, so dispatch + combine must match bit for bit."""
+
+    name = "probe"
+
+    @property
+    def applies_weights_and_reduces(self) -> bool:
+        return True
+
+    def bind(self, local, device):
+        self.codes = 2.0 ** torch.tensor(local.slot_to_global, dtype=torch.float32, device=device)
+
+    def apply(self, hidden, hidden_scale, local_ids, topk_weights, expert_num_tokens):
+        x = hidden.float()
+        out = torch.zeros_like(x)
+        for j in range(local_ids.shape[1]):
+            ids = local_ids[:, j]
+            code = torch.where(ids >= 0, self.codes[ids.clamp(min=0)], torch.zeros_like(x[:, 0]))
+            out += x * code[:, None]
+        return out
+
+
+def probe_reference(x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """What ProbeExperts + any correct dispatcher must return: x * sum_j 2**topk_ids[:, j]."""
+    return x * (2.0 ** topk_ids.float()).sum(dim=1, keepdim=True)
 
 
 def linear_placement(E: int, R: int, extra: dict[int, list[int]] | None = None) -> ExpertPlacement:
@@ -110,15 +144,20 @@ def run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
         placement = linear_placement(E, world, case.get("extra"))
         local = local_experts(layer, placement, rank, case.get("fmt", "dense"))
         swap = case.get("swap")
-        if swap and swap[0] == rank:
+        if swap and swap[0] == rank:  # a shard with two experts exchanged
             _, a, b = swap
             for t in (local.w13, local.w2):
-                for k, v in t.items():
+                for v in t.values():
                     v[[a, b]] = v[[b, a]]
+        scale = case.get("scale")
+        if scale and scale[0] == rank:  # a wrong scale (dense: a wrong weight) in one expert
+            key = local.fmt.suffixes[-1]
+            local.w2[key][scale[1]] *= 2
         sizes = case["group_sizes"]
-        x = group_tokens(make_tokens(sum(sizes), case.get("seed", 0) + 1), sizes, topo.group_index)
+        x = group_tokens(make_tokens(sum(sizes), case.get("seed", 0) + 1, case.get("probe", False)),
+                         sizes, topo.group_index)
         dispatcher = get_dispatcher(case["dispatcher"], topo)
-        experts = TorchExperts(reduce=case.get("reduce", True))
+        experts = ProbeExperts() if case.get("probe") else TorchExperts(reduce=case.get("reduce", True))
         y, stats = run_moe_layer(x, layer["gate"], layer["bias"], layer["spec"], local, placement,
                                  layer["shared"], dispatcher, experts, case.get("chunk_size", 4096))
         results.append({"y": y, "stats": stats})

@@ -1,0 +1,200 @@
+"""Distributed dispatch -> experts -> combine against the single-process reference (gloo, CPU).
+
+Spawning a world costs seconds, so each world (ep = 2, 4, and 3 with an uneven placement and
+redundant replicas) runs once per module and carries many cases; the tests then read its
+results. Criteria: ProbeExperts outputs are exact, so dispatch + combine must be bit-exact;
+real float32 experts must match the reference to float32 rounding (GEMM batch shapes and
+summation order differ); fp8-block must match an fp8-emulating reference as tightly.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))  # spawned ranks import verify_workers by name
+import verify_workers as vw  # noqa: E402
+
+from moetool.formats import TOLERANCES, get_format  # noqa: E402
+from moetool.verify.launch import spawn_world  # noqa: E402
+from moetool.verify.reference import reference_moe_forward, shared_forward, swiglu  # noqa: E402
+from moetool.verify.router import route  # noqa: E402
+
+DISPATCHERS = ("allgather", "all2all")
+#: float32 rounding: relative to the largest output element
+RTOL = 1e-6
+
+
+def _cases(dps, group_sizes, routers, extra=None):
+    """Per dp and dispatcher: a bit-exact probe case, each router in several chunks (chunk 5,
+    experts alternately weight-and-reduce or delegating it), the first router in one chunk."""
+    cases = []
+    for dp in dps:
+        sizes = group_sizes[dp]
+        for d in DISPATCHERS:
+            base = dict(dp=dp, dispatcher=d, group_sizes=sizes, extra=extra)
+            if not vw.ROUTERS[routers[0]][0].apply_weight_on_input:
+                cases.append(dict(base, router=routers[0], chunk_size=4, probe=True))
+            for i, router in enumerate(routers):
+                cases.append(dict(base, router=router, chunk_size=5, reduce=i % 2 == 0, shared=i == 1,
+                                  shared_gate=i == 1, seed=i))
+            cases.append(dict(base, router=routers[0], chunk_size=4096, reduce=False))
+    return cases
+
+
+WORLDS = {
+    # ep=2, dp=1: every router family, both experts weight-and-reduce modes, fp8-block, faults
+    "ep2": (2, _cases([1, 2], {1: [19], 2: [11, 6]}, list(vw.ROUTERS)) + [
+        dict(dp=1, router="v3-grouped", dispatcher=d, group_sizes=[19], chunk_size=c, fmt="fp8-block")
+        for d in DISPATCHERS for c in (4096, 6)] + [
+        dict(dp=1, router="softmax", dispatcher="all2all", group_sizes=[19], swap=(1, 0, 1), fault="swap"),
+        dict(dp=1, router="softmax", dispatcher="allgather", group_sizes=[19], scale=(0, 1), fault="scale"),
+        dict(dp=1, router="v3-grouped", dispatcher="all2all", group_sizes=[19], fmt="fp8-block", scale=(1, 2),
+             fault="scale"),
+    ]),
+    # ep=4: dp 1 (tp 4), dp 2 (uneven groups, different chunk counts, an empty group), dp 4 (tp 1)
+    "ep4": (4, _cases([1, 2, 4], {1: [21], 2: [13, 0], 4: [9, 3, 7, 5]}, ["v3-grouped", "softmax"])
+            + _cases([2], {2: [13, 6]}, ["llama4"])),
+    # 7 experts on 3 ranks (linear: 2, 2, 3) plus replicas of experts 0 and 5
+    "ep3": (3, _cases([1, 3], {1: [23], 3: [9, 4, 10]}, ["softmax-noren", "llama4"],
+                      extra={0: [2], 5: [0, 1]})),
+}
+
+
+@pytest.fixture(scope="module")
+def worlds():
+    out = {}
+    for name, (world, cases) in WORLDS.items():
+        out[name] = (world, cases, spawn_world(vw.run_cases, world, args=(cases,), timeout_s=120))
+    return out
+
+
+def _layer(case):
+    return vw.make_layer(case["router"], case.get("seed", 0), case.get("shared", False), case.get("shared_gate", False))
+
+
+def _tokens(case):
+    return vw.make_tokens(sum(case["group_sizes"]), case.get("seed", 0) + 1, case.get("probe", False))
+
+
+def _fp8_emulated_reference(case):
+    """What fp8-block W8A8 computes: weights dequantized from the format, each token's
+    activation quantized per 1x128 group then dequantized, everything else float32."""
+    from moetool.kernels.quant import fp8_act_quant_ref, fp8_dequant_act_ref
+
+    layer, x = _layer(case), _tokens(case)
+    fmt = get_format("fp8-block")
+    deq = [tuple(fmt.dequantize(fmt.quantize(w, torch.float32)) for w in (torch.cat([g, u]), d))
+           for g, u, d in layer["experts"]]
+    ids, w = route(x, layer["gate"], layer["spec"], layer["bias"])
+    xq = fp8_dequant_act_ref(*fp8_act_quant_ref(x))
+    out = torch.zeros_like(x)
+    for e, (w13, w2) in enumerate(deq):
+        tok, j = torch.nonzero(ids == e, as_tuple=True)
+        out.index_add_(0, tok, swiglu(xq[tok], w13[:vw.N], w13[vw.N:], w2) * w[tok, j][:, None])
+    if layer["shared"] is not None:
+        out += shared_forward(x, layer["shared"])
+    return out
+
+
+def _reference(case):
+    layer, x = _layer(case), _tokens(case)
+    if case.get("probe"):
+        ids, _ = route(x, layer["gate"], layer["spec"], layer["bias"])
+        return vw.probe_reference(x, ids)
+    if case.get("fmt") == "fp8-block":
+        return _fp8_emulated_reference(case)
+    return reference_moe_forward(x, layer["gate"], layer["bias"], layer["spec"], layer["experts"], layer["shared"])
+
+
+def _per_rank(world, case, results, ci):
+    """[(rank, y, reference rows of its group)]."""
+    ref = _reference(case)
+    tp = world // case["dp"]
+    sizes = case["group_sizes"]
+    return [(r, results[r][ci]["y"], vw.group_tokens(ref, sizes, r // tp)) for r in range(world)]
+
+
+def _label(case):
+    keys = ("dispatcher", "router", "dp", "chunk_size", "reduce", "fmt", "probe")
+    return " ".join(f"{k}={case[k]}" for k in keys if k in case)
+
+
+@pytest.mark.parametrize("name", list(WORLDS))
+def test_matches_reference(worlds, name):
+    world, cases, results = worlds[name]
+    checked = 0
+    for ci, case in enumerate(cases):
+        if case.get("fault"):
+            continue
+        for r, y, ref in _per_rank(world, case, results, ci):
+            assert y.shape == ref.shape, f"rank {r}: {_label(case)}"
+            if case.get("probe"):
+                assert torch.equal(y, ref), f"rank {r} not bit-exact: {_label(case)}"
+            else:
+                atol = RTOL * float(ref.abs().max()) if ref.numel() else 0.0
+                torch.testing.assert_close(y, ref, rtol=RTOL, atol=atol, msg=lambda m: f"rank {r} {_label(case)}: {m}")
+            checked += 1
+    assert checked > 10
+
+
+@pytest.mark.parametrize("name", list(WORLDS))
+def test_every_token_expert_pair_computed_exactly_once(worlds, name):
+    world, cases, results = worlds[name]
+    for ci, case in enumerate(cases):
+        k = vw.ROUTERS[case["router"]][0].top_k
+        stats = [results[r][ci]["stats"] for r in range(world)]
+        assert sum(s["pairs_computed"] for s in stats) == k * sum(case["group_sizes"]), _label(case)
+        assert all(sum(s["expert_tokens"]) == s["pairs_computed"] for s in stats)
+        assert sum(s["dispatch_bytes_sent"] for s in stats) == sum(s["dispatch_bytes_recv"] for s in stats)
+        assert sum(s["combine_bytes_sent"] for s in stats) == sum(s["combine_bytes_recv"] for s in stats)
+        tp = world // case["dp"]
+        chunks = max(-(-t // case.get("chunk_size", 4096)) for t in case["group_sizes"])
+        assert all(s["chunks"] == chunks for s in stats)
+        assert all(s["tokens_in"] == case["group_sizes"][r // tp] for r, s in enumerate(stats))
+        if case["dispatcher"] == "all2all":
+            # a token row reaches a rank at most once, however many of its experts live there
+            assert sum(s["tokens_received"] for s in stats) <= sum(s["pairs_computed"] for s in stats)
+
+
+def test_redundant_replicas_all_serve_tokens(worlds):
+    world, cases, results = worlds["ep3"]
+    placement = vw.linear_placement(7, 3, cases[0]["extra"])
+    for ci, case in enumerate(cases):
+        if case["router"] != "softmax-noren" or case["dp"] != 1:
+            continue
+        for e in (0, 5):
+            served = [results[r][ci]["stats"]["expert_tokens"][s] for r, s in placement.replicas[e]]
+            assert all(n > 0 for n in served), f"expert {e} replicas served {served}: {_label(case)}"
+
+
+def test_fp8_block_quantizes_activations_and_stays_within_format_tolerance(worlds):
+    world, cases, results = worlds["ep2"]
+    fp8 = [(ci, c) for ci, c in enumerate(cases) if c.get("fmt") == "fp8-block" and not c.get("fault")]
+    assert len(fp8) == 4
+    outs = []
+    for ci, case in fp8:
+        assert all(results[r][ci]["stats"]["act_quant"] for r in range(world))
+        y = results[0][ci]["y"]
+        outs.append(y)
+        layer, x = _layer(case), _tokens(case)
+        exact = reference_moe_forward(x, layer["gate"], layer["bias"], layer["spec"], layer["experts"],
+                                      layer["shared"])
+        rel = float((y - exact).norm() / exact.norm())
+        assert 1e-4 < rel < 2 * TOLERANCES["fp8-block"]["rel_err"], rel
+    for y in outs[1:]:
+        torch.testing.assert_close(y, outs[0], rtol=RTOL, atol=RTOL * float(outs[0].abs().max()))
+
+
+@pytest.mark.parametrize("fault", ["swap", "scale"])
+def test_injected_faults_are_caught(worlds, fault):
+    world, cases, results = worlds["ep2"]
+    faulty = [(ci, c) for ci, c in enumerate(cases) if c.get("fault") == fault]
+    assert faulty
+    for ci, case in faulty:
+        ref = _reference(case)
+        y = results[0][ci]["y"]
+        rel = float((y - ref).norm() / ref.norm())
+        assert rel > 0.05, f"{fault} not caught (rel err {rel:.3g}): {_label(case)}"
