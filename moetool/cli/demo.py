@@ -1,1 +1,20 @@
-from moetool.cli import app  # noqa: F401
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from moetool.cli import app
+from moetool.demo import run_demo
+from moetool.errors import VerificationFailed
+
+
+@app.command("demo")
+def demo_cmd(
+    workdir: Annotated[Optional[Path], typer.Option("--workdir", help="keep the demo's files here (default: a temp folder)")] = None,
+    fmt: Annotated[str, typer.Option("--format", help="fp8-block, fp8-channel or int4-group")] = "fp8-block",
+) -> None:
+    """Write a tiny MoE model, quantize it, shard it over 4 EP ranks and verify it (CPU, < 1 min)."""
+    if not run_demo(workdir, echo=typer.echo, fmt=fmt):
+        raise VerificationFailed("demo verification failed")

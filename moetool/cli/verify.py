@@ -1,1 +1,56 @@
-from moetool.cli import app  # noqa: F401
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from moetool.cli import app
+from moetool.cli.options import Json, Revision
+from moetool.errors import MoetoolError
+from moetool.verify_shards import VerifyOptions, raise_if_failed, verify
+
+
+def parse_layers(text: str | None) -> tuple[int, ...] | None:
+    """"1,3,5-7" -> (1, 3, 5, 6, 7)."""
+    if not text:
+        return None
+    out: list[int] = []
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.strip().partition("-")
+            out += list(range(int(lo), int(hi) + 1)) if hi else [int(lo)]
+    except ValueError:
+        raise MoetoolError(f"--layers {text!r}: expected a list like 1,3,5-7") from None
+    return tuple(dict.fromkeys(out))
+
+
+@app.command("verify")
+def verify_cmd(
+    shards: Annotated[Path, typer.Argument(help="output of moetool shard", show_default=False)],
+    ref: Annotated[str, typer.Option("--ref", help="the original (unquantized) checkpoint: folder or Hub id", show_default=False)],
+    dp: Annotated[int, typer.Option("--dp", help="data-parallel groups (different tokens); must divide --ep")] = 1,
+    ep: Annotated[int, typer.Option("--ep", help="ranks (world size); must match the shards")] = 2,
+    dispatch: Annotated[str, typer.Option("--all2all", help="dispatch/combine backend: allgather or all2all")] = "allgather",
+    experts: Annotated[str, typer.Option("--experts", help="experts backend: torch or triton")] = "torch",
+    tokens: Annotated[int, typer.Option("--tokens", help="test tokens per dp group, per layer")] = 256,
+    layers: Annotated[Optional[str], typer.Option("--layers", help="MoE layers to check, e.g. 1,3,5-7 (default all)")] = None,
+    backend: Annotated[Optional[str], typer.Option("--backend", help="nccl or gloo (default: nccl when enough GPUs)")] = None,
+    chunk_size: Annotated[int, typer.Option("--chunk-size", help="tokens per chunk (bounded memory)")] = 4096,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    max_rel_err: Annotated[Optional[float], typer.Option("--max-rel-err", help="override the format's layer threshold")] = None,
+    max_expert_rel_err: Annotated[Optional[float], typer.Option("--max-expert-rel-err", help="override the per-expert threshold")] = None,
+    warmup: Annotated[int, typer.Option("--warmup", help="untimed runs of each layer first (GPU timings)")] = 0,
+    timeout: Annotated[float, typer.Option("--timeout", help="seconds before the run is stopped")] = 900.0,
+    json_out: Json = False,
+    revision: Revision = None,
+) -> None:
+    """Run the shards through dispatch -> experts -> combine on EP ranks and compare each layer
+    with the unquantized reference. Exit status 1 when any layer fails."""
+    opts = VerifyOptions(dp=dp, ep=ep, dispatch=dispatch, experts=experts, tokens=tokens, layers=parse_layers(layers),
+                         backend=backend, chunk_size=chunk_size, seed=seed, max_rel_err=max_rel_err,
+                         max_expert_rel_err=max_expert_rel_err, timeout_s=timeout, warmup=warmup)
+    report = verify(shards, ref, opts, revision=revision)
+    typer.echo(json.dumps(report.to_json(), indent=2) if json_out else report.render())
+    raise_if_failed(report)

@@ -1,0 +1,416 @@
+"""Library API of ``moetool verify``: run EP shards through the distributed MoE forward and
+compare every layer with the unquantized single-process reference.
+
+Per selected MoE layer, every rank loads only its own shard folder (its files' sha256 checked
+against the manifest), builds its local experts, and runs
+route -> quantize + dispatch -> experts -> combine (+ shared experts) on deterministic tokens
+(seeded, scaled by the layer's own post-attention norm like real hidden states; different
+tokens per dp group). Each rank also runs every one of its local expert slots alone on a
+fixed probe batch, so a wrong expert is named even when the layer output hides it.
+The parent computes the reference from the original checkpoint (per-expert loop, fp32, one
+expert in memory at a time) and reports per layer: relative error, SQNR, max abs error,
+tokens per rank, the worst expert, pass/fail against thresholds kept as data.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from moetool.arch import MoELayerSpec, describe
+from moetool.checkpoint import open_checkpoint
+from moetool.errors import MoetoolError, VerificationFailed
+from moetool.experts_io import ExpertReader
+from moetool.shard import EPShards
+from moetool.spec import LocalExperts
+
+#: Pass thresholds per shard format, for the whole layer (relative error of the distributed
+#: output against the fp32 reference from the unquantized checkpoint) and for a single expert
+#: on the probe batch. Measured on the tiny models of the test suite and the GPU runs in
+#: docs/perf.md (worst seen: fp8 0.031 / 0.035, int4 g128 0.12 / 0.14, bf16 shards of an fp32
+#: checkpoint 0.003 / 0.003) with margin; an injected fault (swapped experts, doubled scale,
+#: swapped gate/up) gives 0.3 - 1.5.
+THRESHOLDS: dict[str, dict[str, float]] = {
+    "dense": {"rel_err": 0.01, "expert_rel_err": 0.01},
+    "fp8-block": {"rel_err": 0.06, "expert_rel_err": 0.07},
+    "fp8-channel": {"rel_err": 0.06, "expert_rel_err": 0.07},
+    "int4-group": {"rel_err": 0.2, "expert_rel_err": 0.25},
+}
+PROBE_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class VerifyOptions:
+    dp: int = 1
+    ep: int = 2
+    dispatch: str = "allgather"  # allgather | all2all
+    experts: str = "torch"  # torch | triton
+    tokens: int = 256  # per dp group
+    layers: tuple[int, ...] | None = None
+    backend: str | None = None  # nccl | gloo | None (auto)
+    chunk_size: int = 4096
+    seed: int = 0
+    max_rel_err: float | None = None
+    max_expert_rel_err: float | None = None
+    timeout_s: float = 900.0
+    comm_dtype: str = "bfloat16"
+    warmup: int = 0  # extra untimed runs of each layer (for timings on GPUs)
+
+
+@dataclass
+class LayerReport:
+    layer: int
+    rel_err: float
+    sqnr_db: float
+    max_abs_err: float
+    tokens_per_rank: list[int]
+    worst_expert: int
+    worst_expert_rank: int
+    worst_expert_rel_err: float
+    passed: bool
+    reason: str = ""
+    timings_ms: dict = field(default_factory=dict)
+    bytes_moved: dict = field(default_factory=dict)
+
+
+@dataclass
+class VerifyReport:
+    shards: str
+    reference: str
+    format: str
+    options: dict
+    thresholds: dict
+    layers: list[LayerReport]
+
+    @property
+    def passed(self) -> bool:
+        return all(l.passed for l in self.layers)
+
+    def to_json(self) -> dict:
+        return {"shards": self.shards, "reference": self.reference, "format": self.format, "passed": self.passed,
+                "options": self.options, "thresholds": self.thresholds, "layers": [asdict(l) for l in self.layers]}
+
+    def render(self) -> str:
+        o = self.options
+        head = (f"verify {self.shards} against {self.reference}: format {self.format}, ep {o['ep']}, dp {o['dp']}, "
+                f"dispatch {o['dispatch']}, experts {o['experts']}, {o['tokens']} tokens per dp group, backend {o['backend']}")
+        cols = f"{'layer':>5}  {'rel err':>9}  {'SQNR dB':>8}  {'max abs':>9}  {'worst expert (rank)':>19}  {'exp err':>8}  {'ms/fwd':>7}  tokens per rank   result"
+        lines = [head, cols]
+        for l in self.layers:
+            ms = l.timings_ms.get("total", float("nan"))
+            lines.append(
+                f"{l.layer:>5}  {l.rel_err:>9.2e}  {l.sqnr_db:>8.1f}  {l.max_abs_err:>9.2e}  "
+                f"{str(l.worst_expert) + ' (' + str(l.worst_expert_rank) + ')':>19}  {l.worst_expert_rel_err:>8.2e}  "
+                f"{ms:>7.2f}  {str(l.tokens_per_rank):<16}  {'PASS' if l.passed else 'FAIL: ' + l.reason}")
+        failed = [l.layer for l in self.layers if not l.passed]
+        t = self.thresholds
+        lines.append(
+            f"{'PASSED' if not failed else 'FAILED'}: {len(self.layers) - len(failed)}/{len(self.layers)} layers within "
+            f"rel err {t['rel_err']:g} (layer) / {t['expert_rel_err']:g} (each expert)"
+            + (f"; failing layers {failed}" if failed else ""))
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------ tokens
+
+
+def make_tokens(layer: int, group: int, tokens: int, hidden: int, seed: int,
+                norm_weight: torch.Tensor | None) -> torch.Tensor:
+    """Deterministic test tokens [T, H] float32 for one (layer, dp group): N(0, 1) rows scaled
+    by the layer's post-attention RMSNorm weight, as real MoE inputs are."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + layer * 1_009 + group)
+    x = torch.randn(tokens, hidden, generator=g)
+    if norm_weight is not None:
+        x = x * norm_weight.float()
+    return x
+
+
+def probe_tokens(layer: int, hidden: int, seed: int, norm_weight: torch.Tensor | None) -> torch.Tensor:
+    return make_tokens(layer, 10_007, PROBE_TOKENS, hidden, seed, norm_weight)
+
+
+def norm_weight_name(layer: MoELayerSpec) -> str:
+    return layer.prefix.rsplit(".", 1)[0] + ".post_attention_layernorm.weight"
+
+
+# ------------------------------------------------------------------------------------ ranks
+
+
+def load_local_experts(reader: ExpertReader, layer: MoELayerSpec, slot_to_global: list[int]) -> LocalExperts:
+    """This rank's experts of ``layer`` in the stacked layout of the shard's format."""
+    ckpt, st = reader.ckpt, layer.storage
+    if st.kind == "stacked":
+        w13 = {s: ckpt.get(f"{st.gate_up}_{s}") for s in reader.fmt.suffixes if f"{st.gate_up}_{s}" in ckpt}
+        w2 = {s: ckpt.get(f"{st.down}_{s}") for s in reader.fmt.suffixes if f"{st.down}_{s}" in ckpt}
+    else:
+        per13 = [reader.w13(layer, i) for i in range(layer.n_stored)]
+        per2 = [reader.down(layer, i) for i in range(layer.n_stored)]
+        w13 = {s: torch.stack([p[s] for p in per13]) for s in per13[0]}
+        w2 = {s: torch.stack([p[s] for p in per2]) for s in per2[0]}
+    for name, t in (("w13", w13), ("w2", w2)):
+        for s, v in t.items():
+            if v.shape[0] != len(slot_to_global):
+                raise MoetoolError(f"{layer.prefix}.experts.{name}_{s}: {v.shape[0]} experts stored, "
+                                   f"the manifest places {len(slot_to_global)} on this rank")
+    return LocalExperts(reader.fmt, w13, w2, list(slot_to_global), layer.intermediate, layer.hidden)
+
+
+def _rank_jobs(rank: int, world_size: int, jobs: list[tuple[str, VerifyOptions, list[int]]]) -> list[dict]:
+    """One rank of a world running several verifications of the same ep in turn."""
+    import torch.distributed as dist
+
+    from moetool.verify.dispatch import Topology
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    topologies: dict[int, Topology] = {}
+    out = []
+    for shards_root, opts, layer_ids in jobs:
+        if opts.dp not in topologies:
+            topologies[opts.dp] = Topology.create(opts.dp, device)
+        out.append(_rank_main(rank, shards_root, opts, layer_ids, topologies[opts.dp]))
+    return out
+
+
+def _rank_main(rank: int, shards_root: str, opts: VerifyOptions, layer_ids: list[int], topo) -> dict:
+    """One rank: load own shard, run every selected layer, return its outputs and stats."""
+    from moetool.verify.dispatch import get_dispatcher
+    from moetool.verify.experts import get_experts
+    from moetool.verify.layer import run_moe_layer
+
+    shards = EPShards(Path(shards_root), check=False)
+    ckpt, spec = shards.open_rank(rank, check=True)
+    device = topo.device
+    reader = ExpertReader(ckpt, spec)
+    dispatcher = get_dispatcher(opts.dispatch, topo, comm_dtype=getattr(torch, opts.comm_dtype))
+    experts = get_experts(opts.experts)
+    results: dict[int, dict] = {}
+    try:
+        for i in layer_ids:
+            layer = spec.layer(i)
+            placement = shards.placements[i]
+            local = load_local_experts(reader, layer, placement.slots[rank])
+            gate = ckpt.get(layer.router_weight).float()
+            bias = ckpt.get(layer.correction_bias).float() if layer.correction_bias else None
+            shared = reader.shared_fp32(layer)
+            nw_name = norm_weight_name(layer)
+            nw = ckpt.get(nw_name) if nw_name in ckpt else None
+            x = make_tokens(i, topo.group_index, opts.tokens, layer.hidden, opts.seed, nw)
+            for _ in range(opts.warmup):
+                run_moe_layer(x, gate, bias, layer.router, local, placement, shared, dispatcher, experts,
+                              opts.chunk_size)
+            y, stats = run_moe_layer(x, gate, bias, layer.router, local, placement, shared, dispatcher, experts,
+                                     opts.chunk_size)
+            probe = _probe_slots(experts, local, probe_tokens(i, layer.hidden, opts.seed, nw), device)
+            results[i] = {"y": y.cpu() if topo.tp_index == 0 else None, "group": topo.group_index,
+                          "probe": probe.cpu(), "slots": list(local.slot_to_global), "stats": stats}
+            experts.release()
+    finally:
+        ckpt.close()
+    return results
+
+
+def _probe_slots(experts, local: LocalExperts, x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Each local slot alone on the probe batch: [L, P, H] float32 (weight 1, no routing)."""
+    experts.bind(local, device)
+    x = x.to(device)
+    P = x.shape[0]
+    outs = []
+    for s in range(len(local.slot_to_global)):
+        ids = torch.full((P, 1), s, dtype=torch.int64, device=device)
+        w = torch.ones(P, 1, dtype=torch.float32, device=device)
+        counts = torch.zeros(len(local.slot_to_global), dtype=torch.int64, device=device)
+        counts[s] = P
+        y = experts.apply(x, None, ids, w, counts)
+        if not experts.applies_weights_and_reduces:
+            y = y.sum(dim=1)
+        outs.append(y.float())
+    return torch.stack(outs) if outs else torch.zeros(0, P, x.shape[1])
+
+
+# ------------------------------------------------------------------------------------ parent
+
+
+class LazyExperts:
+    """Sequence of (gate, up, down) fp32 of a layer's experts, read one at a time (bounded memory)."""
+
+    def __init__(self, reader: ExpertReader, layer: MoELayerSpec):
+        self.reader, self.layer = reader, layer
+
+    def __len__(self) -> int:
+        return self.layer.num_experts
+
+    def __getitem__(self, e: int):
+        if not 0 <= e < len(self):
+            raise IndexError(e)
+        return self.reader.expert_fp32(self.layer, e)
+
+    def __iter__(self):
+        return (self[e] for e in range(len(self)))
+
+
+def _metrics(y: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float]:
+    noise = float((y - ref).pow(2).sum())
+    sig = float(ref.pow(2).sum())
+    rel = math.sqrt(noise / sig) if sig > 0 else (0.0 if noise == 0 else float("inf"))
+    sqnr = 10 * math.log10(sig / noise) if noise > 0 and sig > 0 else float("inf")
+    mx = float((y - ref).abs().max()) if y.numel() else 0.0
+    if not math.isfinite(float(y.abs().sum())):
+        rel, sqnr, mx = float("inf"), float("-inf"), float("inf")
+    return rel, sqnr, mx
+
+
+def resolve_backend(opts: VerifyOptions) -> str:
+    if opts.backend is not None:
+        if opts.backend not in ("nccl", "gloo"):
+            raise MoetoolError(f"--backend {opts.backend!r}: expected nccl or gloo")
+        return opts.backend
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= opts.ep else "gloo"
+
+
+def check_options(opts: VerifyOptions, shards: EPShards) -> None:
+    if opts.ep != shards.ep:
+        raise MoetoolError(f"--ep {opts.ep}: the shards in {shards.root} were made for ep {shards.ep}")
+    if opts.dp < 1 or opts.ep % opts.dp:
+        raise MoetoolError(f"--dp {opts.dp} must be at least 1 and divide --ep {opts.ep}")
+    if opts.tokens < 1:
+        raise MoetoolError(f"--tokens {opts.tokens} must be positive")
+    if opts.dispatch not in ("allgather", "all2all"):
+        raise MoetoolError(f"--all2all {opts.dispatch!r}: expected allgather or all2all")
+    if opts.experts not in ("torch", "triton"):
+        raise MoetoolError(f"--experts {opts.experts!r}: expected torch or triton")
+
+
+def check_files_present(shards: EPShards) -> None:
+    """Cheap pre-flight before any process starts: every file in the manifest exists with its
+    size (each rank then checks the sha256 of its own files)."""
+    for name, rec in shards.manifest["files"].items():
+        p = shards.root / name
+        if not p.is_file():
+            raise MoetoolError(f"{p}: missing (listed in {shards.root}/manifest.json)")
+        if p.stat().st_size != rec["size"]:
+            raise MoetoolError(f"{p}: {p.stat().st_size} bytes, the manifest says {rec['size']} (truncated or modified)")
+
+
+def _layers_to_check(shards: EPShards, spec, opts: VerifyOptions) -> list[int]:
+    layer_ids = list(opts.layers) if opts.layers else [m.index for m in spec.moe_layers]
+    for i in layer_ids:
+        layer = spec.layer(i)
+        if i not in shards.placements:
+            raise MoetoolError(f"layer {i}: not in the shards' manifest ({shards.root})")
+        m = next(l for l in shards.manifest["layers"] if int(l["layer"]) == i)
+        if (m["num_experts"], m["hidden"], m["intermediate"]) != (layer.num_experts, layer.hidden, layer.intermediate):
+            raise MoetoolError(f"layer {i}: shards have {m['num_experts']} experts of [{m['intermediate']}, {m['hidden']}], "
+                               f"the reference {layer.num_experts} of [{layer.intermediate}, {layer.hidden}]")
+    return layer_ids
+
+
+def verify(shards_dir, ref, opts: VerifyOptions, *, revision: str | None = None) -> VerifyReport:
+    """Run the check and return the report (raise nothing for failing layers: see ``.passed``)."""
+    return verify_many([(shards_dir, ref, opts)], revision=revision)[0]
+
+
+def verify_many(jobs: list[tuple], *, revision: str | None = None) -> list[VerifyReport]:
+    """Several verifications of the same ``ep`` in one set of rank processes (start-up paid once).
+
+    ``jobs``: [(shards_dir, ref, VerifyOptions)]; all options must share ep and backend."""
+    if not jobs:
+        return []
+    prepared = []
+    for shards_dir, ref, opts in jobs:
+        shards = EPShards(Path(shards_dir), check=False)
+        check_options(opts, shards)
+        check_files_present(shards)
+        prepared.append((shards, ref, opts, resolve_backend(opts)))
+    eps = {o.ep for _, _, o, _ in prepared}
+    backends = {b for *_, b in prepared}
+    if len(eps) != 1 or len(backends) != 1:
+        raise MoetoolError(f"verify_many: jobs need one ep and backend, got {sorted(eps)} / {sorted(backends)}")
+    refs, rank_jobs = [], []
+    try:
+        for shards, ref, opts, _ in prepared:
+            ref_ckpt = open_checkpoint(ref, revision)
+            refs.append(ref_ckpt)
+            spec = describe(ref_ckpt.config, ref_ckpt.tensors)
+            rank_jobs.append((str(shards.root), opts, _layers_to_check(shards, spec, opts)))
+        from moetool.verify.launch import spawn_world
+
+        ep, backend = eps.pop(), backends.pop()
+        timeout = sum(o.timeout_s for _, _, o, _ in prepared)
+        results = spawn_world(_rank_jobs, ep, backend, args=(rank_jobs,), timeout_s=timeout)
+        reports = []
+        for j, ((shards, _, opts, _), ref_ckpt) in enumerate(zip(prepared, refs)):
+            spec = describe(ref_ckpt.config, ref_ckpt.tensors)
+            per_rank = [r[j] for r in results]
+            reports.append(build_report(shards, ref_ckpt, spec, ExpertReader(ref_ckpt, spec), opts, backend,
+                                        rank_jobs[j][2], per_rank))
+        return reports
+    finally:
+        for r in refs:
+            r.close()
+
+
+def build_report(shards: EPShards, ref_ckpt, spec, ref_reader: ExpertReader, opts: VerifyOptions, backend: str,
+                 layer_ids: list[int], results: list[dict]) -> VerifyReport:
+    fmt = shards.manifest["format"]
+    th = dict(THRESHOLDS.get(fmt, THRESHOLDS["dense"]))
+    if opts.max_rel_err is not None:
+        th["rel_err"] = opts.max_rel_err
+    if opts.max_expert_rel_err is not None:
+        th["expert_rel_err"] = opts.max_expert_rel_err
+    from moetool.verify.reference import reference_moe_forward, swiglu
+
+    reports = []
+    for i in layer_ids:
+        layer = spec.layer(i)
+        nw_name = norm_weight_name(layer)
+        nw = ref_ckpt.get(nw_name) if nw_name in ref_ckpt else None
+        gate = ref_ckpt.get(layer.router_weight).float()
+        bias = ref_ckpt.get(layer.correction_bias).float() if layer.correction_bias else None
+        shared = ref_reader.shared_fp32(layer)
+        lazy = LazyExperts(ref_reader, layer)
+        ys, refs = [], []
+        for g in range(opts.dp):
+            rank0 = next(r for r in results if r[i]["group"] == g and r[i]["y"] is not None)
+            x = make_tokens(i, g, opts.tokens, layer.hidden, opts.seed, nw)
+            refs.append(reference_moe_forward(x, gate, bias, layer.router, lazy, shared))
+            ys.append(rank0[i]["y"])
+        rel, sqnr, mx = _metrics(torch.cat(ys), torch.cat(refs))
+        # each expert alone on the probe batch, every copy of it (replicas too)
+        xp = probe_tokens(i, layer.hidden, opts.seed, nw)
+        worst = (-1, -1, 0.0)
+        expert_ref: dict[int, torch.Tensor] = {}
+        for rank, r in enumerate(results):
+            for s, e in enumerate(r[i]["slots"]):
+                if e not in expert_ref:
+                    expert_ref[e] = swiglu(xp, *lazy[e])
+                erel, _, _ = _metrics(r[i]["probe"][s], expert_ref[e])
+                if not erel <= worst[2] and not (math.isnan(erel) and math.isnan(worst[2])):
+                    worst = (e, rank, erel)
+        reasons = []
+        if not rel <= th["rel_err"]:
+            reasons.append(f"layer rel err {rel:.3g} > {th['rel_err']:g}")
+        if not worst[2] <= th["expert_rel_err"]:
+            reasons.append(f"expert {worst[0]} on rank {worst[1]} rel err {worst[2]:.3g} > {th['expert_rel_err']:g}")
+        stats = [r[i]["stats"] for r in results]
+        timing = {"total": max(s["time_total_s"] for s in stats) * 1e3}
+        for phase in ("route", "dispatch", "experts", "combine", "shared"):
+            key = f"cuda_{phase}_s" if f"cuda_{phase}_s" in stats[0] else f"time_{phase}_s"
+            timing[phase] = max(s[key] for s in stats) * 1e3
+        moved = {k: sum(s[k] for s in stats) for k in ("dispatch_bytes_sent", "combine_bytes_sent")}
+        reports.append(LayerReport(i, rel, sqnr, mx, [s["pairs_computed"] for s in stats], worst[0], worst[1],
+                                   worst[2], not reasons, "; ".join(reasons), timing, moved))
+    options = {**asdict(opts), "backend": backend, "layers": layer_ids}
+    return VerifyReport(str(shards.root), str(ref_ckpt.root), shards.manifest["format"], options, th, reports)
+
+
+def save_json(report: VerifyReport, path: Path) -> None:
+    Path(path).write_text(json.dumps(report.to_json(), indent=2))
+
+
+def raise_if_failed(report: VerifyReport) -> None:
+    if not report.passed:
+        bad = [f"layer {l.layer}: {l.reason}" for l in report.layers if not l.passed]
+        raise VerificationFailed("verification failed: " + "; ".join(bad))
