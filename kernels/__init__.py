@@ -2,6 +2,17 @@
 
 Run on CUDA tensors, or on CPU with TRITON_INTERPRET=1 set before this package is imported.
 """
+from .fused_moe import (
+    MoeConfig,
+    fused_experts,
+    fused_experts_ref,
+    moe_align_block_size,
+    moe_align_block_size_ref,
+    moe_sum,
+    moe_sum_ref,
+    silu_and_mul,
+    silu_and_mul_ref,
+)
 from .quant import (
     fp8_act_quant,
     fp8_act_quant_ref,
@@ -13,6 +24,15 @@ from .quant import (
 )
 
 __all__ = [
+    "MoeConfig",
+    "fused_experts",
+    "fused_experts_ref",
+    "moe_align_block_size",
+    "moe_align_block_size_ref",
+    "moe_sum",
+    "moe_sum_ref",
+    "silu_and_mul",
+    "silu_and_mul_ref",
     "fp8_act_quant",
     "fp8_act_quant_ref",
     "fp8_block_quant",

@@ -1,0 +1,281 @@
+"""fused_experts (Triton) against fused_experts_ref (torch, fp32, weights dequantized through
+moetool.formats), plus the align / silu / sum steps on their own.
+
+Letters: T tokens, H hidden, N intermediate, E local experts, k top-k.
+"""
+import pytest
+import torch
+
+from moetool.errors import MoetoolError
+from moetool.kernels import fused_moe as fm
+from moetool.kernels import quant as kq
+
+# Largest allowed ||out - ref|| / ||ref|| per case. What the kernels round that the reference
+# does not: dense/W*A16: the intermediate [P, 2N] and silu output in the activation dtype
+# (fp16: ~5e-4; bf16 ~4e-3, ~1e-2 under the interpreter, whose bf16 cast truncates) and, for
+# int4, the dequantized tile in the activation dtype; fp8-block: the silu output quantized to
+# e4m3 per 1x128 group (~2-3 %), plus float hidden quantized the same way.
+# (format, hidden dtype, int4 symmetric, rel_err limit)
+CASES = {
+    "dense-fp32": ("dense", torch.float32, None, 2e-6),
+    "dense-fp16": ("dense", torch.float16, None, 1.5e-3),
+    "dense-bf16": ("dense", torch.bfloat16, None, 2e-2),
+    "fp8-block-w8a8": ("fp8-block", torch.float8_e4m3fn, None, 0.035),
+    "fp8-block-fp16-hidden": ("fp8-block", torch.float16, None, 0.06),
+    "fp8-channel-fp16": ("fp8-channel", torch.float16, None, 1.5e-3),
+    "fp8-channel-fp32": ("fp8-channel", torch.float32, None, 2e-6),
+    "int4-sym-fp16": ("int4-group", torch.float16, True, 1.5e-3),
+    "int4-asym-fp16": ("int4-group", torch.float16, False, 1.5e-3),
+    "int4-asym-fp32": ("int4-group", torch.float32, False, 2e-6),
+}
+# measured under the interpreter (3 shapes, seed 0): fp32 <= 4e-7, fp16 <= 5.5e-4,
+# bf16 <= 9.7e-3, fp8-block w8a8 <= 2.3e-2, fp8-block with fp16 hidden <= 4.4e-2
+# (T, E, H, N, k, int4 group): N not a multiple of 128 (fp8-block gate/up scale split), H and N
+# not multiples of the tiles, partial int4 groups (200 % 40, 96 % 40); g = 32 / 64 take the
+# one-scale-per-K-tile path (g % BLOCK_K == 0), g = 40 / 8 the per-element one
+SHAPES = [(33, 4, 200, 96, 2, 40), (1, 4, 64, 32, 2, 32), (9, 3, 136, 160, 3, 8), (12, 2, 64, 48, 2, 64)]
+
+
+def _stack(per_expert: list[dict]) -> dict:
+    return {key: torch.stack([t[key] for t in per_expert]) for key in per_expert[0]}
+
+
+def make_weights(fmt, E, H, N, group=128, symmetric=True, dtype=torch.bfloat16, scale=0.2):
+    """Random experts -> (w13, w2) stacked in ``fmt`` (module docstring of fused_moe)."""
+    per13, per2 = [], []
+    for _ in range(E):
+        w13 = (torch.randn(2 * N, H) * scale).to(dtype)
+        w2 = (torch.randn(H, N) * scale).to(dtype)
+        if fmt == "dense":
+            per13.append({"weight": w13})
+            per2.append({"weight": w2})
+        elif fmt == "fp8-block":  # gate and up blocks scaled separately
+            (qg, sg), (qu, su) = kq.fp8_block_quant_ref(w13[:N]), kq.fp8_block_quant_ref(w13[N:])
+            q2, s2 = kq.fp8_block_quant_ref(w2)
+            per13.append({"weight": torch.cat([qg, qu]), "weight_scale_inv": torch.cat([sg, su])})
+            per2.append({"weight": q2, "weight_scale_inv": s2})
+        elif fmt == "fp8-channel":
+            for w, lst in ((w13, per13), (w2, per2)):
+                s = (w.float().abs().amax(1, keepdim=True).clamp(min=1e-12) / 448).to(dtype)
+                q = (w.float() / s.float()).clamp(-448, 448).to(torch.float8_e4m3fn)
+                lst.append({"weight": q, "weight_scale": s})
+        else:
+            per13.append(kq.int4_group_quant_pack_ref(w13, group, symmetric, dtype))
+            per2.append(kq.int4_group_quant_pack_ref(w2, group, symmetric, dtype))
+    return _stack(per13), _stack(per2)
+
+
+def make_routing(T, E, k, E_global=None, seed=0):
+    """topk over E_global experts of which the first E are local; others map to -1."""
+    g = torch.Generator().manual_seed(seed)
+    E_global = E_global or 2 * E
+    ids = torch.stack([torch.randperm(E_global, generator=g)[:k] for _ in range(T)]) if T else torch.zeros(0, k)
+    ids = ids.to(torch.int64)
+    ids = torch.where(ids < E, ids, -1)
+    w = torch.rand(T, k, generator=g).float()
+    return ids, w / w.sum(-1, keepdim=True).clamp(min=1e-6)
+
+
+def make_hidden(T, H, dtype):
+    x = torch.randn(T, H)
+    if dtype == torch.float8_e4m3fn:
+        q, s = kq.fp8_act_quant_ref(x)
+        return q, s
+    return x.to(dtype), None
+
+
+def _to(d, device):
+    return {k: v.to(device) for k, v in d.items()}
+
+
+def rel_err(out, ref):
+    return ((out.float().cpu() - ref.float().cpu()).norm() / ref.float().cpu().norm().clamp(min=1e-30)).item()
+
+
+def run_case(case, shape, device, apply_router_weight=True):
+    fmt, hdtype, symmetric, tol = CASES[case]
+    T, E, H, N, k, group = shape
+    w13, w2 = make_weights(fmt, E, H, N, group, bool(symmetric))
+    ids, tw = make_routing(T, E, k)
+    x, xs = make_hidden(T, H, hdtype)
+    kwargs = dict(hidden_scale=xs, apply_router_weight=apply_router_weight, group_size=group)
+    ref = fm.fused_experts_ref(x, w13, w2, fmt, ids, tw, **kwargs)
+    kwargs["hidden_scale"] = xs.to(device) if xs is not None else None
+    out = fm.fused_experts(x.to(device), _to(w13, device), _to(w2, device), fmt, ids.to(device), tw.to(device),
+                           **kwargs)
+    assert out.dtype == torch.float32 and out.shape == (T, H)
+    return out.cpu(), ref, tol, ids
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}-E{}-H{}-N{}-k{}-g{}".format(*s))
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_experts_matches_ref(case, shape, device):
+    out, ref, tol, ids = run_case(case, shape, device)
+    assert rel_err(out, ref) < tol, (case, rel_err(out, ref))
+    # tokens whose experts are all on other ranks get exactly 0
+    remote = (ids < 0).all(dim=1)
+    assert (out[remote] == 0).all()
+
+
+@pytest.mark.parametrize("case", ["dense-fp16", "fp8-block-w8a8", "int4-asym-fp16"])
+def test_without_router_weight(case, device):
+    out, ref, tol, _ = run_case(case, SHAPES[0], device, apply_router_weight=False)
+    assert rel_err(out, ref) < tol
+
+
+def test_dropped_and_idle_experts_are_never_computed(device):
+    """Expert 3 holds NaN weights. Tokens routed there with id -1 (another rank's copy) and no
+    token routed to it at all: a kernel that touches it (a padding block, a -1 pair) leaks NaN."""
+    T, E, H, N = 17, 4, 64, 32
+    w13, w2 = make_weights("dense", E, H, N, dtype=torch.float16)
+    w13["weight"][3] = float("nan")
+    w2["weight"][3] = float("nan")
+    ids = torch.randint(0, 3, (T, 2))
+    ids[::2, 1] = -1
+    ids[5] = -1
+    tw = torch.rand(T, 2)
+    x = torch.randn(T, H, dtype=torch.float16)
+    out = fm.fused_experts(x.to(device), _to(w13, device), _to(w2, device), "dense", ids.to(device), tw.to(device))
+    ref = fm.fused_experts_ref(x, w13, w2, "dense", ids, tw)
+    assert torch.isfinite(out).all()
+    assert (out[5].cpu() == 0).all()
+    assert rel_err(out, ref) < 3e-3
+
+
+def test_structured_expert_identity(device):
+    """Expert e scales by (e+1) (w13 gate = up = I on the first H rows, w2 = (e+1)/silu(1) I):
+    with x = ones, each token's output is sum_j weight_j (e_j + 1): a swapped expert shows."""
+    T, E, H, k = 6, 4, 32, 2
+    N = H
+    eye = torch.eye(N, H)
+    w13 = torch.stack([torch.cat([eye, eye]) for _ in range(E)]).float()
+    silu1 = torch.nn.functional.silu(torch.tensor(1.0)).item()
+    w2 = torch.stack([torch.eye(H, N) * (e + 1) / silu1 for e in range(E)]).float()
+    ids = torch.tensor([[0, 1], [2, 3], [3, -1], [-1, -1], [1, 1], [0, 2]])
+    tw = torch.tensor([[1.0, 0.5]] * T)
+    x = torch.ones(T, H)
+    out = fm.fused_experts(x.to(device), {"weight": w13.to(device)}, {"weight": w2.to(device)}, "dense",
+                           ids.to(device), tw.to(device)).cpu()
+    expect = ((ids + 1) * (ids >= 0) * tw).sum(1)
+    torch.testing.assert_close(out, expect[:, None].expand(T, H), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fmt", ["dense", "fp8-block", "int4-group"])
+def test_zero_tokens_and_no_local_experts(fmt, device):
+    E, H, N = 4, 64, 32
+    w13, w2 = make_weights(fmt, E, H, N, 32)
+    hd = torch.float16
+    x = torch.zeros(0, H, dtype=hd, device=device)
+    ids = torch.zeros(0, 2, dtype=torch.int64, device=device)
+    out = fm.fused_experts(x, _to(w13, device), _to(w2, device), fmt, ids, torch.zeros(0, 2, device=device),
+                           group_size=32)
+    assert out.shape == (0, H)
+    x = torch.randn(5, H, dtype=hd, device=device)
+    ids = torch.full((5, 2), -1, device=device)
+    out = fm.fused_experts(x, _to(w13, device), _to(w2, device), fmt, ids, torch.ones(5, 2, device=device),
+                           group_size=32)
+    assert (out == 0).all()
+
+
+def test_int32_ids_and_explicit_config(device):
+    T, E, H, N = 20, 4, 96, 64
+    w13, w2 = make_weights("dense", E, H, N, dtype=torch.float16)
+    ids, tw = make_routing(T, E, 2)
+    x = torch.randn(T, H, dtype=torch.float16)
+    ref = fm.fused_experts_ref(x, w13, w2, "dense", ids, tw)
+    cfg = fm.MoeConfig(block_m=32, block_n=16, block_k=16, group_m=2)
+    out = fm.fused_experts(x.to(device), _to(w13, device), _to(w2, device), "dense",
+                           ids.to(torch.int32).to(device), tw.to(device), config=cfg)
+    assert rel_err(out, ref) < 3e-3
+
+
+def test_bad_arguments_raise(device):
+    E, H, N = 2, 64, 32
+    w13, w2 = _to(make_weights("dense", E, H, N, dtype=torch.float16)[0], device), None
+    w13, w2 = (_to(w, device) for w in make_weights("dense", E, H, N, dtype=torch.float16))
+    x = torch.randn(3, H, dtype=torch.float16, device=device)
+    ids = torch.tensor([[0, 1], [1, 0], [0, 2]], device=device)
+    tw = torch.ones(3, 2, device=device)
+    with pytest.raises(MoetoolError, match="local expert 2"):
+        fm.fused_experts(x, w13, w2, "dense", ids, tw)
+    ids = ids.clamp(max=1)
+    with pytest.raises(MoetoolError, match="unknown weight format"):
+        fm.fused_experts(x, w13, w2, "nf4", ids, tw)
+    with pytest.raises(MoetoolError, match="activation"):
+        fm.fused_experts(x, w13, w2, "dense", ids, tw, activation="gelu")
+    with pytest.raises(MoetoolError, match="shape"):
+        fm.fused_experts(x[:, :32].contiguous(), w13, w2, "dense", ids, tw)
+    q13, q2 = (_to(w, device) for w in make_weights("fp8-block", E, H, N))
+    with pytest.raises(MoetoolError, match="hidden_scale"):
+        fm.fused_experts(x.to(torch.float8_e4m3fn), q13, q2, "fp8-block", ids, tw)
+    bad = dict(q13, weight_scale_inv=q13["weight_scale_inv"][:, :1].contiguous())
+    with pytest.raises(MoetoolError, match="weight_scale_inv"):
+        fm.fused_experts(x, bad, q2, "fp8-block", ids, tw)
+
+
+# ---- the steps on their own ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+@pytest.mark.parametrize("T,k,E", [(0, 2, 4), (1, 1, 1), (33, 2, 4), (50, 4, 7), (8, 2, 64)])
+def test_align_matches_loop_reference(T, k, E, block_m):
+    ids, _ = make_routing(T, E, k, E_global=E + 3, seed=T)
+    got = fm.moe_align_block_size(ids, block_m, E)
+    ref = fm.moe_align_block_size_ref(ids, block_m, E)
+    for a, b in zip(got, ref):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    sorted_ids, expert_ids, num_post = got
+    P = T * k
+    valid = sorted_ids[sorted_ids < P]
+    assert sorted(valid.tolist()) == [p for p in range(P) if ids.view(-1)[p] >= 0]
+    assert int(num_post) % block_m == 0
+
+
+def test_silu_and_mul(device):
+    x = torch.randn(37, 2 * 200) * 4
+    ref = fm.silu_and_mul_ref(x)
+    y = fm.silu_and_mul(x.to(device)).cpu()
+    torch.testing.assert_close(y, ref, rtol=2e-6, atol=1e-6)
+    ids = torch.randint(-1, 3, (37,))
+    q, s = fm.silu_and_mul(x.to(device), ids.to(device), quant_fp8=True)
+    keep = ids >= 0
+    q_ref, s_ref = kq.fp8_act_quant_ref(ref[keep])
+    torch.testing.assert_close(s.cpu()[keep], s_ref, rtol=2e-6, atol=0)
+    same = (q.cpu()[keep].view(torch.uint8) == q_ref.view(torch.uint8)).float().mean().item()
+    assert same > 0.99  # exp() may differ from torch's by an ulp: rare 1-step e4m3 flips
+    half = fm.silu_and_mul(x.to(device), out_dtype=torch.float16).cpu()
+    assert half.dtype == torch.float16
+    torch.testing.assert_close(half.float(), ref, rtol=1e-3, atol=1e-3)
+
+
+def test_moe_sum_bit_exact_and_ignores_dropped_rows(device):
+    T, k, H = 9, 3, 70
+    ids = torch.randint(-1, 4, (T, k))
+    c = torch.randn(T * k, H)
+    c[ids.view(-1) < 0] = float("nan")  # rows of dropped pairs are never written
+    out = fm.moe_sum(c.to(device), ids.to(device)).cpu()
+    assert torch.equal(out, fm.moe_sum_ref(c, ids))
+
+
+# ---- GPU only: bf16 dots, realistic tiles, hardware fp8 cast --------------------------------
+
+GPU_SHAPES = [(256, 8, 1024, 384, 4, 128), (3, 8, 512, 256, 8, 64)]
+GPU_CASES = {
+    "dense-bf16": ("dense", torch.bfloat16, None, 8e-3),
+    "fp8-block-w8a8": ("fp8-block", torch.float8_e4m3fn, None, 0.05),
+    "fp8-block-bf16-hidden": ("fp8-block", torch.bfloat16, None, 0.06),
+    "fp8-channel-bf16": ("fp8-channel", torch.bfloat16, None, 8e-3),
+    "int4-sym-bf16": ("int4-group", torch.bfloat16, True, 1e-2),
+    "int4-asym-bf16": ("int4-group", torch.bfloat16, False, 1e-2),
+    "dense-fp32": ("dense", torch.float32, None, 1e-5),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "T{}-E{}-H{}-N{}-k{}-g{}".format(*s))
+@pytest.mark.parametrize("case", list(GPU_CASES))
+def test_fused_experts_gpu(case, shape, monkeypatch):
+    monkeypatch.setitem(CASES, case, GPU_CASES[case])
+    out, ref, tol, _ = run_case(case, shape, "cuda")
+    assert rel_err(out, ref) < tol, (case, rel_err(out, ref))
