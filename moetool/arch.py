@@ -123,7 +123,7 @@ FAMILIES: list[Family] = [
            shared_module="shared_expert", shared_gate_module="shared_expert_gate",
            shared_intermediate=lambda c: c["shared_expert_intermediate_size"]),
     Family("qwen3-moe", ("qwen3_moe",), "mlp", "gate", ("gate_proj", "up_proj", "down_proj"),
-           ("num_experts",), ("moe_intermediate_size",), _softmax_router, _every_layer_with_sparse_step),
+           ("num_experts", "num_local_experts"), ("moe_intermediate_size",), _softmax_router, _every_layer_with_sparse_step),
     Family("olmoe", ("olmoe",), "mlp", "gate", ("gate_proj", "up_proj", "down_proj"),
            ("num_experts",), ("intermediate_size",), _softmax_router, _all_layers),
     Family("deepseek-v2", ("deepseek_v2",), "mlp", "gate", ("gate_proj", "up_proj", "down_proj"),
