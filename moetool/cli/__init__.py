@@ -37,11 +37,25 @@ def main(argv: list[str] | None = None) -> None:
     except SystemExit:
         raise
     except Exception as err:  # click usage errors and the like
-        import click
-
-        if isinstance(err, click.exceptions.ClickException):
+        usage, abort = _click_exceptions()
+        if isinstance(err, usage):
             err.show()
             sys.exit(err.exit_code)
-        if isinstance(err, click.exceptions.Abort):
+        if isinstance(err, abort):
             sys.exit(1)
         raise
+
+
+def _click_exceptions() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """(ClickException, Abort) classes: typer >= 0.2x vendors click as ``typer._click``,
+    older typer uses the ``click`` package; accept whichever are importable."""
+    usage: tuple[type, ...] = ()
+    abort: tuple[type, ...] = (typer.Abort,)
+    for module in ("typer._click.exceptions", "click.exceptions"):
+        try:
+            mod = __import__(module, fromlist=["ClickException"])
+        except ImportError:
+            continue
+        usage += (mod.ClickException,)
+        abort += tuple(c for c in (getattr(mod, "Abort", None),) if c is not None)
+    return usage, abort
