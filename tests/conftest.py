@@ -1,0 +1,83 @@
+"""Shared fixtures: the CLI runner and tiny checkpoints made once per session.
+
+Every checkpoint here is made on the fly (transformers ``save_pretrained`` or our own
+``moetool.tiny`` writer); nothing is downloaded. Tests that modify a checkpoint copy it first
+(``copy_ckpt``); the session ones are treated as read-only.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/moeutil.py
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the network
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+from moeutil import run_cli, save_hf_model  # noqa: E402
+
+
+@pytest.fixture
+def cli(capsys):
+    """cli("inspect", path, "--json") -> CliResult(code, out, err), through moetool.cli.main."""
+    return lambda *args: run_cli(capsys, *args)
+
+
+@pytest.fixture(scope="session")
+def hf_model(tmp_path_factory):
+    """hf_model(family) -> HFModel saved by transformers (made once per session and family)."""
+    pytest.importorskip("transformers")
+    cache: dict = {}
+    root = tmp_path_factory.mktemp("hf")
+
+    def get(family: str, **overrides):
+        key = (family, tuple(sorted(overrides.items())))
+        if key not in cache:
+            name = family + "".join(f"-{k}{v}" for k, v in sorted(overrides.items()))
+            cache[key] = save_hf_model(family, root / name, **overrides)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """tiny(family, **make_tiny_checkpoint kwargs) -> Path, made once per session and arguments.
+
+    Defaults: 2 layers (3 for DeepSeek: the first is dense), 4 experts (8 for DeepSeek, whose
+    routers use 4 groups), hidden 256, intermediate 128, top-2, bf16, 2 shards."""
+    from moetool.tiny import make_tiny_checkpoint
+
+    cache: dict = {}
+    root = tmp_path_factory.mktemp("tiny")
+
+    def get(family: str = "mixtral", **kw):
+        deepseek = family.startswith("deepseek")
+        args = dict(hidden=256, intermediate=128, experts=8 if deepseek else 4, top_k=1 if family == "llama4" else 2,
+                    layers=3 if deepseek else 2, shards=2)
+        args.update(kw)
+        key = (family, tuple(sorted((k, str(v)) for k, v in args.items())))
+        if key not in cache:
+            path = root / f"{family}-{len(cache)}"
+            cache[key] = make_tiny_checkpoint(path, family, **args)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture
+def copy_ckpt(tmp_path):
+    """copy_ckpt(src) -> a private copy under tmp_path (for tests that damage a checkpoint)."""
+    counter = [0]
+
+    def copy(src: Path) -> Path:
+        counter[0] += 1
+        dst = tmp_path / f"ckpt{counter[0]}"
+        shutil.copytree(src, dst)
+        return dst
+
+    return copy

@@ -1,0 +1,198 @@
+"""Helpers shared by the checkpoint / quantize / repack / shard tests (plain functions; the
+fixtures that use them are in conftest.py).
+
+Two independent producers of tiny MoE checkpoints:
+- ``save_hf_model``: a random transformers model saved with ``save_pretrained`` (float32, the
+  family's real on-disk names), with the model's own in-memory weights kept for comparison;
+- ``moetool.tiny.make_tiny_checkpoint``: our synthetic writer.
+Shapes keep hidden H != 2N (N = expert intermediate) so a transposed or half-swapped fused
+tensor cannot pass a shape check by accident.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+H, N = 32, 24  # hidden, expert intermediate of the transformers-made models (2N = 48 != H)
+
+
+@dataclass
+class CliResult:
+    code: int
+    out: str
+    err: str
+
+    @property
+    def error_line(self) -> str:
+        """The one ``error: ...`` line (asserts there is exactly one line on stderr)."""
+        lines = [l for l in self.err.splitlines() if l.strip()]
+        assert len(lines) == 1, f"expected one error line, got: {self.err!r}"
+        assert lines[0].startswith("error: "), lines[0]
+        return lines[0][len("error: "):]
+
+
+def run_cli(capsys, *args) -> CliResult:
+    """``moetool ARGS`` in-process through the real entry point (error table included)."""
+    from moetool.cli import main
+
+    capsys.readouterr()
+    code = 0
+    try:
+        main([str(a) for a in args])
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    cap = capsys.readouterr()
+    return CliResult(code, cap.out, cap.err)
+
+
+# ------------------------------------------------------------------------------ files
+
+
+def tree_hashes(root: Path) -> dict[str, str]:
+    """{relative path: sha256} of every file under root."""
+    root = Path(root)
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def read_tensors(root: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every safetensors file directly in ``root``."""
+    out: dict[str, torch.Tensor] = {}
+    for p in sorted(Path(root).glob("*.safetensors")):
+        with safe_open(str(p), "pt") as f:
+            for k in f.keys():
+                assert k not in out, f"{k} stored twice"
+                out[k] = f.get_tensor(k)
+    return out
+
+
+def tensor_files(root: Path) -> dict[str, str]:
+    """{tensor name: file name} from the safetensors headers in ``root``."""
+    out = {}
+    for p in sorted(Path(root).glob("*.safetensors")):
+        with safe_open(str(p), "pt") as f:
+            out.update({k: p.name for k in f.keys()})
+    return out
+
+
+def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes (NaN-safe, -0.0 != 0.0)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def rewrite_file(path: Path, mutate) -> None:
+    """Load one safetensors file, let ``mutate(dict)`` change it, save it back (and fix the
+    index of the folder so that it stays consistent with the new contents)."""
+    path = Path(path)
+    tensors = load_file(str(path))
+    before = set(tensors)
+    mutate(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    index = path.parent / "model.safetensors.index.json"
+    if index.is_file():
+        data = json.loads(index.read_text())
+        wm = data["weight_map"]
+        for gone in before - set(tensors):
+            wm.pop(gone, None)
+        for new in set(tensors) - before:
+            wm[new] = path.name
+        index.write_text(json.dumps(data))
+
+
+def file_of(root: Path, tensor: str) -> Path:
+    return Path(root) / tensor_files(root)[tensor]
+
+
+def raw_safetensors(header: dict, data: bytes) -> bytes:
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + data
+
+
+# ------------------------------------------------------------------------------ transformers models
+
+#: family -> (transformers config class name, kwargs); every one a 2-layer float32 model
+HF_CONFIGS = {
+    "mixtral": ("MixtralConfig", dict(intermediate_size=N, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(intermediate_size=64, moe_intermediate_size=N, shared_expert_intermediate_size=40,
+                                         num_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(intermediate_size=64, moe_intermediate_size=N, num_experts=4,
+                                         num_experts_per_tok=2, head_dim=8, norm_topk_prob=True)),
+    "deepseek_v2": ("DeepseekV2Config", dict(intermediate_size=64, moe_intermediate_size=N, first_k_dense_replace=1,
+                                             num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1,
+                                             num_experts_per_tok=2, topk_method="group_limited_greedy", n_group=2,
+                                             topk_group=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+                                             qk_nope_head_dim=8, v_head_dim=8)),
+    "deepseek_v3": ("DeepseekV3Config", dict(num_hidden_layers=3, intermediate_size=64, moe_intermediate_size=N,
+                                             first_k_dense_replace=1, num_key_value_heads=4, n_routed_experts=8,
+                                             n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+                                             q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                             v_head_dim=8)),
+    "olmoe": ("OlmoeConfig", dict(intermediate_size=N, num_key_value_heads=4, num_experts=4, num_experts_per_tok=2)),
+    "llama4": ("Llama4TextConfig", dict(intermediate_size=N, intermediate_size_mlp=64, num_local_experts=4,
+                                        num_experts_per_tok=1, head_dim=8, interleave_moe_layer_step=1)),
+    "gpt_oss": ("GptOssConfig", dict(intermediate_size=N, num_local_experts=4, num_experts_per_tok=2, head_dim=8)),
+}
+
+
+@dataclass
+class HFModel:
+    family: str
+    path: Path
+    state: dict[str, torch.Tensor]  # the model's own parameters (in-memory layout)
+    config: dict  # the saved config.json
+
+
+def save_hf_model(family: str, path: Path, *, dtype: torch.dtype = torch.float32, **overrides) -> HFModel:
+    import transformers
+
+    cls_name, kw = HF_CONFIGS[family]
+    args = dict(vocab_size=64, hidden_size=H, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    args.update(kw)
+    args.update(overrides)
+    cfg = getattr(transformers, cls_name)(**args)
+    torch.manual_seed(sum(map(ord, family)))
+    if family == "llama4":
+        model = transformers.Llama4ForCausalLM(cfg)
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    model = model.to(dtype)
+    with torch.no_grad():  # HF init leaves some tensors at 0/1; make every weight distinct
+        for name, p in model.named_parameters():
+            if p.dim() >= 1:
+                p.copy_(torch.randn_like(p) * (1 / p.shape[-1] ** 0.5))
+    model.save_pretrained(str(path))
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return HFModel(family, Path(path), state, json.loads((Path(path) / "config.json").read_text()))
+
+
+def hf_expert(model: HFModel, prefix: str, e: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(gate [N,H], up [N,H], down [H,N]) of expert e as the transformers module holds it.
+
+    transformers v5 keeps experts fused in memory: ``gate_up_proj`` [E, 2N, H] (gate half first)
+    and ``down_proj`` [E, H, N]; Llama-4 and gpt-oss are input-first ([E, H, 2N], [E, N, H]),
+    gpt-oss with gate/up columns interleaved. Older layouts hold per-expert modules."""
+    s = model.state
+    fused = f"{prefix}.experts.gate_up_proj"
+    if fused not in s:
+        names = ("w1", "w3", "w2") if model.family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+        return tuple(s[f"{prefix}.experts.{e}.{lin}.weight"] for lin in names)  # type: ignore[return-value]
+    gu, dn = s[fused][e], s[f"{prefix}.experts.down_proj"][e]
+    if model.family == "gpt_oss":
+        return gu[:, 0::2].t(), gu[:, 1::2].t(), dn.t()
+    if model.family == "llama4":
+        return gu[:, :n].t(), gu[:, n:].t(), dn.t()
+    return gu[:n], gu[n:], dn
+
+
+def python_exe() -> str:
+    return sys.executable

@@ -1,0 +1,351 @@
+"""Checkpoint reader: up-front validation, each failure one line ``error: ...`` and exit 2.
+
+Every bad input is made from a good tiny checkpoint (our writer, 2 shards + index) and run
+through the real CLI (``moetool inspect``), asserting the exact message.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from moetool.checkpoint import DTYPES, open_checkpoint, read_safetensors_header, resolve_source
+from moetool.errors import MoetoolError
+from moeutil import file_of, raw_safetensors, rewrite_file
+
+INDEX = "model.safetensors.index.json"
+SHARD1, SHARD2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+
+
+@pytest.fixture(scope="module")
+def good(tiny):
+    return tiny("qwen3_moe", hidden=64, intermediate=32, experts=4, layers=2)
+
+
+@pytest.fixture
+def bad(good, copy_ckpt):
+    return copy_ckpt(good)
+
+
+def test_good_checkpoint_opens(good, cli):
+    r = cli("inspect", good)
+    assert r.code == 0, r.err
+    with open_checkpoint(good) as ck:
+        assert ck.files == [SHARD1, SHARD2]
+        assert len(ck.tensors) == len(json.loads((good / INDEX).read_text())["weight_map"])
+        info = ck.info("model.layers.0.mlp.experts.1.up_proj.weight")
+        assert info.shape == (32, 64) and info.dtype == torch.bfloat16
+        # lazy slices read only what was asked, and agree with the whole tensor
+        assert torch.equal(ck.get_rows("lm_head.weight", 3), ck.get("lm_head.weight")[3])
+
+
+def test_missing_shard_named_in_index(bad, cli):
+    (bad / SHARD2).unlink()
+    r = cli("inspect", bad)
+    assert r.code == 2
+    assert r.error_line == f"{bad / SHARD2}: shard named in {INDEX} is missing"
+
+
+def test_shard_not_in_index(bad, cli):
+    (bad / "extra.safetensors").write_bytes((bad / SHARD2).read_bytes())
+    r = cli("inspect", bad)
+    assert r.code == 2
+    assert r.error_line == f"{bad / 'extra.safetensors'}: shard is not listed in {INDEX}"
+
+
+def test_truncated_safetensors(bad, cli):
+    path = bad / SHARD2
+    data = path.read_bytes()
+    path.write_bytes(data[:-100])
+    r = cli("inspect", bad)
+    assert r.code == 2
+    assert r.error_line == (f"{path}: truncated safetensors file: header says {len(data)} bytes, "
+                            f"file has {len(data) - 100}")
+
+
+def test_truncated_inside_the_header(bad, cli):
+    path = bad / SHARD1
+    path.write_bytes(path.read_bytes()[:40])
+    r = cli("inspect", bad)
+    assert r.code == 2
+    (n,) = struct.unpack("<Q", path.read_bytes()[:8])
+    assert r.error_line == f"{path}: corrupt or truncated safetensors header (header length {n}, file size 40)"
+
+
+def test_file_shorter_than_the_length_prefix(bad, cli):
+    path = bad / SHARD1
+    path.write_bytes(b"\x01\x02\x03")
+    r = cli("inspect", bad)
+    assert r.code == 2
+    assert r.error_line == f"{path}: truncated safetensors file (3 bytes, no header)"
+
+
+def test_corrupt_header(bad, cli):
+    path = bad / SHARD1
+    data = bytearray(path.read_bytes())
+    data[8:20] = b"#not json!#{"
+    path.write_bytes(bytes(data))
+    r = cli("inspect", bad)
+    assert r.code == 2
+    assert r.error_line == f"{path}: corrupt safetensors header (JSONDecodeError)"
+
+
+def test_header_entry_byte_range_wrong(bad, cli):
+    path = bad / "model.safetensors"
+    for f in (SHARD1, SHARD2, INDEX):
+        (bad / f).unlink()
+    header = {"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 12]}}
+    path.write_bytes(raw_safetensors(header, bytes(16)))
+    r = cli("inspect", bad)
+    assert r.code == 2
+    assert r.error_line == f"{path}: tensor w byte range 0..12 does not match shape [2, 2] F32"
+
+
+@pytest.mark.parametrize("entry", ["/etc/passwd", "../other/model.safetensors", "sub/../../x.safetensors"])
+def test_index_entry_must_be_relative(bad, cli, entry):
+    index = json.loads((bad / INDEX).read_text())
+    index["weight_map"]["lm_head.weight"] = entry
+    (bad / INDEX).write_text(json.dumps(index))
+    r = cli("inspect", bad)
+    assert r.code == 2
+    assert r.error_line == f"{bad / INDEX}: shard path {entry!r} must be a plain relative file name"
+
+
+def test_tensor_in_index_absent_from_its_shard(bad, cli):
+    index = json.loads((bad / INDEX).read_text())
+    index["weight_map"]["model.layers.0.mlp.experts.9.up_proj.weight"] = SHARD1
+    (bad / INDEX).write_text(json.dumps(index))
+    r = cli("inspect", bad)
+    assert r.code == 2
+    assert r.error_line == (f"{bad / SHARD1}: tensor model.layers.0.mlp.experts.9.up_proj.weight is listed in "
+                            f"{INDEX} but absent from its shard")
+
+
+def test_tensor_in_shard_missing_from_index(bad, cli):
+    index = json.loads((bad / INDEX).read_text())
+    shard = index["weight_map"].pop("lm_head.weight")
+    (bad / INDEX).write_text(json.dumps(index))
+    r = cli("inspect", bad)
+    assert r.code == 2
+    assert r.error_line == f"{bad / shard}: tensor lm_head.weight is not in {INDEX}"
+
+
+def test_tensor_indexed_under_the_other_shard(bad, cli):
+    index = json.loads((bad / INDEX).read_text())
+    shard = index["weight_map"]["lm_head.weight"]
+    other = SHARD1 if shard == SHARD2 else SHARD2
+    index["weight_map"]["lm_head.weight"] = other
+    (bad / INDEX).write_text(json.dumps(index))
+    r = cli("inspect", bad)
+    assert r.code == 2
+    assert r.error_line == f"{bad / shard}: tensor lm_head.weight is indexed under {other}"
+
+
+@pytest.mark.parametrize("dtype, nbytes", [("C64", 16), ("F4", 1), ("U64", 16), ("F8_E8M0", 2)])
+def test_dtype_outside_allowlist(bad, cli, dtype, nbytes):
+    for f in (SHARD1, SHARD2, INDEX):
+        (bad / f).unlink()
+    path = bad / "model.safetensors"
+    header = {"weird": {"dtype": dtype, "shape": [2], "data_offsets": [0, nbytes]}}
+    path.write_bytes(raw_safetensors(header, bytes(nbytes)))
+    r = cli("inspect", bad)
+    assert r.code == 2
+    assert r.error_line == f"{path}: tensor weird has dtype {dtype}, not one of {', '.join(DTYPES)}"
+
+
+class _Canary:
+    """Unpickling this creates a file: proof that a pickle was (or was not) loaded."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@pytest.mark.parametrize("name", ["pytorch_model.bin", "model.pt", "consolidated.00.pth"])
+def test_pickle_only_folder_is_refused_and_never_loaded(tmp_path, cli, good, name):
+    ckpt = tmp_path / "pickled"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text((good / "config.json").read_text())
+    canary = tmp_path / "UNPICKLED"
+    (ckpt / name).write_bytes(pickle.dumps({"w": _Canary(str(canary))}))
+    r = cli("inspect", ckpt)
+    assert r.code == 2
+    assert r.error_line == (f"{ckpt / name}: pickle checkpoints are refused (never loaded); "
+                            "convert the model to safetensors first")
+    assert not canary.exists()
+
+
+def test_pickles_next_to_safetensors_are_ignored(bad, cli, tmp_path):
+    canary = tmp_path / "UNPICKLED"
+    (bad / "pytorch_model.bin").write_bytes(pickle.dumps(_Canary(str(canary))))
+    r = cli("inspect", bad)
+    assert r.code == 0, r.err
+    assert not canary.exists()
+
+
+def test_unknown_architecture_lists_supported(bad, cli):
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["model_type"] = "llama"
+    (bad / "config.json").write_text(json.dumps(cfg))
+    r = cli("inspect", bad)
+    assert r.code == 2
+    msg = r.error_line
+    assert msg.startswith("config.json: unsupported architecture model_type='llama'; supported: ")
+    for fam in ("mixtral (mixtral)", "qwen2-moe (qwen2_moe)", "qwen3-moe (qwen3_moe)", "olmoe (olmoe)",
+                "deepseek-v2 (deepseek_v2)", "deepseek-v3 (deepseek_v3/kimi_k2)", "llama4 (llama4_text/llama4)",
+                "gpt-oss (gpt_oss)"):
+        assert fam in msg
+
+
+def test_missing_config(bad, cli):
+    (bad / "config.json").unlink()
+    r = cli("inspect", bad)
+    assert r.code == 2
+    assert r.error_line == f"{bad / 'config.json'}: not found (every checkpoint needs its config.json)"
+
+
+def test_invalid_config_json(bad, cli):
+    (bad / "config.json").write_text("{oops")
+    r = cli("inspect", bad)
+    assert r.code == 2
+    assert r.error_line.startswith(f"{bad / 'config.json'}: invalid JSON (")
+
+
+def test_missing_expert_tensor_names_the_expert(bad, cli):
+    name = "model.layers.1.mlp.experts.2.up_proj.weight"
+    rewrite_file(file_of(bad, name), lambda t: t.pop(name))
+    r = cli("inspect", bad)
+    assert r.code == 2
+    assert r.error_line == f"model.layers.1.mlp: expert 2 tensor model.layers.1.mlp.experts.2.up_proj.weight not found (4 experts expected)"
+
+
+def test_missing_router(bad, cli):
+    name = "model.layers.0.mlp.gate.weight"
+    rewrite_file(file_of(bad, name), lambda t: t.pop(name))
+    r = cli("inspect", bad)
+    assert r.code == 2
+    assert r.error_line == f"layer 0: router weight {name} not found"
+
+
+def test_router_shape_checked_against_config(bad, cli):
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["hidden_size"] = 96
+    (bad / "config.json").write_text(json.dumps(cfg))
+    r = cli("inspect", bad)
+    assert r.code == 2
+    assert r.error_line == "model.layers.0.mlp.gate.weight: shape [4, 64], expected [4, 96]"
+
+
+def test_no_safetensors_at_all(tmp_path, cli):
+    (tmp_path / "config.json").write_text("{}")
+    r = cli("inspect", tmp_path)
+    assert r.code == 2
+    assert r.error_line == f"{tmp_path}: no .safetensors files found"
+
+
+def test_several_files_without_index(bad, cli):
+    (bad / INDEX).unlink()
+    (bad / SHARD1).rename(bad / "model.safetensors")
+    r = cli("inspect", bad)
+    assert r.code == 2
+    assert r.error_line == f"{bad}: has model.safetensors and other .safetensors files but no {INDEX}"
+
+
+def test_source_is_a_file(good, cli):
+    r = cli("inspect", good / "config.json")
+    assert r.code == 2
+    assert r.error_line == f"{good / 'config.json'}: a checkpoint must be a folder (or a Hub repo id), not a file"
+
+
+def test_neither_folder_nor_repo_id(cli, tmp_path):
+    r = cli("inspect", tmp_path / "nope")
+    assert r.code == 2
+    assert r.error_line == f"{tmp_path / 'nope'}: no such folder, and not a Hub repo id of the form owner/name"
+
+
+def test_revision_on_local_folder(good, cli):
+    r = cli("inspect", good, "--revision", "main")
+    assert r.code == 2
+    assert r.error_line == f"--revision applies to Hub repo ids, but {good} is a local folder"
+
+
+def test_header_reader_never_reads_data(tmp_path):
+    """Only the header is parsed: a file whose data region is garbage still lists its tensors."""
+    path = tmp_path / "x.safetensors"
+    header = {"a": {"dtype": "BF16", "shape": [3, 4], "data_offsets": [0, 24]},
+              "__metadata__": {"format": "pt"}}
+    path.write_bytes(raw_safetensors(header, os.urandom(24)))
+    start, infos, meta = read_safetensors_header(path)
+    assert meta == {"format": "pt"}
+    assert infos["a"].shape == (3, 4) and infos["a"].dtype == torch.bfloat16
+    assert infos["a"].begin == start and infos["a"].end == start + 24
+
+
+# ------------------------------------------------------------------------------ Hub repo ids
+
+
+@pytest.fixture
+def hub_home(tmp_path, monkeypatch):
+    """An empty HF cache, offline; huggingface_hub's constants follow the env at call time."""
+    hf = pytest.importorskip("huggingface_hub")
+    home = tmp_path / "hf_home"
+    home.mkdir()
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True, raising=False)
+    monkeypatch.setattr(constants, "HF_HOME", str(home), raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"), raising=False)
+    monkeypatch.setattr(constants, "HUGGINGFACE_HUB_CACHE", str(home / "hub"), raising=False)
+    return home
+
+
+def test_hub_repo_offline_with_empty_cache(hub_home, cli):
+    r = cli("inspect", "someone/tiny-moe")
+    assert r.code == 2
+    assert r.error_line == ("someone/tiny-moe: not in the local Hugging Face cache and the Hub cannot be reached "
+                            "(HF_HUB_OFFLINE?)")
+
+
+def test_hub_repo_offline_in_a_subprocess(tmp_path):
+    """The same through the installed entry point with only environment variables set."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
+    p = subprocess.run([sys.executable, "-m", "moetool", "inspect", "someone/tiny-moe"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert p.stderr.strip() == ("error: someone/tiny-moe: not in the local Hugging Face cache and the Hub cannot "
+                                "be reached (HF_HUB_OFFLINE?)")
+
+
+def test_hub_repo_found_in_local_cache(hub_home, good, cli):
+    """A repo laid out as huggingface_hub caches it is found offline, by branch or by commit."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = hub_home / "hub" / "models--someone--tiny-moe"
+    snap = repo / "snapshots" / commit
+    snap.mkdir(parents=True)
+    for p in good.iterdir():
+        (snap / p.name).write_bytes(p.read_bytes())
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    assert resolve_source("someone/tiny-moe") == snap
+    r = cli("inspect", "someone/tiny-moe", "--json")
+    assert r.code == 0, r.err
+    assert json.loads(r.out)["architecture"] == "qwen3-moe"
+    r = cli("inspect", "someone/tiny-moe", "--revision", commit, "--json")
+    assert r.code == 0, r.err
+
+
+def test_errors_are_moetool_errors(tmp_path):
+    with pytest.raises(MoetoolError, match="no such folder"):
+        open_checkpoint(tmp_path / "missing")
