@@ -78,28 +78,53 @@ class Fp8Block(WeightFormat):
 
     def dequantize(self, t: Tensors) -> torch.Tensor:
         n, k = self.logical_shape(t)
+        halves = self._halves(t)
+        if halves:
+            return torch.cat([self.dequantize(h) for h in halves])
         return t["weight"].float() * expand_block_scales(t["weight_scale_inv"], n, k)
 
     def logical_shape(self, t: Tensors) -> tuple[int, int]:
-        """Also checks that the tensors are complete and consistent."""
+        """Also checks that the tensors are complete and consistent.
+
+        Besides one linear, a w13 of two equal halves whose N is not a multiple of 128 is
+        accepted (vLLM's stacked layout: gate scales, then up scales, 2*ceil(N/128) rows)."""
         check_suffixes(self.name, t, self.suffixes)
         weight = t["weight"]
         if weight.dim() != 2:
             raise MoetoolError(f"weight is not 2-D: shape {list(weight.shape)}")
         n, k = weight.shape
         check_tensor(t, "weight", (n, k), [torch.float8_e4m3fn])
-        check_tensor(
-            t, "weight_scale_inv", (ceil_div(n, BLOCK), ceil_div(k, BLOCK)), [torch.float32]
-        )
+        rows = ceil_div(n, BLOCK)
+        if n % 2 == 0 and t["weight_scale_inv"].dim() == 2 and t["weight_scale_inv"].shape[0] == 2 * ceil_div(n // 2, BLOCK):
+            rows = 2 * ceil_div(n // 2, BLOCK)
+        check_tensor(t, "weight_scale_inv", (rows, ceil_div(k, BLOCK)), [torch.float32])
         return n, k
 
+    def _halves(self, t: Tensors) -> list[Tensors] | None:
+        """The two halves of a w13 stored with per-half scale rows (N/2 not a multiple of 128)."""
+        n = t["weight"].shape[0]
+        if n % 2 or (n // 2) % BLOCK == 0 or t["weight_scale_inv"].shape[0] == ceil_div(n, BLOCK):
+            return None
+        h, r = n // 2, ceil_div(n // 2, BLOCK)
+        return [{"weight": t["weight"][:h], "weight_scale_inv": t["weight_scale_inv"][:r]},
+                {"weight": t["weight"][h:], "weight_scale_inv": t["weight_scale_inv"][r:]}]
+
     def cat_rows(self, parts: list[Tensors]) -> Tensors:
-        """Every part but the last needs N % 128 == 0 (a scale block cannot span two parts)."""
+        """Every part but the last needs N % 128 == 0 (a scale block cannot span two parts),
+        except two parts of equal N (gate + up = w13): their scale rows are stacked as they are,
+        as vLLM's w13_weight_scale_inv [2*ceil(N/128), ceil(K/128)]."""
         rows = [self.logical_shape(part)[0] for part in parts]
+        if len(parts) == 2 and rows[0] == rows[1] and rows[0] % BLOCK:
+            return {s: torch.cat([p[s] for p in parts]) for s in self.suffixes}
         return cat_row_blocked(self.name, parts, rows, _ROW_BLOCKS)
 
     def split_rows(self, t: Tensors, sizes: list[int]) -> list[Tensors]:
         n, _ = self.logical_shape(t)
+        halves = self._halves(t)
+        if halves is not None:
+            if list(sizes) != [n // 2, n // 2]:
+                raise MoetoolError(f"{self.name}: a w13 of two {n // 2}-row halves cannot be split into {sizes}")
+            return [{s: v.clone() for s, v in h.items()} for h in halves]
         return split_row_blocked(self.name, t, n, sizes, _ROW_BLOCKS)
 
     def quantization_config(self, ignore: list[str]) -> dict | None:
