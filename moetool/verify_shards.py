@@ -29,15 +29,18 @@ from moetool.spec import LocalExperts
 
 #: Pass thresholds per shard format, for the whole layer (relative error of the distributed
 #: output against the fp32 reference from the unquantized checkpoint) and for a single expert
-#: on the probe batch. Measured on the tiny models of the test suite and the GPU runs in
-#: docs/perf.md (worst seen: fp8 0.031 / 0.035, int4 g128 0.12 / 0.14, bf16 shards of an fp32
-#: checkpoint 0.003 / 0.003) with margin; an injected fault (swapped experts, doubled scale,
-#: swapped gate/up) gives 0.3 - 1.5.
+#: alone on the probe batch (its gate, up and down errors compound, so it is looser).
+#: Measured with `moetool demo --format F` (bf16 DeepSeek-V3-style model, H 256, N 192, 16
+#: experts, fp8 activations on the wire for fp8-block): layer / worst expert
+#:   fp8-block 0.047 / 0.050, fp8-channel 0.036 / 0.048, int4-group g64 0.149 / 0.199
+#:   (g128 on the test models: 0.17 / 0.23), bf16 shards 0.002 / 0.000.
+#: Limits are those plus margin; an injected fault (swapped experts, a doubled scale, swapped
+#: gate/up halves) gives 0.5 - 1.5 on the expert and fails.
 THRESHOLDS: dict[str, dict[str, float]] = {
     "dense": {"rel_err": 0.01, "expert_rel_err": 0.01},
-    "fp8-block": {"rel_err": 0.06, "expert_rel_err": 0.07},
-    "fp8-channel": {"rel_err": 0.06, "expert_rel_err": 0.07},
-    "int4-group": {"rel_err": 0.2, "expert_rel_err": 0.25},
+    "fp8-block": {"rel_err": 0.08, "expert_rel_err": 0.09},
+    "fp8-channel": {"rel_err": 0.08, "expert_rel_err": 0.09},
+    "int4-group": {"rel_err": 0.25, "expert_rel_err": 0.35},
 }
 PROBE_TOKENS = 32
 
