@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -407,6 +408,46 @@ def build_report(shards: EPShards, ref_ckpt, spec, ref_reader: ExpertReader, opt
                                    worst[2], not reasons, "; ".join(reasons), timing, moved))
     options = {**asdict(opts), "backend": backend, "layers": layer_ids}
     return VerifyReport(str(shards.root), str(ref_ckpt.root), shards.manifest["format"], options, th, reports)
+
+
+def under_torchrun() -> bool:
+    """Started by torchrun (or any launcher that sets the env:// variables)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+
+
+def _torchrun_rank(rank: int, world_size: int, jobs) -> list | None:
+    import torch.distributed as dist
+
+    res = _rank_jobs(rank, world_size, jobs)
+    gathered = [None] * world_size if rank == 0 else None
+    dist.gather_object(res, gathered, dst=0)
+    return gathered
+
+
+def verify_torchrun(shards_dir, ref, opts: VerifyOptions, *, revision: str | None = None) -> VerifyReport | None:
+    """``moetool verify`` inside a torchrun launch (one process per rank, any number of nodes).
+
+    Every rank loads its own shard; rank 0 gathers the outputs, computes the reference and
+    returns the report; the other ranks return None."""
+    from moetool.verify.launch import run_under_torchrun
+
+    shards = EPShards(Path(shards_dir), check=False)
+    world = int(os.environ.get("WORLD_SIZE", "0"))
+    if world != opts.ep:
+        raise MoetoolError(f"--ep {opts.ep}: torchrun started {world} processes; they must match")
+    check_options(opts, shards)
+    check_files_present(shards)
+    layer_ids = list(opts.layers) if opts.layers else [int(l["layer"]) for l in shards.manifest["layers"]]
+    backend = opts.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    gathered = run_under_torchrun(_torchrun_rank, ([(str(shards.root), opts, layer_ids)],), backend=backend,
+                                  collective_timeout_s=opts.timeout_s)
+    if gathered is None:
+        return None
+    with open_checkpoint(ref, revision) as ref_ckpt:
+        spec = describe(ref_ckpt.config, ref_ckpt.tensors)
+        _layers_to_check(shards, spec, VerifyOptions(**{**asdict(opts), "layers": tuple(layer_ids)}))
+        return build_report(shards, ref_ckpt, spec, ExpertReader(ref_ckpt, spec), opts, backend, layer_ids,
+                            [g[0] for g in gathered])
 
 
 def save_json(report: VerifyReport, path: Path) -> None:

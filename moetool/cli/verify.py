@@ -9,7 +9,7 @@ import typer
 from moetool.cli import app
 from moetool.cli.options import Json, Revision
 from moetool.errors import MoetoolError
-from moetool.verify_shards import VerifyOptions, raise_if_failed, verify
+from moetool.verify_shards import VerifyOptions, raise_if_failed, under_torchrun, verify, verify_torchrun
 
 
 def parse_layers(text: str | None) -> tuple[int, ...] | None:
@@ -47,10 +47,18 @@ def verify_cmd(
     revision: Revision = None,
 ) -> None:
     """Run the shards through dispatch -> experts -> combine on EP ranks and compare each layer
-    with the unquantized reference. Exit status 1 when any layer fails."""
+    with the unquantized reference. Exit status 1 when any layer fails.
+
+    Single node: spawns one process per rank itself. Multi-node: run it under torchrun
+    (`torchrun --nnodes ... --nproc-per-node ... -m moetool verify ...`)."""
     opts = VerifyOptions(dp=dp, ep=ep, dispatch=dispatch, experts=experts, tokens=tokens, layers=parse_layers(layers),
                          backend=backend, chunk_size=chunk_size, seed=seed, max_rel_err=max_rel_err,
                          max_expert_rel_err=max_expert_rel_err, timeout_s=timeout, warmup=warmup)
-    report = verify(shards, ref, opts, revision=revision)
+    if under_torchrun():
+        report = verify_torchrun(shards, ref, opts, revision=revision)
+        if report is None:  # not rank 0: rank 0 prints the report
+            return
+    else:
+        report = verify(shards, ref, opts, revision=revision)
     typer.echo(json.dumps(report.to_json(), indent=2) if json_out else report.render())
     raise_if_failed(report)
