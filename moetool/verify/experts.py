@@ -159,6 +159,7 @@ class TritonExperts(ExpertsBackend):
         self._w13 = {k: v.to(device) for k, v in local.w13.items()}
         self._w2 = {k: v.to(device) for k, v in local.w2.items()}
         self._fmt_name = local.fmt.name
+        self._group_size = getattr(local.fmt, "group_size", 128)  # int4-group's g
         self._num_slots = len(local.slot_to_global)
         self._bound = local
 
@@ -174,7 +175,8 @@ class TritonExperts(ExpertsBackend):
         if local_ids.shape[0] == 0:
             return torch.zeros(0, hidden.shape[1], dtype=torch.float32, device=hidden.device)
         return fused_experts(hidden, self._w13, self._w2, self._fmt_name, local_ids, topk_weights,
-                             hidden_scale=hidden_scale, apply_router_weight=True).float()
+                             hidden_scale=hidden_scale, apply_router_weight=True,
+                             group_size=self._group_size).float()
 
 
 EXPERTS: dict[str, type[ExpertsBackend]] = {"torch": TorchExperts, "triton": TritonExperts}

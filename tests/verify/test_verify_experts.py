@@ -33,7 +33,8 @@ class CountingFormat:
 def _setup(fmt="dense"):
     layer = vw.make_layer("softmax")
     placement = vw.linear_placement(8, 2)
-    local = vw.local_experts(layer, placement, 1, fmt)  # experts 4..7 in slots 0..3
+    params = {"group_size": 8} if fmt == "int4-group" else {}  # 8 divides H = 136 and N = 32
+    local = vw.local_experts(layer, placement, 1, fmt, **params)  # experts 4..7 in slots 0..3
     return layer, local
 
 
@@ -84,7 +85,7 @@ def test_torch_experts_reject_out_of_range_ids_and_bad_shapes():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton kernels need CUDA")
-@pytest.mark.parametrize("fmt", ["dense", "fp8-block"])
+@pytest.mark.parametrize("fmt", ["dense", "fp8-block", "fp8-channel", "int4-group"])
 def test_triton_experts_match_torch_experts(fmt):
     pytest.importorskip("moetool.kernels.fused_moe")
     _, local = _setup(fmt)
@@ -99,7 +100,8 @@ def test_triton_experts_match_torch_experts(fmt):
     tri.bind(local, dev)
     want = ref.apply(x, None, ids, w, counts)
     got = tri.apply(x, None, ids, w, counts)
-    assert float((got - want).norm() / want.norm()) < 1e-2
+    # same weights; fp8-block also quantizes the activations inside the kernel
+    assert float((got - want).norm() / want.norm()) < (0.05 if fmt == "fp8-block" else 1e-2)
 
 
 def test_pack_rows_round_trip_including_fp8_and_empty():

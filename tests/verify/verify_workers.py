@@ -10,7 +10,7 @@ import torch
 from moetool.formats import get_format
 from moetool.spec import ExpertPlacement, LocalExperts, RouterSpec
 from moetool.verify.dispatch import Topology, get_dispatcher
-from moetool.verify.experts import ExpertsBackend, TorchExperts
+from moetool.verify.experts import ExpertsBackend, TorchExperts, TritonExperts
 from moetool.verify.layer import run_moe_layer
 
 #: H > 128 and not a multiple of it: two fp8 activation groups, the second partial
@@ -104,9 +104,9 @@ def linear_placement(E: int, R: int, extra: dict[int, list[int]] | None = None) 
 
 
 def local_experts(layer: dict, placement: ExpertPlacement, rank: int, fmt_name: str = "dense",
-                  dtype: torch.dtype = torch.float32) -> LocalExperts:
+                  dtype: torch.dtype = torch.float32, **fmt_params) -> LocalExperts:
     """Rank ``rank``'s experts in ``fmt_name``, stacked as a shard holds them."""
-    fmt = get_format(fmt_name)
+    fmt = get_format(fmt_name, **fmt_params)
     slots = placement.slots[rank]
     w13s, w2s = [], []
     for e in slots:
@@ -142,7 +142,7 @@ def run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
                            case.get("shared_gate", False))
         E = layer["gate"].shape[0]
         placement = linear_placement(E, world, case.get("extra"))
-        local = local_experts(layer, placement, rank, case.get("fmt", "dense"))
+        local = local_experts(layer, placement, rank, case.get("fmt", "dense"), **case.get("fmt_params", {}))
         swap = case.get("swap")
         if swap and swap[0] == rank:  # a shard with two experts exchanged
             _, a, b = swap
@@ -157,7 +157,12 @@ def run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
         x = group_tokens(make_tokens(sum(sizes), case.get("seed", 0) + 1, case.get("probe", False)),
                          sizes, topo.group_index)
         dispatcher = get_dispatcher(case["dispatcher"], topo)
-        experts = ProbeExperts() if case.get("probe") else TorchExperts(reduce=case.get("reduce", True))
+        if case.get("probe"):
+            experts = ProbeExperts()
+        elif case.get("experts") == "triton":
+            experts = TritonExperts()
+        else:
+            experts = TorchExperts(reduce=case.get("reduce", True))
         y, stats = run_moe_layer(x, layer["gate"], layer["bias"], layer["spec"], local, placement,
                                  layer["shared"], dispatcher, experts, case.get("chunk_size", 4096))
         results.append({"y": y, "stats": stats})
