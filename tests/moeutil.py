@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -182,11 +181,14 @@ def hf_expert(model: HFModel, prefix: str, e: int, n: int) -> tuple[torch.Tensor
     and ``down_proj`` [E, H, N]; Llama-4 and gpt-oss are input-first ([E, H, 2N], [E, N, H]),
     gpt-oss with gate/up columns interleaved. Older layouts hold per-expert modules."""
     s = model.state
-    fused = f"{prefix}.experts.gate_up_proj"
+    layer = prefix.split(".layers.")[1].split(".")[0]
+    # in memory the MoE module may have another name than on disk (Mixtral: mlp vs block_sparse_moe)
+    fused = next((k for k in s if k.startswith(f"model.layers.{layer}.") and k.endswith(".experts.gate_up_proj")),
+                 f"{prefix}.experts.gate_up_proj")
     if fused not in s:
         names = ("w1", "w3", "w2") if model.family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
         return tuple(s[f"{prefix}.experts.{e}.{lin}.weight"] for lin in names)  # type: ignore[return-value]
-    gu, dn = s[fused][e], s[f"{prefix}.experts.down_proj"][e]
+    gu, dn = s[fused][e], s[fused.replace("gate_up_proj", "down_proj")][e]
     if model.family == "gpt_oss":
         return gu[:, 0::2].t(), gu[:, 1::2].t(), dn.t()
     if model.family == "llama4":
@@ -194,5 +196,8 @@ def hf_expert(model: HFModel, prefix: str, e: int, n: int) -> tuple[torch.Tensor
     return gu[:n], gu[n:], dn
 
 
-def python_exe() -> str:
-    return sys.executable
+def hf_param(model: HFModel, disk_name: str) -> torch.Tensor:
+    """A non-expert parameter by its on-disk name (Mixtral's block_sparse_moe is mlp in memory)."""
+    if disk_name in model.state:
+        return model.state[disk_name]
+    return model.state[disk_name.replace(".block_sparse_moe.", ".mlp.")]
