@@ -252,6 +252,12 @@ class Planner:
                 raise MoetoolError(f"{st.gate_up}: experts with biases (gpt-oss) cannot be converted yet; inspect only")
             if st.kind != "per-expert":
                 continue
+            for e in range(layer.n_stored):  # every linear has all of the format's tensors
+                for base in st.per_expert_bases(e):
+                    missing = [s for s in src.in_fmt.suffixes if f"{base}.{s}" not in ckpt.tensors]
+                    if missing:
+                        raise MoetoolError(f"{base}.{missing[0]}: not found (expert {e} of layer {layer.index}; "
+                                           f"{src.in_fmt.name} stores {', '.join(src.in_fmt.suffixes)})")
             for r, _ in enumerate(ROLES):
                 ref_base = st.per_expert_bases(0)[r]
                 want = {s: (ckpt.tensors[f"{ref_base}.{s}"].dtype, ckpt.tensors[f"{ref_base}.{s}"].shape)
