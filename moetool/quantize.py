@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import Literal
 
+import torch
+
 from moetool.arch import ModelSpec, describe
 from moetool.checkpoint import Checkpoint, open_checkpoint
 from moetool.convert import (
@@ -36,6 +38,7 @@ from moetool.formats.base import WeightFormat
 from moetool.writer import OutputDir, TensorSpec
 
 Layout = Literal["per-expert", "stacked"]
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 QUANTIZED_ONLY_SUFFIXES = {"weight_scale_inv", "weight_scale", "weight_packed", "weight_shape", "weight_zero_point",
                            "input_scale", "weight_global_scale"}
 
@@ -102,6 +105,11 @@ def non_expert_groups(src: Source, *, include_shared: bool) -> tuple[list[Group]
             continue
         quantized_linear = suffix in QUANTIZED_ONLY_SUFFIXES or (
             suffix == "weight" and any(f"{base}.{s}" in ckpt for s in QUANTIZED_ONLY_SUFFIXES))
+        if suffix == "weight" and not quantized_linear and info.dtype in FP8_DTYPES:
+            # an fp8 weight whose scale partner is missing: never pass it through unscaled
+            scales = [s for s in src.in_fmt.suffixes if s != "weight"] or ["weight_scale_inv"]
+            raise MoetoolError(f"{name}: {str(info.dtype).replace('torch.', '')} weight without its scale "
+                               f"({', '.join(f'{base}.{s}' for s in scales)} not found)")
         if quantized_linear and not src.passthrough:
             if base not in bases_done:
                 bases_done.add(base)
