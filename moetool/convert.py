@@ -250,6 +250,16 @@ class Planner:
             st = layer.storage
             if st.gate_up_bias or st.down_bias:
                 raise MoetoolError(f"{st.gate_up}: experts with biases (gpt-oss) cannot be converted yet; inspect only")
+            if st.kind == "stacked":  # every stacked tensor of the format, one slice per stored expert
+                for base in (st.gate_up, st.down):
+                    for s in src.in_fmt.suffixes:
+                        info = ckpt.tensors.get(f"{base}_{s}")
+                        if info is None:
+                            raise MoetoolError(f"{base}_{s}: not found (layer {layer.index}; {src.in_fmt.name} "
+                                               f"stores {', '.join(src.in_fmt.suffixes)})")
+                        if not info.shape or info.shape[0] != layer.n_stored:
+                            raise MoetoolError(f"{base}_{s}: shape {list(info.shape)}, expected {layer.n_stored} "
+                                               f"experts in its first dimension")
             if st.kind != "per-expert":
                 continue
             for e in range(layer.n_stored):  # every linear has all of the format's tensors
