@@ -111,7 +111,7 @@ def local_experts(layer: dict, placement: ExpertPlacement, rank: int, fmt_name: 
     w13s, w2s = [], []
     for e in slots:
         g, u, d = layer["experts"][e]
-        w13s.append(fmt.quantize(torch.cat([g, u]), dtype))
+        w13s.append(fmt.cat_rows([fmt.quantize(g, dtype), fmt.quantize(u, dtype)]))  # gate rows, then up
         w2s.append(fmt.quantize(d, dtype))
 
     def stack(ts):
