@@ -273,6 +273,10 @@ def describe(config: dict, tensors: dict, stored_experts: dict[int, int] | None 
     """
     family = family_for(config)
     cfg = text_config(config)
+    ep = config.get("moetool_ep")
+    if stored_experts is None and isinstance(ep, dict) and isinstance(ep.get("stored_experts"), dict):
+        # one rank folder of ``moetool shard``: it stores only its local slots
+        stored_experts = {int(k): int(v) for k, v in ep["stored_experts"].items()}
     names = set(tensors)
     hidden = int(_get(cfg, ("hidden_size",), "hidden_size"))
     num_experts = int(_get(cfg, family.num_experts, "expert count"))
