@@ -170,18 +170,20 @@ def merge(shards_dir, out, *, layout: Layout | None = None, max_shard_size: int 
         for layer in src0.spec.moe_layers:
             p = shards.placements[layer.index]
             primary = [p.replicas[e][0] for e in range(layer.num_experts)]
+            # a fused source (gate_up_proj / down_proj) comes back per-expert, in the fused tensors' file
+            fused_home = tensor_files.get(f"{layer.prefix}.experts.gate_up_proj", "")
             if out_layout == "stacked":
                 for which in ("w13", "w2"):
                     base = f"{layer.prefix}.experts.{which}"
                     groups.append(Stacked(layer.index, which, tuple(s for _, s in primary), base,
                                           sources=tuple(r for r, _ in primary)))
-                    homes.append(tensor_files.get(f"{base}_weight", tensor_files.get(f"{base}_weight_packed", "")))
+                    homes.append(tensor_files.get(f"{base}_weight", tensor_files.get(f"{base}_weight_packed", fused_home)))
                 continue
             for e, (r, slot) in enumerate(primary):
                 for k, role in enumerate(ROLES):
                     base = f"{layer.prefix}.experts.{e}.{lin_names[k]}"
                     groups.append(ExpertLinear(layer.index, slot, role, base, source=r))
-                    homes.append(tensor_files.get(f"{base}.weight", tensor_files.get(f"{base}.weight_packed", "")))
+                    homes.append(tensor_files.get(f"{base}.weight", tensor_files.get(f"{base}.weight_packed", fused_home)))
         order = {f: i for i, f in enumerate(dict.fromkeys(sorted(set(tensor_files.values()))))}
         idx = sorted(range(len(groups)), key=lambda i: order.get(homes[i], len(order)))
         groups, homes = [groups[i] for i in idx], [homes[i] for i in idx]
