@@ -1,0 +1,183 @@
+"""The streaming safetensors writer and atomic, resumable output folders."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from moetool.checkpoint import DTYPES, open_checkpoint, read_safetensors_header
+from moetool.errors import MoetoolError
+from moetool.writer import (
+    INCOMPLETE,
+    JOURNAL_NAME,
+    MANIFEST_NAME,
+    OutputDir,
+    TensorSpec,
+    sha256_file,
+    tensor_bytes,
+    verify_manifest,
+)
+from moeutil import bit_equal
+
+
+def specs_of(tensors: dict) -> list[TensorSpec]:
+    return [TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()]
+
+
+def sample(dtype: torch.dtype, shape=(3, 5)) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if dtype.is_floating_point:
+        return (torch.randn(shape, generator=g) * 3).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(max(info.min, -1000), min(info.max, 1000), shape, generator=g, dtype=torch.int64).to(dtype)
+
+
+def test_every_allowed_dtype_round_trips(tmp_path):
+    tensors = {f"t_{name}": sample(dt) for name, dt in DTYPES.items()}
+    tensors["empty"] = torch.zeros(0, 4, dtype=torch.bfloat16)
+    tensors["scalar"] = torch.tensor(3.5, dtype=torch.float32)
+    out = OutputDir(tmp_path / "o")
+    rec = out.write_safetensors("model.safetensors", specs_of(tensors), iter(tensors.items()), metadata={"format": "pt"})
+    path = tmp_path / "o" / "model.safetensors"
+    assert rec.sha256 == sha256_file(path) and rec.size == path.stat().st_size
+    loaded = load_file(str(path))  # the reference reader agrees
+    for name, t in tensors.items():
+        assert bit_equal(loaded[name].reshape(-1), t.reshape(-1)) and loaded[name].shape == t.shape, name
+    with safe_open(str(path), "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+    start, infos, _ = read_safetensors_header(path)
+    assert start % 8 == 0  # header padded to 8 bytes
+    assert set(infos) == set(tensors)
+
+
+def test_streams_a_tensor_in_several_chunks(tmp_path):
+    big = torch.arange(1000, dtype=torch.float32).reshape(10, 100)
+    small = torch.ones(7, dtype=torch.bfloat16)
+    chunks = [("big", big[i:i + 3]) for i in range(0, 10, 3)] + [("small", small)]
+    OutputDir(tmp_path).write_safetensors("x.safetensors", specs_of({"big": big, "small": small}), iter(chunks))
+    got = load_file(str(tmp_path / "x.safetensors"))
+    assert torch.equal(got["big"], big) and torch.equal(got["small"], small)
+
+
+def test_non_contiguous_tensors_are_written_in_logical_order(tmp_path):
+    t = torch.arange(12, dtype=torch.int32).reshape(3, 4).t()  # a transposed view
+    assert bytes(tensor_bytes(t)) == t.contiguous().numpy().tobytes()
+    OutputDir(tmp_path).write_safetensors("x.safetensors", specs_of({"t": t}), iter([("t", t)]))
+    assert torch.equal(load_file(str(tmp_path / "x.safetensors"))["t"], t)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("short", "x.safetensors: tensor data ended early (b)"),
+    ("long", "x.safetensors: tensor a got 32 bytes more than its shape [2, 2] holds"),
+    ("dtype", "x.safetensors: expected data of a (torch.float32), got a (torch.float16)"),
+    ("order", "x.safetensors: expected data of a (torch.float32), got b (torch.float32)"),
+    ("extra", "x.safetensors: unexpected extra tensor c"),
+])
+def test_wrong_data_is_an_error_and_leaves_no_final_file(tmp_path, case, message):
+    a, b = torch.ones(2, 2), torch.zeros(3)
+    specs = specs_of({"a": a, "b": b})
+    chunks = {
+        "short": [("a", a), ("b", b[:2])],
+        "long": [("a", torch.ones(4, 2))],
+        "dtype": [("a", a.half())],
+        "order": [("b", b), ("a", a)],
+        "extra": [("a", a), ("b", b), ("c", b)],
+    }[case]
+    out = OutputDir(tmp_path)
+    with pytest.raises(MoetoolError) as err:
+        out.write_safetensors("x.safetensors", specs, iter(chunks))
+    assert str(err.value) == message
+    assert not (tmp_path / "x.safetensors").exists()
+    assert (tmp_path / f"x.safetensors{INCOMPLETE}").exists()
+    assert "x.safetensors" not in json.loads((tmp_path / JOURNAL_NAME).read_text()).get("files", {}) \
+        if (tmp_path / JOURNAL_NAME).exists() else True
+
+
+def test_journal_resume_and_manifest(tmp_path):
+    t = {"w": torch.randn(4, 4)}
+    out = OutputDir(tmp_path / "o", plan_id="p1")
+    out.write_safetensors("a.safetensors", specs_of(t), iter(t.items()))
+    journal = json.loads((tmp_path / "o" / JOURNAL_NAME).read_text())
+    assert journal["plan_id"] == "p1" and set(journal["files"]) == {"a.safetensors"}
+    # same plan: the finished file is recognised; another plan: it is not
+    again = OutputDir(tmp_path / "o", plan_id="p1")
+    assert again.already_done("a.safetensors") and again.skipped == ["a.safetensors"]
+    assert not OutputDir(tmp_path / "o", plan_id="p2").already_done("a.safetensors")
+    # a modified file is not trusted
+    p = tmp_path / "o" / "a.safetensors"
+    data = bytearray(p.read_bytes())
+    data[-1] ^= 1
+    p.write_bytes(bytes(data))
+    assert not OutputDir(tmp_path / "o", plan_id="p1").already_done("a.safetensors")
+    # finish: manifest last, journal gone
+    out = OutputDir(tmp_path / "o", plan_id="p1")
+    out.write_safetensors("a.safetensors", specs_of(t), iter(t.items()))
+    out.write_json("config.json", {"x": 1})
+    manifest = out.finish({"kind": "checkpoint"})
+    assert set(manifest["files"]) == {"a.safetensors", "config.json"}
+    assert not (tmp_path / "o" / JOURNAL_NAME).exists()
+    assert verify_manifest(tmp_path / "o")["kind"] == "checkpoint"
+    with pytest.raises(MoetoolError, match="already holds a complete output"):
+        OutputDir(tmp_path / "o")
+    OutputDir(tmp_path / "o", force=True)  # --force: the manifest goes first
+    assert not (tmp_path / "o" / MANIFEST_NAME).exists()
+
+
+def test_verify_manifest_errors(tmp_path):
+    out = OutputDir(tmp_path)
+    out.write_json("a.json", {"a": 1})
+    out.write_json("b.json", {"b": 2})
+    out.finish()
+    (tmp_path / "a.json").write_text('{\n  "a": 2\n}\n')  # same size, other bytes
+    with pytest.raises(MoetoolError) as err:
+        verify_manifest(tmp_path)
+    assert str(err.value) == f"{tmp_path / 'a.json'}: sha256 does not match manifest.json (file modified or corrupt)"
+    (tmp_path / "b.json").write_text("{}")
+    with pytest.raises(MoetoolError, match=r"b.json: size 2 bytes, manifest says 13 \(truncated or modified\)$"):
+        verify_manifest(tmp_path, ["b.json"])
+    with pytest.raises(MoetoolError, match=r"no entry for c.json$"):
+        verify_manifest(tmp_path, ["c.json"])
+    (tmp_path / MANIFEST_NAME).unlink()
+    with pytest.raises(MoetoolError, match=r"no manifest.json \(output unfinished or not made by moetool\)$"):
+        verify_manifest(tmp_path)
+
+
+def test_nesting_refused(tmp_path):
+    (tmp_path / "in").mkdir()
+    with pytest.raises(MoetoolError, match="is inside the input"):
+        OutputDir(tmp_path / "in" / "out", inputs=[tmp_path / "in"])
+    with pytest.raises(MoetoolError, match="is inside the output"):
+        OutputDir(tmp_path, inputs=[tmp_path / "in"])
+    assert not (tmp_path / "in" / "out").exists()
+    OutputDir(tmp_path / "sibling", inputs=[tmp_path / "in"])
+
+
+def test_tiny_writer_output_is_a_valid_checkpoint(tmp_path):
+    from moetool.tiny import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path / "c", "mixtral", hidden=64, intermediate=48, experts=4, top_k=2,
+                                layers=2, shards=3)
+    assert not (path / MANIFEST_NAME).exists() and not (path / JOURNAL_NAME).exists()
+    with open_checkpoint(path) as ck:
+        assert len(ck.files) == 3
+        assert ck.config["num_local_experts"] == 4 and ck.config["intermediate_size"] == 48
+
+
+def test_plan_id_follows_inputs_and_options(tiny, tmp_path, copy_ckpt):
+    import os
+
+    from moetool.quantize import plan_id
+
+    src = copy_ckpt(tiny("mixtral", hidden=64, intermediate=32))
+    with open_checkpoint(src) as ck:
+        a = plan_id(ck, fmt="fp8-block")
+        assert a == plan_id(ck, fmt="fp8-block") != plan_id(ck, fmt="int4-group")
+        f = src / ck.files[0]
+        st = f.stat()
+        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+        assert plan_id(ck, fmt="fp8-block") != a
