@@ -116,6 +116,19 @@ def moe_align_block_size_ref(topk_ids: torch.Tensor, block_m: int, num_experts: 
 
 
 @triton.jit
+def _load_k(ptrs, even_mask, mask, EVEN_K: tl.constexpr):
+    """Load a tile whose K extent is whole (EVEN_K: only ``even_mask``, None = unmasked) or
+    ragged (``mask``, zero fill)."""
+    if EVEN_K:
+        if even_mask is None:
+            return tl.load(ptrs)
+        else:
+            return tl.load(ptrs, mask=even_mask, other=0.0)
+    else:
+        return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
 def _moe_gemm_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, b_zp_ptr, c_ptr, topk_weights_ptr,
     sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr,
@@ -125,7 +138,8 @@ def _moe_gemm_kernel(
     stride_se, stride_sn, stride_sk,
     stride_ze, stride_zn, stride_zk,
     stride_cm, stride_cn,
-    FMT: tl.constexpr, HAS_ZP: tl.constexpr, GROUP_TILE: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+    FMT: tl.constexpr, HAS_ZP: tl.constexpr, GROUP_TILE: tl.constexpr, EVEN_K: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -140,6 +154,8 @@ def _moe_gemm_kernel(
     FMT 3 int4-group (W4A16): B int32 [E, N, ceil(K/8)] nibbles, scale [E, N, ceil(K/g)],
           zero points [E, ceil(N/8), ceil(K/g)] (HAS_ZP); tile dequantized as (q - z) * s.
           GROUP_TILE: g % BLOCK_K == 0, so scales / zero points are loaded once per K tile.
+    EVEN_K: K % BLOCK_K == 0, no K masks. Weight rows are read modulo N (always in bounds, no
+    N masks on weight loads); the extra columns are dropped by the masked store.
     """
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(EM, BLOCK_M)
@@ -162,84 +178,76 @@ def _moe_gemm_kernel(
     m_mask = pair < num_valid
     pair64 = pair.to(tl.int64)
     a_rows = (pair // a_row_div).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output columns
     n_mask = offs_n < N
-    offs_n64 = offs_n.to(tl.int64)
+    offs_bn = offs_n % N  # weight rows, always in range: B loads need no N mask
+    offs_bn64 = offs_bn.to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     b_base = b_ptr + expert * stride_be
+    if FMT == 1:  # fp8-block weight scale row of each output row (gate / up blocks apart)
+        s_rows = tl.where(offs_bn < split_n, offs_bn // 128, split_nb + (offs_bn - split_n) // 128)
+        bs_base = b_scale_ptr + expert * stride_se + s_rows.to(tl.int64) * stride_sn  # [BN]
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k  # [BK]
         k_mask = kk < K
-        a = tl.load(
-            a_ptr + a_rows[:, None] * stride_am + kk[None, :] * stride_ak,
-            mask=m_mask[:, None] & k_mask[None, :], other=0.0,
-        )  # [BM, BK]
-        bk_mask = k_mask[:, None] & n_mask[None, :]
+        a = _load_k(a_ptr + a_rows[:, None] * stride_am + kk[None, :] * stride_ak,
+                    m_mask[:, None], m_mask[:, None] & k_mask[None, :], EVEN_K)  # [BM, BK]
         if FMT == 3:
-            words = tl.load(
-                b_base + offs_n64[None, :] * stride_bn + (kk // 8)[:, None] * stride_bk,
-                mask=bk_mask, other=0,
-            )  # [BK, BN] int32
-            q = (words >> ((kk % 8) * 4)[:, None]) & 0xF  # q + 8
+            # one load per int32 word (contiguous along K), then 8 nibbles each: k = 8 * w + i
+            kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # [BK/8]
+            words = _load_k(b_base + offs_bn64[None, :] * stride_bn + kw[:, None] * stride_bk,
+                            None, (kw < tl.cdiv(K, 8))[:, None], EVEN_K)  # [BK/8, BN] int32
+            shifts = tl.arange(0, 8) * 4
+            q = (words[:, None, :] >> shifts[None, :, None]) & 0xF  # [BK/8, 8, BN]: q + 8
+            q = tl.reshape(q, [BLOCK_K, BLOCK_N])  # padding nibbles past K give finite b, a = 0
             if GROUP_TILE:  # the K tile lies in one group: one scale / zero point per column
                 grp = k0 // group_k
-                s = tl.load(
-                    b_scale_ptr + expert * stride_se + offs_n64 * stride_sn + grp * stride_sk,
-                    mask=n_mask, other=0.0,
-                ).to(tl.float32)[None, :]
+                s = tl.load(b_scale_ptr + expert * stride_se + offs_bn64 * stride_sn + grp * stride_sk)
+                s = s.to(tl.float32)[None, :]
                 if HAS_ZP:
-                    zw = tl.load(
-                        b_zp_ptr + expert * stride_ze + (offs_n64 // 8) * stride_zn + grp * stride_zk,
-                        mask=n_mask, other=0,
-                    )
-                    q = q - ((zw >> ((offs_n % 8) * 4)) & 0xF)[None, :]  # (q + 8) - (z + 8)
+                    zw = tl.load(b_zp_ptr + expert * stride_ze + (offs_bn64 // 8) * stride_zn + grp * stride_zk)
+                    q = q - ((zw >> ((offs_bn % 8) * 4)) & 0xF)[None, :]  # (q + 8) - (z + 8)
                 else:
                     q = q - 8
             else:
                 grp = kk // group_k
                 s = tl.load(
-                    b_scale_ptr + expert * stride_se + offs_n64[None, :] * stride_sn + grp[:, None] * stride_sk,
-                    mask=bk_mask, other=0.0,
+                    b_scale_ptr + expert * stride_se + offs_bn64[None, :] * stride_sn + grp[:, None] * stride_sk,
+                    mask=k_mask[:, None], other=0.0,
                 ).to(tl.float32)
                 if HAS_ZP:
                     zw = tl.load(
-                        b_zp_ptr + expert * stride_ze + (offs_n64 // 8)[None, :] * stride_zn
+                        b_zp_ptr + expert * stride_ze + (offs_bn64 // 8)[None, :] * stride_zn
                         + grp[:, None] * stride_zk,
-                        mask=bk_mask, other=0,
+                        mask=k_mask[:, None], other=0,
                     )
-                    q = q - ((zw >> ((offs_n % 8) * 4)[None, :]) & 0xF)
+                    q = q - ((zw >> ((offs_bn % 8) * 4)[None, :]) & 0xF)
                 else:
                     q = q - 8
             b = (q.to(tl.float32) * s).to(DOT_DTYPE)
             acc += tl.dot(a.to(DOT_DTYPE), b, input_precision=PREC)
         elif FMT == 1:
-            b = tl.load(
-                b_base + offs_n64[None, :] * stride_bn + kk[:, None] * stride_bk, mask=bk_mask, other=0.0
-            )  # [BK, BN] e4m3
+            b = _load_k(b_base + offs_bn64[None, :] * stride_bn + kk[:, None] * stride_bk,
+                        None, k_mask[:, None], EVEN_K)  # [BK, BN] e4m3
             kb = k0 // 128
             a_s = tl.load(a_scale_ptr + a_rows * stride_asm + kb * stride_ask, mask=m_mask, other=0.0)
-            s_rows = tl.where(offs_n < split_n, offs_n // 128, split_nb + (offs_n - split_n) // 128)
-            b_s = tl.load(
-                b_scale_ptr + expert * stride_se + s_rows.to(tl.int64) * stride_sn + kb * stride_sk,
-                mask=n_mask, other=0.0,
-            )
+            b_s = tl.load(bs_base + kb * stride_sk)
             acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         else:
-            b = tl.load(
-                b_base + offs_n64[None, :] * stride_bn + kk[:, None] * stride_bk, mask=bk_mask, other=0.0
-            )
+            b = _load_k(b_base + offs_bn64[None, :] * stride_bn + kk[:, None] * stride_bk,
+                        None, k_mask[:, None], EVEN_K)
             acc += tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), input_precision=PREC)
 
     if FMT == 2:
-        cs = tl.load(b_scale_ptr + expert * stride_se + offs_n64 * stride_sn, mask=n_mask, other=0.0)
+        cs = tl.load(b_scale_ptr + expert * stride_se + offs_bn64 * stride_sn)
         acc = acc * cs.to(tl.float32)[None, :]
     if MUL_WEIGHT:
         w = tl.load(topk_weights_ptr + pair64, mask=m_mask, other=0.0)
         acc = acc * w[:, None]
     tl.store(
-        c_ptr + pair64[:, None] * stride_cm + offs_n64[None, :] * stride_cn,
+        c_ptr + pair64[:, None] * stride_cm + offs_n.to(tl.int64)[None, :] * stride_cn,
         acc.to(c_ptr.dtype.element_ty),
         mask=m_mask[:, None] & n_mask[None, :],
     )
@@ -352,6 +360,7 @@ def _invoke_gemm(a, a_scale, wts: _Weights, c, topk_weights, sorted_ids, expert_
         zp_.stride(0), zp_.stride(1), zp_.stride(-1),
         c.stride(0), c.stride(1),
         FMT=wts.fmt, HAS_ZP=wts.zp is not None, GROUP_TILE=group_size % cfg.block_k == 0,
+        EVEN_K=K % cfg.block_k == 0,
         MUL_WEIGHT=bool(mul_weight),
         DOT_DTYPE=dot_dtype, PREC=prec,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,

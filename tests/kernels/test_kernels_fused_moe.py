@@ -33,7 +33,7 @@ CASES = {
 # (T, E, H, N, k, int4 group): N not a multiple of 128 (fp8-block gate/up scale split), H and N
 # not multiples of the tiles, partial int4 groups (200 % 40, 96 % 40); g = 32 / 64 take the
 # one-scale-per-K-tile path (g % BLOCK_K == 0), g = 40 / 8 the per-element one
-SHAPES = [(33, 4, 200, 96, 2, 40), (1, 4, 64, 32, 2, 32), (9, 3, 136, 160, 3, 8), (12, 2, 64, 48, 2, 64)]
+SHAPES = [(33, 4, 200, 96, 2, 40), (1, 4, 64, 32, 2, 32), (9, 3, 136, 160, 3, 8), (12, 2, 128, 48, 2, 64)]
 
 
 def _stack(per_expert: list[dict]) -> dict:

@@ -1,0 +1,339 @@
+"""Benchmark of moetool.kernels on one CUDA GPU (not a test: pytest never collects it).
+
+    python bench/kernels.py                 # table
+    python bench/kernels.py --json out.json # also write the rows as JSON ("-" = stdout only)
+    python bench/kernels.py --quick         # fewer shapes / reps
+
+What is timed (CUDA events after warm-up, median of --reps runs, random data):
+* fused_experts (Triton) for each format vs fused_experts_ref (torch, weights dequantized every
+  call) and vs a plain bf16 torch per-expert loop (weights already bf16: the usual eager path);
+* fp8_block_quant, fp8_act_quant and int4_group_quant_pack vs their torch references.
+
+Shapes: one EP rank of a layer with E_global experts split over ``ep`` ranks (linear placement,
+rank 0 holds experts [0, E_local)); every token picks k distinct experts uniformly, ids of
+other ranks' experts are -1 (the allgather view: T tokens, about T*k*E_local/E_global pairs to
+compute). Letters: T tokens, H hidden, N intermediate, E experts, k top-k, P computed pairs.
+
+Roofline floor per row: max(FLOPs / peak FLOP/s, bytes / peak bandwidth), with
+FLOPs = 6 * P * N * H (three GEMMs' worth: [2N, H] and [H, N]) and bytes = the weights of the
+experts that got a token (in the stored format, scales included) + hidden in + fp32 out.
+Peaks are datasheet numbers (dense, no sparsity): H100 SXM 989 TFLOP/s bf16, 1979 fp8,
+3.35 TB/s; H200 the same FLOP/s and 4.8 TB/s. ``floor%`` = floor / measured time.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+
+import torch
+
+PEAKS = {  # name substring -> (bf16 FLOP/s, fp8 FLOP/s, bytes/s)
+    "H200": (989e12, 1979e12, 4.8e12),
+    "H100": (989e12, 1979e12, 3.35e12),
+}
+
+LAYERS = {  # name -> (H, N, E_global, ep, k)
+    "dsv3-ep8": (7168, 2048, 256, 8, 8),  # DeepSeek-V3 expert shapes, 32 local experts
+    "h4096-ep4": (4096, 2048, 256, 4, 8),  # 64 local experts
+}
+TOKENS = (512, 4096)
+FORMATS = ("dense", "fp8-block", "fp8-channel", "int4-group")
+
+
+def peaks():
+    name = torch.cuda.get_device_name()
+    for key, value in PEAKS.items():
+        if key in name:
+            return name, value
+    return name, None
+
+
+def time_cuda(fn, reps: int, warmup: int = 2) -> float:
+    """Median seconds of fn() over reps runs, each between two CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    return statistics.median(times)
+
+
+def routing(T, E_global, E_local, k, device):
+    """Uniform distinct top-k over E_global; non-local experts -> -1. ids [T, k], weights [T, k]."""
+    scores = torch.rand(T, E_global, device=device)
+    ids = scores.topk(k, dim=1).indices
+    ids = torch.where(ids < E_local, ids, -1).contiguous()
+    w = torch.rand(T, k, device=device)
+    return ids, (w / w.sum(1, keepdim=True)).float().contiguous()
+
+
+def make_experts(fmt, E, H, N, device, group=128):
+    """Random bf16 experts -> (w13, w2 in fmt, w13 bf16, w2 bf16, weight bytes per expert)."""
+    from moetool.kernels import fp8_block_quant, int4_group_quant_pack
+
+    w13 = torch.randn(E, 2 * N, H, device=device, dtype=torch.bfloat16) * 0.02
+    w2 = torch.randn(E, H, N, device=device, dtype=torch.bfloat16) * 0.02
+    if fmt == "dense":
+        t13, t2 = {"weight": w13}, {"weight": w2}
+    elif fmt == "fp8-block":
+        def blocks(w, split=None):
+            parts = [w[:split], w[split:]] if split else [w]
+            qs = [fp8_block_quant(p.contiguous()) for p in parts]
+            return torch.cat([q for q, _ in qs]), torch.cat([s for _, s in qs])
+        p13 = [blocks(w13[e], N) for e in range(E)]
+        p2 = [blocks(w2[e]) for e in range(E)]
+        t13 = {"weight": torch.stack([q for q, _ in p13]), "weight_scale_inv": torch.stack([s for _, s in p13])}
+        t2 = {"weight": torch.stack([q for q, _ in p2]), "weight_scale_inv": torch.stack([s for _, s in p2])}
+    elif fmt == "fp8-channel":
+        def chan(w):
+            s = (w.float().abs().amax(-1, keepdim=True).clamp(min=1e-12) / 448).to(torch.bfloat16)
+            return (w.float() / s.float()).clamp(-448, 448).to(torch.float8_e4m3fn), s
+        (q13, s13), (q2, s2) = chan(w13), chan(w2)
+        t13, t2 = {"weight": q13, "weight_scale": s13}, {"weight": q2, "weight_scale": s2}
+    else:
+        p13 = [int4_group_quant_pack(w13[e], group, True, torch.bfloat16) for e in range(E)]
+        p2 = [int4_group_quant_pack(w2[e], group, True, torch.bfloat16) for e in range(E)]
+        t13 = {key: torch.stack([p[key] for p in p13]) for key in p13[0]}
+        t2 = {key: torch.stack([p[key] for p in p2]) for key in p2[0]}
+    nbytes = sum(v[0].numel() * v.element_size() for v in (*t13.values(), *t2.values()))
+    return t13, t2, w13, w2, nbytes
+
+
+def torch_loop_bf16(x, w13, w2, ids, weights):
+    """Eager per-expert loop on bf16 weights (one host sync for the per-expert counts)."""
+    T, k = ids.shape
+    N = w13.shape[1] // 2
+    flat = ids.view(-1)
+    order = torch.argsort(flat)
+    counts = torch.bincount(flat + 1, minlength=w13.shape[0] + 1).tolist()  # [-1 count, e0, e1, ...]
+    out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
+    start = counts[0]
+    for e, c in enumerate(counts[1:]):
+        if c:
+            pairs = order[start:start + c]
+            tok = pairs // k
+            gu = x[tok] @ w13[e].t()
+            y = (torch.nn.functional.silu(gu[:, :N]) * gu[:, N:]) @ w2[e].t()
+            out.index_add_(0, tok, y.float() * weights.view(-1)[pairs, None])
+        start += c
+    return out
+
+
+def bench_moe(args, peak, rows):
+    from moetool.kernels import fp8_act_quant, fused_experts, fused_experts_ref
+
+    dev = "cuda"
+    for layer in args.layers:
+        H, N, E_global, ep, k = LAYERS[layer]
+        E = E_global // ep
+        for fmt in args.formats:
+            t13, t2, w13, w2, wbytes = make_experts(fmt, E, H, N, dev)
+            for T in args.tokens:
+                torch.manual_seed(T)
+                ids, tw = routing(T, E_global, E, k, dev)
+                x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+                kwargs = {"check_ids": False}
+                hidden = x
+                if fmt == "fp8-block":  # the dispatcher sends fp8 tokens with their scales
+                    hidden, kwargs["hidden_scale"] = fp8_act_quant(x)
+                P = int((ids >= 0).sum())
+                active = int(torch.unique(ids[ids >= 0]).numel())
+                flops = 6.0 * P * N * H
+                nbytes = active * wbytes + hidden.numel() * hidden.element_size() + T * H * 4
+                fn = lambda: fused_experts(hidden, t13, t2, fmt, ids, tw, **kwargs)  # noqa: E731
+                t_tri = time_cuda(fn, args.reps)
+                out = fn()
+                row = {"kind": "moe", "layer": layer, "format": fmt, "T": T, "E_local": E, "H": H, "N": N,
+                       "k": k, "pairs": P, "active_experts": active, "triton_us": t_tri * 1e6}
+                if not args.no_ref:
+                    ref_kwargs = {key: v for key, v in kwargs.items() if key != "check_ids"}
+                    ref_fn = lambda: fused_experts_ref(hidden, t13, t2, fmt, ids, tw, **ref_kwargs)  # noqa: E731
+                    row["ref_us"] = time_cuda(ref_fn, max(1, args.reps // 5), warmup=1) * 1e6
+                    ref = ref_fn()
+                    row["rel_err_vs_ref"] = ((out - ref).norm() / ref.norm()).item()
+                row["torch_bf16_loop_us"] = time_cuda(lambda: torch_loop_bf16(x, w13, w2, ids, tw), args.reps) * 1e6
+                row["tflops"] = flops / t_tri / 1e12
+                row["gbps"] = nbytes / t_tri / 1e9
+                if peak:
+                    peak_flops = peak[1] if fmt == "fp8-block" else peak[0]
+                    floor = max(flops / peak_flops, nbytes / peak[2])
+                    row["floor_us"] = floor * 1e6
+                    row["floor_pct"] = 100.0 * floor / t_tri
+                rows.append(row)
+                print_row(row)
+            del t13, t2, w13, w2
+            torch.cuda.empty_cache()
+
+
+SWEEP = [  # MoeConfig(block_m, block_n, block_k, group_m, num_warps, num_stages) candidates
+    (16, 64, 128, 1, 4, 4), (16, 128, 128, 1, 4, 3), (32, 64, 128, 1, 4, 4), (32, 128, 64, 8, 4, 4),
+    (64, 64, 64, 8, 4, 4), (64, 128, 64, 8, 4, 3), (64, 128, 128, 8, 8, 3), (128, 128, 64, 16, 8, 3),
+]
+
+
+def sweep_moe(args, rows):
+    """Time fused_experts under each SWEEP tile config (for choosing default_config)."""
+    from moetool.kernels import MoeConfig, fp8_act_quant, fused_experts
+
+    for layer in args.layers:
+        H, N, E_global, ep, k = LAYERS[layer]
+        E = E_global // ep
+        for fmt in args.formats:
+            t13, t2, *_ = make_experts(fmt, E, H, N, "cuda")
+            for T in args.tokens:
+                torch.manual_seed(T)
+                ids, tw = routing(T, E_global, E, k, "cuda")
+                hidden = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+                kwargs = {"check_ids": False}
+                if fmt == "fp8-block":
+                    hidden, kwargs["hidden_scale"] = fp8_act_quant(hidden)
+                times = {}
+                for c in [None, *SWEEP]:
+                    cfg = MoeConfig(*c) if c else None
+                    if cfg and fmt == "fp8-block" and 128 % cfg.block_k:
+                        continue
+                    try:
+                        times[str(c or "default")] = time_cuda(
+                            lambda: fused_experts(hidden, t13, t2, fmt, ids, tw, config=cfg, **kwargs), args.reps
+                        ) * 1e6
+                    except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
+                        times[str(c)] = float("nan")
+                        print(f"  {c}: {type(e).__name__}: {str(e)[:80]}")
+                best = min((v, key) for key, v in times.items() if v == v)
+                rows.append({"kind": "sweep", "layer": layer, "format": fmt, "T": T, "us": times})
+                print(f"{layer:10} {fmt:11} T={T:5d} best {best[1]} {best[0]:.1f} us | "
+                      + " ".join(f"{key}:{v:.0f}" for key, v in times.items()))
+            del t13, t2
+            torch.cuda.empty_cache()
+
+
+def bench_quant(args, peak, rows):
+    from moetool.kernels import (
+        fp8_act_quant,
+        fp8_act_quant_ref,
+        fp8_block_quant,
+        fp8_block_quant_ref,
+        int4_group_quant_pack,
+        int4_group_quant_pack_ref,
+    )
+
+    dev = "cuda"
+    w = torch.randn(7168, 4096, device=dev, dtype=torch.bfloat16)
+    x = torch.randn(4096, 7168, device=dev, dtype=torch.bfloat16)
+    cases = [  # (name, input, kernel, reference, bytes moved per element)
+        ("fp8_block_quant", w, fp8_block_quant, fp8_block_quant_ref, 2 + 1),
+        ("fp8_act_quant", x, fp8_act_quant, fp8_act_quant_ref, 2 + 1),
+        ("int4_quant_pack_sym", w, lambda t: int4_group_quant_pack(t, 128, True),
+         lambda t: int4_group_quant_pack_ref(t, 128, True), 2 + 0.5),
+        ("int4_quant_pack_asym", w, lambda t: int4_group_quant_pack(t, 128, False),
+         lambda t: int4_group_quant_pack_ref(t, 128, False), 2 + 0.5),
+    ]
+    for name, t, fn, ref_fn, bytes_per_elt in cases:
+        nbytes = t.numel() * bytes_per_elt  # read bf16, write the quantized values (scales ignored)
+        t_k = time_cuda(lambda: fn(t), args.reps)
+        t_r = time_cuda(lambda: ref_fn(t), max(3, args.reps // 5))
+        # bit-exactness is defined against the CPU reference: torch on CUDA divides by a Python
+        # scalar as a multiply by its reciprocal (not correctly rounded), so the same reference
+        # run on the GPU can differ in the last bit of a scale (reported as ref_gpu_equals_cpu)
+        out, ref_cpu, ref_gpu = fn(t), ref_fn(t.cpu()), ref_fn(t)
+        row = {"kind": "quant", "name": name, "shape": list(t.shape), "triton_us": t_k * 1e6, "ref_us": t_r * 1e6,
+               "triton_gbps": nbytes / t_k / 1e9, "ref_gbps": nbytes / t_r / 1e9,
+               "bit_exact": _same(_cpu(out), ref_cpu), "ref_gpu_equals_cpu": _same(_cpu(ref_gpu), ref_cpu)}
+        if peak:
+            row["floor_pct"] = 100.0 * (nbytes / peak[2]) / t_k
+        rows.append(row)
+        print_row(row)
+
+
+def _cpu(a):
+    return {key: v.cpu() for key, v in a.items()} if isinstance(a, dict) else tuple(v.cpu() for v in a)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, dict):
+        return all(torch.equal(a[key], b[key]) for key in a)
+    return all(torch.equal(x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x,
+                           y.view(torch.uint8) if y.dtype == torch.float8_e4m3fn else y) for x, y in zip(a, b))
+
+
+_printed = set()
+
+
+def _fmt(v, width=9, prec=1):
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-".rjust(width)
+    if isinstance(v, float):
+        return f"{v:{width}.{prec}f}"
+    return str(v).rjust(width)
+
+
+def print_row(r):
+    if r["kind"] == "moe":
+        if "moe" not in _printed:
+            _printed.add("moe")
+            print(f"\n{'layer':10} {'format':11} {'T':>5} {'pairs':>6} {'act.E':>5} {'triton us':>10} "
+                  f"{'TFLOP/s':>8} {'GB/s':>7} {'floor us':>9} {'floor%':>6} {'bf16 loop us':>12} "
+                  f"{'ref us':>10} {'rel err':>8}")
+        err = r.get("rel_err_vs_ref")
+        print(f"{r['layer']:10} {r['format']:11} {r['T']:5d} {r['pairs']:6d} {r['active_experts']:5d} "
+              f"{_fmt(r['triton_us'], 10)} {_fmt(r['tflops'], 8)} {_fmt(r['gbps'], 7, 0)} "
+              f"{_fmt(r.get('floor_us'), 9)} {_fmt(r.get('floor_pct'), 6)} {_fmt(r['torch_bf16_loop_us'], 12)} "
+              f"{_fmt(r.get('ref_us'), 10)} {('%8.2e' % err) if err is not None else '-':>8}")
+    else:
+        if "quant" not in _printed:
+            _printed.add("quant")
+            print(f"\n{'quant kernel':22} {'shape':>12} {'triton us':>10} {'GB/s':>7} {'floor%':>6} "
+                  f"{'ref us':>9} {'ref GB/s':>8} {'bit-exact':>9} {'ref gpu=cpu':>11}")
+        print(f"{r['name']:22} {'x'.join(map(str, r['shape'])):>12} {_fmt(r['triton_us'], 10)} "
+              f"{_fmt(r['triton_gbps'], 7, 0)} {_fmt(r.get('floor_pct'), 6)} {_fmt(r['ref_us'], 9)} "
+              f"{_fmt(r['ref_gbps'], 8, 0)} {str(r['bit_exact']):>9} {str(r['ref_gpu_equals_cpu']):>11}")
+    sys.stdout.flush()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", nargs="?", const="-", default=None, help="write rows as JSON to FILE (- = stdout)")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--layers", nargs="+", default=list(LAYERS), choices=list(LAYERS))
+    ap.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
+    ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    ap.add_argument("--no-ref", action="store_true", help="skip the (slow) torch reference")
+    ap.add_argument("--no-quant", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="one layer, T=512 and 4096, reps 5")
+    ap.add_argument("--sweep", action="store_true", help="time tile configs instead (for default_config)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench/kernels.py needs a CUDA GPU")
+    if args.quick:
+        args.layers, args.reps = args.layers[:1], 5
+    name, peak = peaks()
+    print(f"device: {name}; peaks: " + (f"{peak[0] / 1e12:.0f} TFLOP/s bf16, {peak[1] / 1e12:.0f} fp8, "
+                                        f"{peak[2] / 1e12:.2f} TB/s" if peak else "unknown"))
+    rows: list[dict] = []
+    if args.sweep:
+        sweep_moe(args, rows)
+        args.no_quant = True
+    else:
+        bench_moe(args, peak, rows)
+    if not args.no_quant:
+        bench_quant(args, peak, rows)
+    if args.json:
+        payload = json.dumps({"device": name, "rows": rows}, indent=1)
+        if args.json == "-":
+            print(payload)
+        else:
+            with open(args.json, "w") as f:
+                f.write(payload)
+
+
+if __name__ == "__main__":
+    main()
