@@ -222,7 +222,12 @@ def test_nccl_torch_and_triton_experts():
                 assert torch.equal(y, ref), f"rank {r} not bit-exact: {_label(case)}"
                 continue
             rel = float((y - ref).norm() / ref.norm())
-            # torch experts: float32 (GPU GEMMs and atomics reorder sums); fp8-block against the
-            # fp8-emulating reference; Triton kernels may accumulate their tiles differently
-            limit = 1e-5 if case["experts"] == "torch" else 1e-2
+            # torch experts: float32 (GPU GEMMs and atomics reorder sums), fp8-block against the
+            # fp8-emulating reference. Triton: tiles accumulate differently, and for fp8-block the
+            # kernels also round gate/up to bf16 and quantize silu(g)*u to fp8 before the down
+            # GEMM, which the emulation does not (measured 1.3 % on H100)
+            if case["experts"] == "torch":
+                limit = 1e-5
+            else:
+                limit = TOLERANCES["fp8-block"]["rel_err"] if case["fmt"] == "fp8-block" else 1e-2
             assert rel < limit, f"rank {r} rel err {rel:.3g}: {_label(case)}"
