@@ -18,16 +18,26 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def check_weight(w: torch.Tensor) -> None:
-    """A weight about to be quantized: 2-D, floating point, every value finite."""
+def check_weight(w: torch.Tensor, reduced: torch.Tensor | None = None) -> None:
+    """A weight about to be quantized: 2-D, floating point, every value finite.
+
+    ``reduced``: a max/min reduction of w the caller computed anyway (they propagate NaN and
+    Inf); when given and finite, the full pass over w is skipped."""
     if w.dim() != 2:
         raise MoetoolError(f"is not a 2-D weight [N, K]: shape {list(w.shape)}")
     if not w.is_floating_point():
         raise MoetoolError(f"has dtype {w.dtype}, expected a floating point weight")
+    if reduced is not None and bool(torch.isfinite(reduced).all()):
+        return
     finite = torch.isfinite(w)
     if not bool(finite.all()):
         bad = w.numel() - int(finite.sum())
         raise MoetoolError(f"contains NaN/Inf ({bad} of {w.numel()} values)")
+
+
+def abs_max(x: torch.Tensor, dim) -> torch.Tensor:
+    """max |x| over ``dim`` without an |x| temporary (two reductions; NaN propagates)."""
+    return torch.maximum(x.amax(dim=dim), x.amin(dim=dim).neg())
 
 
 def scale_in_dtype(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -22,6 +22,7 @@ from moetool.formats.common import (
     ceil_div,
     check_suffixes,
     check_tensor,
+    abs_max,
     check_weight,
     split_row_blocked,
 )
@@ -46,14 +47,16 @@ def fp8_block_quant_ref(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     n, k = w.shape
     row_blocks, col_blocks = ceil_div(n, BLOCK), ceil_div(k, BLOCK)
-    padded = torch.nn.functional.pad(
-        w.float(), (0, col_blocks * BLOCK - k, 0, row_blocks * BLOCK - n)
-    )
-    blocks = padded.view(row_blocks, BLOCK, col_blocks, BLOCK)
-    amax = blocks.abs().amax(dim=(1, 3))
+    w32 = w.float()
+    if n % BLOCK or k % BLOCK:
+        w32 = torch.nn.functional.pad(w32, (0, col_blocks * BLOCK - k, 0, row_blocks * BLOCK - n))
+    blocks = w32.view(row_blocks, BLOCK, col_blocks, BLOCK)
+    amax = abs_max(blocks, (1, 3))
     scale = amax.clamp(min=AMAX_FLOOR) / FP8_E4M3_MAX
-    scaled = blocks / scale[:, None, :, None]
-    q = scaled.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    # divide in place when w32 is our own copy (same values as an out-of-place w32 / s)
+    own = w32.data_ptr() != w.data_ptr()
+    scaled = torch.div(blocks, scale[:, None, :, None], out=blocks) if own else blocks / scale[:, None, :, None]
+    q = scaled.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     q = q.view(row_blocks * BLOCK, col_blocks * BLOCK)[:n, :k].contiguous()
     return q, scale
 
@@ -61,6 +64,17 @@ def fp8_block_quant_ref(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def expand_block_scales(scale: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """s [ceil(N/128), ceil(K/128)] -> [N, K], each scale repeated over its block."""
     return scale.repeat_interleave(BLOCK, dim=0)[:n].repeat_interleave(BLOCK, dim=1)[:, :k]
+
+
+def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """q e4m3 [N, K] * its block scales -> float32 [N, K] (broadcast, no [N, K] scale copy
+    when N and K are multiples of 128)."""
+    n, k = q.shape
+    if n % BLOCK or k % BLOCK:
+        return q.float() * expand_block_scales(scale, n, k)
+    out = q.float()
+    out.view(n // BLOCK, BLOCK, k // BLOCK, BLOCK).mul_(scale[:, None, :, None])
+    return out
 
 
 @register
@@ -72,8 +86,9 @@ class Fp8Block(WeightFormat):
     def quantize(self, w: torch.Tensor, orig_dtype: torch.dtype) -> Tensors:
         """w [N, K] -> {weight: e4m3 [N, K], weight_scale_inv: fp32 [ceil(N/128), ceil(K/128)]}.
         ``orig_dtype`` is unused: block scales are always float32."""
-        check_weight(w)
+        check_weight(w)  # shape and dtype; finiteness from the block maxima below
         q, scale = fp8_block_quant_ref(w)
+        check_weight(w, scale)
         return {"weight": q, "weight_scale_inv": scale}
 
     def dequantize(self, t: Tensors) -> torch.Tensor:
@@ -81,7 +96,7 @@ class Fp8Block(WeightFormat):
         halves = self._halves(t)
         if halves:
             return torch.cat([self.dequantize(h) for h in halves])
-        return t["weight"].float() * expand_block_scales(t["weight_scale_inv"], n, k)
+        return dequantize_blocks(t["weight"], t["weight_scale_inv"])
 
     def logical_shape(self, t: Tensors) -> tuple[int, int]:
         """Also checks that the tensors are complete and consistent.

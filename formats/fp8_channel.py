@@ -19,6 +19,7 @@ from moetool.formats.common import (
     cat_row_blocked,
     check_suffixes,
     check_tensor,
+    abs_max,
     check_weight,
     scale_in_dtype,
     split_row_blocked,
@@ -39,9 +40,11 @@ def fp8_channel_quant_ref(
     (``scale_in_dtype`` keeps s from rounding to zero: see there; a no-op for bf16 / fp32.)
     """
     w32 = w.float()
-    amax = w32.abs().amax(dim=1, keepdim=True)
+    amax = abs_max(w32, 1)[:, None]
     scale = scale_in_dtype(amax.clamp(min=AMAX_FLOOR) / FP8_E4M3_MAX, orig_dtype)
-    q = (w32 / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    own = w32.data_ptr() != w.data_ptr()  # divide in place only into our own copy
+    scaled = torch.div(w32, scale, out=w32) if own else w32 / scale
+    q = scaled.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     return q, scale.to(orig_dtype)
 
 
@@ -53,8 +56,9 @@ class Fp8Channel(WeightFormat):
 
     def quantize(self, w: torch.Tensor, orig_dtype: torch.dtype) -> Tensors:
         """w [N, K] -> {weight: e4m3 [N, K], weight_scale: orig_dtype [N, 1]}."""
-        check_weight(w)
+        check_weight(w)  # shape and dtype; finiteness from the row maxima below
         q, scale = fp8_channel_quant_ref(w, orig_dtype)
+        check_weight(w, scale)
         return {"weight": q, "weight_scale": scale}
 
     def dequantize(self, t: Tensors) -> torch.Tensor:

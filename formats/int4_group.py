@@ -24,6 +24,7 @@ from moetool.formats.common import (
     ceil_div,
     check_suffixes,
     check_tensor,
+    abs_max,
     check_weight,
     scale_in_dtype,
     split_row_blocked,
@@ -53,10 +54,16 @@ def pack_int4(q: torch.Tensor, packed_dim: int = 1) -> torch.Tensor:
         raise ValueError("pack_int4 values must lie in [-8, 7]")
     n, k = q.shape
     words = ceil_div(k, NIBBLES_PER_WORD)
-    codes = torch.nn.functional.pad(q.long() + 8, (0, words * NIBBLES_PER_WORD - k))
-    unsigned = (codes.view(n, words, NIBBLES_PER_WORD) << _nibble_shifts(q.device)).sum(dim=-1)
-    # unsigned words are in [0, 2**32): reinterpret the top bit as the int32 sign
-    return torch.where(unsigned >= 2**31, unsigned - 2**32, unsigned).to(torch.int32)
+    codes = (q + 8).to(torch.int32)  # [N, K] in [0, 16)
+    if k % NIBBLES_PER_WORD:  # padding nibbles are 0 bits
+        codes = torch.nn.functional.pad(codes, (0, words * NIBBLES_PER_WORD - k))
+    codes = codes.view(n, words, NIBBLES_PER_WORD)
+    # nibble i goes to bits [4i, 4i+4); int32 shifts wrap the top nibble into the sign bit,
+    # which is the two's-complement reading of the unsigned word
+    packed = torch.empty((n, words), dtype=torch.int32, device=q.device).copy_(codes[..., 0])
+    for i in range(1, NIBBLES_PER_WORD):
+        packed |= codes[..., i] << (4 * i)
+    return packed
 
 
 def unpack_int4(packed: torch.Tensor, length: int, packed_dim: int = 1) -> torch.Tensor:
@@ -71,8 +78,9 @@ def unpack_int4(packed: torch.Tensor, length: int, packed_dim: int = 1) -> torch
     n, words = packed.shape
     if words != ceil_div(length, NIBBLES_PER_WORD):
         raise ValueError(f"{words} int32 words cannot hold {length} int4 values")
-    codes = (packed.long().unsqueeze(-1) >> _nibble_shifts(packed.device)) & 0xF
-    return (codes.reshape(n, words * NIBBLES_PER_WORD)[:, :length] - 8).to(torch.int8)
+    shifts = _nibble_shifts(packed.device).to(torch.int32)
+    codes = (packed.unsqueeze(-1) >> shifts) & 0xF  # arithmetic shift, then the low nibble
+    return codes.reshape(n, words * NIBBLES_PER_WORD)[:, :length].to(torch.int8) - 8
 
 
 def int4_group_quant_ref(
@@ -97,11 +105,13 @@ def int4_group_quant_ref(
             f"has K={k} columns, which group size {group_size} does not divide "
             "(compressed-tensors and vLLM need whole groups; pick a divisor of K)"
         )
-    groups = w.float().view(n, k // group_size, group_size)
+    w32 = w.float()
+    own = w32.data_ptr() != w.data_ptr()  # work in place only in our own copy
+    groups = w32.view(n, k // group_size, group_size)
     if symmetric:
-        amax = groups.abs().amax(dim=-1)
+        amax = abs_max(groups, -1)
         scale = scale_in_dtype(amax.clamp(min=AMAX_FLOOR) / INT4_MAX, orig_dtype)
-        q = torch.round(groups / scale[..., None]).clamp(INT4_MIN, INT4_MAX)
+        q = torch.div(groups, scale[..., None], out=groups if own else None).round_()
         zero_point = None
     else:
         low = groups.amin(dim=-1).clamp(max=0)
@@ -109,9 +119,10 @@ def int4_group_quant_ref(
         levels = INT4_MAX - INT4_MIN
         scale = scale_in_dtype((high - low).clamp(min=AMAX_FLOOR) / levels, orig_dtype)
         zero = (torch.round(-low / scale) - 8).clamp(INT4_MIN, INT4_MAX)
-        q = (torch.round(groups / scale[..., None]) + zero[..., None]).clamp(INT4_MIN, INT4_MAX)
+        q = torch.div(groups, scale[..., None], out=groups if own else None).round_().add_(zero[..., None])
         zero_point = zero.to(torch.int8)
-    return q.view(n, k).to(torch.int8), scale.to(orig_dtype), zero_point
+    q = q.clamp_(INT4_MIN, INT4_MAX).view(n, k).to(torch.int8)
+    return q, scale.to(orig_dtype), zero_point
 
 
 def expand_groups(per_group: torch.Tensor, group_size: int, k: int) -> torch.Tensor:
@@ -146,9 +157,10 @@ class Int4Group(WeightFormat):
 
     def quantize(self, w: torch.Tensor, orig_dtype: torch.dtype) -> Tensors:
         """w [N, K] -> weight_packed, weight_scale, weight_shape (+ weight_zero_point)."""
-        check_weight(w)
+        check_weight(w)  # shape and dtype; finiteness from the group scales below
         n, k = w.shape
         q, scale, zero_point = int4_group_quant_ref(w, self.group_size, self.symmetric, orig_dtype)
+        check_weight(w, scale)
         t = {
             "weight_packed": pack_int4(q),
             "weight_scale": scale,
@@ -161,9 +173,15 @@ class Int4Group(WeightFormat):
     def dequantize(self, t: Tensors) -> torch.Tensor:
         n, k = self.logical_shape(t)
         q = unpack_int4(t["weight_packed"], k).float()
-        if not self.symmetric:
-            zero_point = unpack_int4(t["weight_zero_point"], n, packed_dim=0)
-            q = q - expand_groups(zero_point.float(), self.group_size, k)
+        zero_point = None if self.symmetric else unpack_int4(t["weight_zero_point"], n, packed_dim=0).float()
+        if k % self.group_size == 0:  # broadcast per group, no [N, K] copies of scales
+            groups = q.view(n, k // self.group_size, self.group_size)
+            if zero_point is not None:
+                groups.sub_(zero_point[..., None])
+            groups.mul_(t["weight_scale"].float()[..., None])
+            return q
+        if zero_point is not None:
+            q = q - expand_groups(zero_point, self.group_size, k)
         return q * expand_groups(t["weight_scale"].float(), self.group_size, k)
 
     def logical_shape(self, t: Tensors) -> tuple[int, int]:
