@@ -2,21 +2,19 @@
 
 Only ``*.safetensors`` and ``*.json`` files are ever read. Pickle checkpoints (``.bin``,
 ``.pt``...) are refused, never loaded. Headers are parsed here (plain JSON) so that every
-structural problem is found before any work starts; tensor data is memory-mapped through
-``safetensors.safe_open`` and read one tensor at a time.
+structural problem is found before any work starts; tensor data is then read one tensor (or
+one expert slice) at a time with plain positioned reads into fresh buffers.
 """
 from __future__ import annotations
 
 import json
 import os
 import struct
-from contextlib import ExitStack
+import ctypes
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-
 from moetool.errors import MoetoolError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -40,6 +38,16 @@ DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def writable_bytes(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor (keeps the tensor alive)."""
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(bytearray())
+    buf = (ctypes.c_char * n).from_address(t.data_ptr())
+    buf.owner = t
+    return memoryview(buf).cast("B")
 
 
 @dataclass(frozen=True)
@@ -118,7 +126,7 @@ class Checkpoint:
     """A validated safetensors checkpoint folder.
 
     ``tensors``: {name: TensorInfo} over all shards; ``config``: parsed config.json.
-    Tensor data is read lazily with :meth:`get`; shards are memory-mapped once each.
+    Tensor data is read lazily with :meth:`get` / :meth:`get_rows`.
     """
 
     def __init__(self, root: Path, config: dict, tensors: dict[str, TensorInfo], files: list[str]):
@@ -126,8 +134,7 @@ class Checkpoint:
         self.config = config
         self.tensors = tensors
         self.files = files
-        self._stack = ExitStack()
-        self._handles: dict[str, object] = {}
+        self._fds: dict[str, int] = {}
 
     # -- reading ---------------------------------------------------------------------------
     def __contains__(self, name: str) -> bool:
@@ -140,25 +147,37 @@ class Checkpoint:
             raise MoetoolError(f"{self.root}: tensor {name} not found in the checkpoint") from None
 
     def get(self, name: str) -> torch.Tensor:
-        """Read one tensor (a fresh CPU tensor; the shard stays memory-mapped)."""
-        return self._handle(self.info(name).file).get_tensor(name)
+        """Read one tensor into a fresh CPU tensor (plain reads, no memory map, so resident
+        memory holds only the tensors in use, never a shard)."""
+        info = self.info(name)
+        return self._read(info.file, info.begin, info.nbytes).view(info.dtype).reshape(info.shape)
 
     def get_rows(self, name: str, index: int) -> torch.Tensor:
         """``tensor[index]`` along dim 0, reading only that slice (fused expert tensors [E, ...])."""
         info = self.info(name)
-        handle = self._handle(info.file)
-        return handle.get_slice(name)[index]
+        if not info.shape or not 0 <= index < info.shape[0]:
+            raise MoetoolError(f"{name}: index {index} out of range for shape {list(info.shape)}")
+        row = info.nbytes // info.shape[0]
+        return self._read(info.file, info.begin + index * row, row).view(info.dtype).reshape(info.shape[1:])
 
-    def _handle(self, file: str):
-        handle = self._handles.get(file)
-        if handle is None:
-            handle = self._stack.enter_context(safe_open(str(self.root / file), framework="pt"))
-            self._handles[file] = handle
-        return handle
+    def _read(self, file: str, offset: int, nbytes: int) -> torch.Tensor:
+        fd = self._fds.get(file)
+        if fd is None:
+            fd = self._fds[file] = os.open(self.root / file, os.O_RDONLY)
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        view = writable_bytes(buf)
+        done = 0
+        while done < nbytes:
+            n = os.preadv(fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise MoetoolError(f"{self.root / file}: unexpected end of file at byte {offset + done} (file changed while reading?)")
+            done += n
+        return buf
 
     def close(self) -> None:
-        self._stack.close()
-        self._handles.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
     def __enter__(self) -> "Checkpoint":
         return self

@@ -192,9 +192,12 @@ class ErrorStats:
         self.noise = 0.0
 
     def add(self, ref: torch.Tensor, got: torch.Tensor) -> None:
-        ref = ref.float()
-        sig = float(ref.pow(2).sum())
-        noise = float((got.float() - ref).pow(2).sum())
+        """ref: the weight before quantization; got: a fresh dequantized copy (overwritten)."""
+        ref = ref.float().reshape(-1)
+        diff = got.float().reshape(-1)
+        diff = diff.sub_(ref) if diff.data_ptr() == got.data_ptr() else diff - ref
+        sig = float(torch.dot(ref, ref))
+        noise = float(torch.dot(diff, diff))
         rel = (noise / sig) ** 0.5 if sig > 0 else (0.0 if noise == 0 else float("inf"))
         self.count += 1
         self.sum_rel += rel

@@ -8,7 +8,6 @@ visibly unfinished. The input folder is never written.
 """
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import os
@@ -21,7 +20,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from moetool.checkpoint import DTYPE_NAMES
+from moetool.checkpoint import DTYPE_NAMES, writable_bytes
 from moetool.errors import MoetoolError
 
 MANIFEST_NAME = "manifest.json"
@@ -51,13 +50,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.contiguous()
-    n = t.numel() * t.element_size()
-    if n == 0:
-        return memoryview(b"")
-    buf = (ctypes.c_char * n).from_address(t.data_ptr())
-    buf.owner = t  # the view keeps buf alive, buf keeps the tensor's memory alive
-    return memoryview(buf).cast("B")
+    return writable_bytes(t.contiguous())
 
 
 def safetensors_header(specs: list[TensorSpec], metadata: dict[str, str] | None = None) -> bytes:
