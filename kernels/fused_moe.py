@@ -55,35 +55,92 @@ def align_capacity(num_pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(padded, block_m) * block_m
 
 
+@triton.jit
+def _align_count_kernel(ids_ptr, counts_ptr, sorted_ids_ptr, P, EM, fill_per_prog,
+                        BLOCK_P: tl.constexpr, E_P2: tl.constexpr, FILL_BLOCK: tl.constexpr):
+    """Program c: counts[c, e] = #pairs of expert e in chunk c (pairs [c*BLOCK_P, +BLOCK_P));
+    also fills its share of sorted_ids [EM] with the padding value P."""
+    c = tl.program_id(0)
+    offs = c * BLOCK_P + tl.arange(0, BLOCK_P)
+    cols = tl.arange(0, E_P2)
+    e = tl.load(ids_ptr + offs, mask=offs < P, other=-1)  # [BP]
+    onehot = (e[:, None] == cols[None, :]).to(tl.int32)  # [BP, E_P2]; -1 matches nothing
+    tl.store(counts_ptr + c * E_P2 + cols, tl.sum(onehot, axis=0))
+    start = c * fill_per_prog
+    for off in range(0, fill_per_prog, FILL_BLOCK):
+        idx = off + tl.arange(0, FILL_BLOCK)
+        tl.store(sorted_ids_ptr + start + idx, P + tl.zeros_like(idx), mask=(idx < fill_per_prog) & (start + idx < EM))
+
+
+@triton.jit
+def _align_scatter_kernel(ids_ptr, counts_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr,
+                          P, E, num_chunks, num_blocks,
+                          BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, E_P2: tl.constexpr,
+                          ROWS: tl.constexpr, BLOCK_B: tl.constexpr):
+    """Program c places chunk c's pairs: dest = pad_start[e] + (#pairs of e in earlier chunks)
+    + (#pairs of e earlier in this chunk). Program 0 also writes expert_ids and num_post_pad."""
+    c = tl.program_id(0)
+    cols = tl.arange(0, E_P2)
+    total = tl.zeros([E_P2], dtype=tl.int32)
+    before = tl.zeros([E_P2], dtype=tl.int32)
+    for r0 in range(0, num_chunks, ROWS):
+        r = r0 + tl.arange(0, ROWS)
+        cnt = tl.load(counts_ptr + r[:, None] * E_P2 + cols[None, :], mask=(r < num_chunks)[:, None], other=0)
+        total += tl.sum(cnt, axis=0)
+        before += tl.sum(tl.where((r < c)[:, None], cnt, 0), axis=0)
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # [E_P2], 0 past E
+    pad_end = tl.cumsum(padded, axis=0)
+    pad_start = pad_end - padded
+    offs = c * BLOCK_P + tl.arange(0, BLOCK_P)
+    e = tl.load(ids_ptr + offs, mask=offs < P, other=-1)
+    onehot = (e[:, None] == cols[None, :]).to(tl.int32)  # [BP, E_P2]
+    rank = tl.cumsum(onehot, axis=0) - onehot  # earlier pairs of the same expert in this chunk
+    dest = tl.sum(onehot * (rank + (pad_start + before)[None, :]), axis=1)  # [BP]
+    tl.store(sorted_ids_ptr + dest, offs.to(tl.int32), mask=(offs < P) & (e >= 0))
+    if c == 0:
+        tl.store(num_post_pad_ptr, tl.sum(padded, axis=0))
+        for b0 in range(0, num_blocks, BLOCK_B):
+            blk = b0 + tl.arange(0, BLOCK_B)
+            # owner of block b = number of experts whose padded run ends at or before it
+            owner = tl.sum((pad_end[None, :] <= (blk * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+            tl.store(expert_ids_ptr + blk, tl.where(owner < E, owner, -1), mask=blk < num_blocks)
+
+
 def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int):
-    """topk_ids [T, k] (int32/int64 local ids, -1 = not on this rank, all < num_experts) ->
-    (sorted_ids int32 [EM], expert_ids int32 [EM/BM], num_post_pad int32 [1]).
+    """topk_ids [T, k] (int32/int64 local ids, -1 = not on this rank, all < num_experts),
+    contiguous -> (sorted_ids int32 [EM], expert_ids int32 [EM/BM], num_post_pad int32 [1]).
 
     sorted_ids lists pair indices p = t*k + j grouped by expert (ascending e, then ascending p),
     each expert's run starting at a multiple of BM and padded with P = T*k; block b holds expert
-    expert_ids[b] (-1 past the last used block). Vectorised torch, no host synchronisation.
+    expert_ids[b] (-1 past the last used block). Two Triton launches (count per chunk of pairs,
+    then place), no host synchronisation.
     """
+    _check(topk_ids.dim() == 2 and topk_ids.is_contiguous(), "topk_ids must be [T, k], contiguous")
+    _check(block_m > 0 and block_m & (block_m - 1) == 0, f"block_m must be a power of two, got {block_m}")
+    check_device(_align_count_kernel, topk_ids)
     dev = topk_ids.device
-    flat = topk_ids.reshape(-1).to(torch.int64)  # [P]
-    P, E = flat.numel(), num_experts
+    P, E = topk_ids.numel(), num_experts
     EM = align_capacity(P, E, block_m)
-    key = torch.where(flat >= 0, flat, E)  # [P], dropped pairs sort last
-    sorted_key, order = torch.sort(key, stable=True)  # [P]
-    counts = torch.zeros(E + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))[:E]
-    padded = (counts + block_m - 1) // block_m * block_m  # [E]
-    pad_end = torch.cumsum(padded, 0)
-    pad_start = pad_end - padded
-    cnt_start = torch.cumsum(counts, 0) - counts
-    e_of = sorted_key.clamp(max=max(E - 1, 0))
-    dest = pad_start[e_of] + torch.arange(P, device=dev) - cnt_start[e_of]  # [P]
-    dest = torch.where(sorted_key < E, dest, EM)  # dropped pairs go to a spill slot
-    sorted_ids = torch.full((EM + 1,), P, dtype=torch.int32, device=dev)
-    sorted_ids.scatter_(0, dest, order.to(torch.int32))
-    block_start = torch.arange(0, EM, block_m, device=dev)  # [EM/BM]
-    blk_e = torch.searchsorted(pad_end, block_start, right=True)
-    expert_ids = torch.where(blk_e < E, blk_e, -1).to(torch.int32)
-    num_post_pad = pad_end[-1:].to(torch.int32) if E else torch.zeros(1, dtype=torch.int32, device=dev)
-    return sorted_ids[:EM], expert_ids, num_post_pad
+    sorted_ids = torch.full((EM,), P, dtype=torch.int32, device=dev) if P == 0 or E == 0 else \
+        torch.empty((EM,), dtype=torch.int32, device=dev)
+    expert_ids = torch.full((EM // block_m,), -1, dtype=torch.int32, device=dev)
+    num_post_pad = torch.zeros((1,), dtype=torch.int32, device=dev)
+    if P == 0 or E == 0:
+        return sorted_ids, expert_ids, num_post_pad
+    e_p2 = max(16, triton.next_power_of_2(E))
+    block_p = max(16, min(1024, 65536 // e_p2, triton.next_power_of_2(P)))
+    num_chunks = triton.cdiv(P, block_p)
+    warps = 16 if block_p * e_p2 >= 32768 else 4
+    counts = torch.empty((num_chunks, e_p2), dtype=torch.int32, device=dev)
+    fill = triton.cdiv(EM, num_chunks)
+    _align_count_kernel[(num_chunks,)](topk_ids, counts, sorted_ids, P, EM, fill,
+                                       BLOCK_P=block_p, E_P2=e_p2, FILL_BLOCK=1024, num_warps=warps)
+    _align_scatter_kernel[(num_chunks,)](
+        topk_ids, counts, sorted_ids, expert_ids, num_post_pad, P, E, num_chunks, EM // block_m,
+        BLOCK_M=block_m, BLOCK_P=block_p, E_P2=e_p2, ROWS=max(1, min(16, 4096 // e_p2)),
+        BLOCK_B=max(16, min(256, 16384 // e_p2)), num_warps=warps,
+    )
+    return sorted_ids, expert_ids, num_post_pad
 
 
 def moe_align_block_size_ref(topk_ids: torch.Tensor, block_m: int, num_experts: int):

@@ -217,10 +217,13 @@ def test_bad_arguments_raise(device):
 
 
 @pytest.mark.parametrize("block_m", [16, 64])
-@pytest.mark.parametrize("T,k,E", [(0, 2, 4), (1, 1, 1), (33, 2, 4), (50, 4, 7), (8, 2, 64)])
-def test_align_matches_loop_reference(T, k, E, block_m):
-    ids, _ = make_routing(T, E, k, E_global=E + 3, seed=T)
-    got = fm.moe_align_block_size(ids, block_m, E)
+@pytest.mark.parametrize("T,k,E", [(0, 2, 4), (1, 1, 1), (33, 2, 4), (50, 4, 7), (8, 2, 64),
+                                   (300, 8, 256), (700, 8, 3)])  # last two: several chunks of pairs
+def test_align_matches_loop_reference(T, k, E, block_m, device):
+    ids, _ = make_routing(T, E, k, E_global=max(E + 3, k), seed=T)
+    if T == 700:
+        ids = ids.to(torch.int32)
+    got = [t.cpu() for t in fm.moe_align_block_size(ids.to(device), block_m, E)]
     ref = fm.moe_align_block_size_ref(ids, block_m, E)
     for a, b in zip(got, ref):
         assert a.dtype == b.dtype and torch.equal(a, b)
