@@ -18,6 +18,14 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/moeutil.py
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the network
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+# Triton reads TRITON_INTERPRET when it is first imported, and collecting tests/formats imports
+# it (compressed_tensors -> torch._dynamo -> triton) before tests/kernels/conftest.py can set it
+# under a plain `pytest`; set it here, in the first conftest loaded, as that one does.
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from moeutil import run_cli, save_hf_model  # noqa: E402
 
 
