@@ -23,16 +23,21 @@ def check_weight(w: torch.Tensor, reduced: torch.Tensor | None = None) -> None:
 
     ``reduced``: a max/min reduction of w the caller computed anyway (they propagate NaN and
     Inf); when given and finite, the full pass over w is skipped."""
-    if w.dim() != 2:
-        raise MoetoolError(f"is not a 2-D weight [N, K]: shape {list(w.shape)}")
-    if not w.is_floating_point():
-        raise MoetoolError(f"has dtype {w.dtype}, expected a floating point weight")
+    check_weight_shape(w)
     if reduced is not None and bool(torch.isfinite(reduced).all()):
         return
     finite = torch.isfinite(w)
     if not bool(finite.all()):
         bad = w.numel() - int(finite.sum())
         raise MoetoolError(f"contains NaN/Inf ({bad} of {w.numel()} values)")
+
+
+def check_weight_shape(w: torch.Tensor) -> None:
+    """2-D and floating point (the cheap part of ``check_weight``)."""
+    if w.dim() != 2:
+        raise MoetoolError(f"is not a 2-D weight [N, K]: shape {list(w.shape)}")
+    if not w.is_floating_point():
+        raise MoetoolError(f"has dtype {w.dtype}, expected a floating point weight")
 
 
 def abs_max(x: torch.Tensor, dim) -> torch.Tensor:

@@ -21,6 +21,7 @@ from moetool.formats.common import (
     check_tensor,
     abs_max,
     check_weight,
+    check_weight_shape,
     scale_in_dtype,
     split_row_blocked,
 )
@@ -56,8 +57,12 @@ class Fp8Channel(WeightFormat):
 
     def quantize(self, w: torch.Tensor, orig_dtype: torch.dtype) -> Tensors:
         """w [N, K] -> {weight: e4m3 [N, K], weight_scale: orig_dtype [N, 1]}."""
-        check_weight(w)  # shape and dtype; finiteness from the row maxima below
-        q, scale = fp8_channel_quant_ref(w, orig_dtype)
+        check_weight_shape(w)  # finiteness from the row maxima below
+        try:
+            q, scale = fp8_channel_quant_ref(w, orig_dtype)
+        except MoetoolError:
+            check_weight(w)  # NaN/Inf in w explains a non-finite scale: say so
+            raise
         check_weight(w, scale)
         return {"weight": q, "weight_scale": scale}
 

@@ -26,6 +26,7 @@ from moetool.formats.common import (
     check_tensor,
     abs_max,
     check_weight,
+    check_weight_shape,
     scale_in_dtype,
     split_row_blocked,
 )
@@ -157,9 +158,13 @@ class Int4Group(WeightFormat):
 
     def quantize(self, w: torch.Tensor, orig_dtype: torch.dtype) -> Tensors:
         """w [N, K] -> weight_packed, weight_scale, weight_shape (+ weight_zero_point)."""
-        check_weight(w)  # shape and dtype; finiteness from the group scales below
+        check_weight_shape(w)  # finiteness from the group scales below
         n, k = w.shape
-        q, scale, zero_point = int4_group_quant_ref(w, self.group_size, self.symmetric, orig_dtype)
+        try:
+            q, scale, zero_point = int4_group_quant_ref(w, self.group_size, self.symmetric, orig_dtype)
+        except MoetoolError:
+            check_weight(w)  # NaN/Inf in w explains a non-finite scale: say so
+            raise
         check_weight(w, scale)
         t = {
             "weight_packed": pack_int4(q),

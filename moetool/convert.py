@@ -15,9 +15,14 @@ the small scale tensors of one stacked group), never a shard.
 """
 from __future__ import annotations
 
+import os
+import threading
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from functools import partial
 from typing import Iterator, Union
 
 import torch
@@ -184,6 +189,7 @@ class ErrorStats:
     """Relative error and SQNR of dequantize(quantize(w)) against w, over all converted linears."""
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()
         self.count = 0
         self.sum_rel = 0.0
         self.max_rel = 0.0
@@ -199,6 +205,10 @@ class ErrorStats:
         sig = float(torch.dot(ref, ref))
         noise = float(torch.dot(diff, diff))
         rel = (noise / sig) ** 0.5 if sig > 0 else (0.0 if noise == 0 else float("inf"))
+        with self._lock:
+            self._add(rel, sig, noise)
+
+    def _add(self, rel: float, sig: float, noise: float) -> None:
         self.count += 1
         self.sum_rel += rel
         self.max_rel = max(self.max_rel, rel)
@@ -362,19 +372,56 @@ def assign_files(groups: list[Group], homes: list[str], specs: list[list[TensorS
 
 
 class Executor:
-    def __init__(self, sources: list[Source]):
+    """Produces a planned file's tensor data in order, converting up to ``workers`` linears
+    at once on threads (torch ops release the GIL), a bounded window ahead of the writer."""
+
+    def __init__(self, sources: list[Source], workers: int | None = None):
         self.sources = sources
+        self.workers = workers or min(4, os.cpu_count() or 1)
 
     def chunks(self, pf: PlannedFile) -> Iterator[tuple[str, torch.Tensor]]:
         specs = iter(pf.specs)
+        tasks = self._tasks(pf)
+        with ThreadPoolExecutor(self.workers, thread_name_prefix="moetool-convert") as pool:
+            window: deque = deque()
+            stash: dict[str, list[torch.Tensor]] = {}
+            for kind, fn in tasks:
+                window.append((kind, pool.submit(fn)))
+                if len(window) > 2 * self.workers:
+                    yield from self._emit(*window.popleft(), specs, stash)
+            while window:
+                yield from self._emit(*window.popleft(), specs, stash)
+
+    def _emit(self, kind: str, future, specs: Iterator[TensorSpec], stash: dict) -> Iterator[tuple[str, torch.Tensor]]:
+        """kind "plain": every tensor in spec order; "slice": a stacked group's main weight
+        slice now, its other tensors kept until "flush" writes them after the main weight."""
+        result = future.result()
+        if kind == "plain":
+            for t in result:
+                yield next(specs).name, t
+        elif kind == "slice":
+            if not stash:
+                stash["__spec__"] = [next(specs)]
+            items = list(result.items())
+            yield stash["__spec__"][0].name, items[0][1]
+            for s, t in items[1:]:
+                stash.setdefault(s, []).append(t)
+        else:  # flush
+            stash.pop("__spec__", None)
+            for s, parts in list(stash.items()):
+                spec = next(specs)
+                for t in parts:
+                    yield spec.name, t
+            stash.clear()
+
+    def _tasks(self, pf: PlannedFile):
         for g in pf.groups:
             if isinstance(g, Stacked):
-                yield from self._stacked(g, specs)
-                continue
-            tensors = self._produce(g)
-            for t in tensors:
-                spec = next(specs)
-                yield spec.name, t
+                for i, e in enumerate(g.experts):
+                    yield "slice", partial(self._stacked_slice, g, i, e)
+                yield "flush", lambda: None
+            else:
+                yield "plain", partial(self._produce, g)
 
     def _produce(self, g: Group) -> list[torch.Tensor]:
         src = self.sources[g.source]
@@ -387,21 +434,10 @@ class Executor:
         lin = src.expert_role(src.layer(g.layer), g.expert, g.role)
         return list(lin.values())
 
-    def _stacked(self, g: Stacked, specs: Iterator[TensorSpec]) -> Iterator[tuple[str, torch.Tensor]]:
-        first_spec = next(specs)
-        stash: dict[str, list[torch.Tensor]] = {}
-        for i, e in enumerate(g.experts):
-            src = self.sources[g.sources[i] if g.sources else 0]
-            layer = src.layer(g.layer)
-            lin = src.expert_w13(layer, e) if g.which == "w13" else src.expert_role(layer, e, "down")
-            items = list(lin.items())
-            yield first_spec.name, items[0][1]
-            for s, t in items[1:]:
-                stash.setdefault(s, []).append(t)
-        for s, parts in stash.items():
-            spec = next(specs)
-            for t in parts:
-                yield spec.name, t
+    def _stacked_slice(self, g: Stacked, i: int, e: int) -> Linear:
+        src = self.sources[g.sources[i] if g.sources else 0]
+        layer = src.layer(g.layer)
+        return src.expert_w13(layer, e) if g.which == "w13" else src.expert_role(layer, e, "down")
 
 
 # ---------------------------------------------------------------------------------- running
