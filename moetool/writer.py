@@ -158,12 +158,17 @@ class OutputDir:
         self.skipped: list[str] = []
         for inp in inputs:
             _refuse_nesting(self.root, Path(inp))
+        if self.root.exists() and not self.root.is_dir():
+            raise MoetoolError(f"{self.root}: exists and is not a folder; choose an output folder")
         manifest = self.root / MANIFEST_NAME
         if manifest.exists():
             if not force:
                 raise MoetoolError(f"{self.root}: already holds a complete output ({MANIFEST_NAME}); use --force to overwrite")
             manifest.unlink()
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise MoetoolError(f"{self.root}: cannot create the output folder ({e.strerror})") from None
         if force:
             (self.root / JOURNAL_NAME).unlink(missing_ok=True)
         self._journal = self._load_journal()
