@@ -32,12 +32,12 @@ from moetool.checkpoint import Checkpoint
 from moetool.errors import MoetoolError
 from moetool.experts_io import ExpertReader, Linear, suffixes_of
 from moetool.formats.base import WeightFormat
-from moetool.writer import OutputDir, TensorSpec
+from moetool.writer import JOURNAL_NAME, OutputDir, TensorSpec
 
 ROLES = ("gate", "up", "down")
 DTYPE_BY_NAME = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 OTHER_FILE_SUFFIXES = (".json", ".txt", ".model", ".tiktoken", ".jinja")
-SKIP_FILES = {"config.json", "model.safetensors.index.json", "manifest.json"}
+SKIP_FILES = {"config.json", "model.safetensors.index.json", "manifest.json", JOURNAL_NAME}
 
 
 @dataclass(frozen=True)
