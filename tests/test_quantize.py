@@ -157,6 +157,9 @@ def test_quantize_transformers_models(hf_model, cli, tmp_path, family, args, fmt
     r = cli("quantize", model.path, out, *args, "--quiet")
     assert r.code == 0, r.err
     cfg = check_quantized(model.path, out, fmt)
+    # side files are copied as they are (and listed in the manifest)
+    gen = model.path / "generation_config.json"
+    assert (out / "generation_config.json").read_bytes() == gen.read_bytes()
     transformers = pytest.importorskip("transformers")
     loaded = transformers.AutoConfig.from_pretrained(out)
     assert loaded.model_type == model.config["model_type"]
@@ -561,3 +564,18 @@ def test_library_api_matches_cli(tiny, tmp_path, cli):
     assert cli("quantize", src, tmp_path / "cli", "--int4", "--group-size", "64", "--asymmetric", "--quiet").code == 0
     assert tree_hashes(tmp_path / "lib") == tree_hashes(tmp_path / "cli")
     assert get_format("int4-group", group_size=64, symmetric=False) == Int4Group(64, False)
+
+
+def test_unfinished_output_used_as_input(tiny, cli, tmp_path):
+    """An input that still holds a moetool journal (an unfinished output): the journal is not
+    copied as a side file, so the new output's manifest lists only files that exist."""
+    src = tmp_path / "src"
+    assert cli("quantize", tiny("mixtral"), src, "--fp8-block", "--quiet").code == 0
+    (src / MANIFEST_NAME).unlink()
+    (src / JOURNAL_NAME).write_text(json.dumps({"plan_id": "x", "files": {}}))
+    out = tmp_path / "out"
+    assert cli("quantize", src, out, "--int4", "--quiet").code == 0
+    assert not (out / JOURNAL_NAME).exists()
+    from moetool.writer import verify_manifest
+
+    assert JOURNAL_NAME not in verify_manifest(out)["files"]

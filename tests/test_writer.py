@@ -181,3 +181,12 @@ def test_plan_id_follows_inputs_and_options(tiny, tmp_path, copy_ckpt):
         st = f.stat()
         os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
         assert plan_id(ck, fmt="fp8-block") != a
+
+
+def test_output_path_that_is_a_file(tmp_path, cli, tiny):
+    (tmp_path / "afile").write_text("x")
+    r = cli("quantize", tiny("mixtral"), tmp_path / "afile", "--fp8-block", "--quiet")
+    assert r.code == 2 and r.error_line == f"{tmp_path / 'afile'}: exists and is not a folder; choose an output folder"
+    r = cli("quantize", tiny("mixtral"), tmp_path / "afile" / "sub", "--fp8-block", "--quiet")
+    assert r.code == 2
+    assert r.error_line == f"{tmp_path / 'afile' / 'sub'}: cannot create the output folder (Not a directory)"
