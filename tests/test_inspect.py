@@ -112,3 +112,14 @@ def test_inspect_reports_quantized_formats(tiny, cli, tmp_path, args, fmt, param
     # same bytes, except int4's weight_shape: 3 per expert per-expert, 2 (w13, w2) stacked
     shape_bytes = 2 * 4 * 2 * 4 if fmt == "int4-group" else 0  # layers * experts * one [2] int32
     assert info2["expert_bytes"] == info["expert_bytes"] - shape_bytes
+
+
+def test_typer_cli_runner(hf_model):
+    """The Typer app itself, through typer.testing.CliRunner (as Typer's docs test apps)."""
+    from typer.testing import CliRunner
+
+    from moetool.cli import app
+
+    result = CliRunner().invoke(app, ["inspect", str(hf_model("olmoe").path), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["architecture"] == "olmoe"

@@ -145,7 +145,7 @@ def test_quantize_tiny(tiny, cli, tmp_path, family, fmt_id):
     check_summary(r.out, fmt, sum(3 * m.num_experts for m in spec.moe_layers))
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "deepseek_v2", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "deepseek_v2", "mixtral", "llama4"])
 @pytest.mark.parametrize("args, fmt", [(["--fp8-block"], Fp8Block()), (["--fp8-channel"], Fp8Channel()),
                                        (["--int4", "--group-size", "8"], Int4Group(8, True))],
                          ids=["fp8-block", "fp8-channel", "int4-g8"])

@@ -425,3 +425,14 @@ def test_fused_source_merges_per_expert_into_the_same_files(tiny, cli, tmp_path)
                 p = f"{layer.prefix}.experts.{e}"
                 assert torch.equal(b[f"{p}.gate_proj.weight"], g) and torch.equal(b[f"{p}.down_proj.weight"], d)
                 assert fb[f"{p}.gate_proj.weight"] == fa[f"{layer.prefix}.experts.gate_up_proj"]
+
+
+def test_small_rank_files_merge_back(sources, cli, tmp_path):
+    """--max-shard-size splits each rank folder into more files; merge still restores the
+    source's own file layout."""
+    out, merged = tmp_path / "shards", tmp_path / "merged"
+    assert cli("shard", sources["int4"], out, "--ep", "2", "--max-shard-size", "300KB", "--quiet").code == 0
+    assert len(list((out / rank_dir(0, 2)).glob("*.safetensors"))) > 2
+    check_shards(sources["int4"], out, 2, "stacked")
+    assert cli("shard", "--merge", out, merged, "--quiet").code == 0
+    assert tensor_files(merged) == tensor_files(sources["int4"])
