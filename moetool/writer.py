@@ -91,42 +91,45 @@ def _fsync_dir(path: Path) -> None:
 
 
 class _HashingSink:
-    """File writer that hashes what it writes, on a background thread so that the producer's
-    compute overlaps hashing and disk writes (both release the GIL)."""
+    """File writer that hashes what it writes. Writing and hashing run on two background
+    threads (both release the GIL), so the producer's compute, the disk writes and sha256
+    overlap; each chunk is released once both have seen it."""
 
-    def __init__(self, path: Path, depth: int = 4):
+    def __init__(self, path: Path, depth: int = 3):
         self.path = path
         self.file = open(path, "wb")
         self.hash = hashlib.sha256()
-        self.size = 0
         self.error: BaseException | None = None
-        self.queue: queue.Queue = queue.Queue(maxsize=depth)
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
+        self.queues = (queue.Queue(maxsize=depth), queue.Queue(maxsize=depth))
+        self.threads = (threading.Thread(target=self._run, args=(self.queues[0], self.hash.update), daemon=True),
+                        threading.Thread(target=self._run, args=(self.queues[1], self.file.write), daemon=True))
+        for t in self.threads:
+            t.start()
 
-    def _run(self) -> None:
+    def _run(self, q: queue.Queue, consume) -> None:
         while True:
-            item = self.queue.get()
+            item = q.get()
             if item is None:
                 return
             if self.error is not None:
                 continue
             try:
-                data = item if isinstance(item, (bytes, memoryview)) else tensor_bytes(item)
-                self.hash.update(data)
-                self.file.write(data)
-                self.size += len(data)
+                consume(item)
             except BaseException as e:  # surfaced by close()
                 self.error = e
 
     def write(self, item) -> None:
         if self.error is not None:
             raise self.error
-        self.queue.put(item)
+        data = item if isinstance(item, (bytes, memoryview)) else tensor_bytes(item)
+        for q in self.queues:
+            q.put(data)
 
     def close(self, ok: bool) -> str:
-        self.queue.put(None)
-        self.thread.join()
+        for q in self.queues:
+            q.put(None)
+        for t in self.threads:
+            t.join()
         try:
             if ok and self.error is None:
                 self.file.flush()
