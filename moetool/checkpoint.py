@@ -118,7 +118,7 @@ def read_safetensors_header(path: Path) -> tuple[int, dict[str, TensorInfo], dic
 
 def _check_relative(name: str, where: str) -> None:
     p = Path(name)
-    if p.is_absolute() or ".." in p.parts or not name:
+    if p.is_absolute() or ".." in p.parts or len(p.parts) != 1 or not name:  # shards sit next to the index
         raise MoetoolError(f"{where}: shard path {name!r} must be a plain relative file name")
 
 

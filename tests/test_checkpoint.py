@@ -106,7 +106,8 @@ def test_header_entry_byte_range_wrong(bad, cli):
     assert r.error_line == f"{path}: tensor w byte range 0..12 does not match shape [2, 2] F32"
 
 
-@pytest.mark.parametrize("entry", ["/etc/passwd", "../other/model.safetensors", "sub/../../x.safetensors"])
+@pytest.mark.parametrize("entry", ["/etc/passwd", "../other/model.safetensors", "sub/../../x.safetensors",
+                                   "sub/model-00002-of-00002.safetensors"])
 def test_index_entry_must_be_relative(bad, cli, entry):
     index = json.loads((bad / INDEX).read_text())
     index["weight_map"]["lm_head.weight"] = entry
