@@ -109,6 +109,10 @@ def read_safetensors_header(path: Path) -> tuple[int, dict[str, TensorInfo], dic
             raise MoetoolError(f"{path}: tensor {name} byte range {begin}..{end} does not match shape {shape} {dtype_name}")
         infos[name] = TensorInfo(name, path.name, dtype, tuple(int(d) for d in shape), data_start + begin, data_start + end)
         data_end = max(data_end, end)
+    ordered = sorted(infos.values(), key=lambda i: (i.begin, i.end))
+    for prev, cur in zip(ordered, ordered[1:]):
+        if cur.begin < prev.end:
+            raise MoetoolError(f"{path}: tensors {prev.name} and {cur.name} overlap in the file (corrupt header)")
     if data_start + data_end > size:
         raise MoetoolError(
             f"{path}: truncated safetensors file: header says {data_start + data_end} bytes, file has {size}"

@@ -106,6 +106,18 @@ def test_header_entry_byte_range_wrong(bad, cli):
     assert r.error_line == f"{path}: tensor w byte range 0..12 does not match shape [2, 2] F32"
 
 
+def test_overlapping_tensors(bad, cli):
+    for f in (SHARD1, SHARD2, INDEX):
+        (bad / f).unlink()
+    path = bad / "model.safetensors"
+    header = {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+              "b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}
+    path.write_bytes(raw_safetensors(header, bytes(16)))
+    r = cli("inspect", bad)
+    assert r.code == 2
+    assert r.error_line == f"{path}: tensors a and b overlap in the file (corrupt header)"
+
+
 @pytest.mark.parametrize("entry", ["/etc/passwd", "../other/model.safetensors", "sub/../../x.safetensors",
                                    "sub/model-00002-of-00002.safetensors"])
 def test_index_entry_must_be_relative(bad, cli, entry):
