@@ -89,12 +89,17 @@ def read_safetensors_header(path: Path) -> tuple[int, dict[str, TensorInfo], dic
     if not isinstance(header, dict):
         raise MoetoolError(f"{path}: corrupt safetensors header (not a JSON object)")
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise MoetoolError(f"{path}: corrupt safetensors header (__metadata__ is not a JSON object)")
     data_start = 8 + n
     infos: dict[str, TensorInfo] = {}
     data_end = 0
     for name, entry in header.items():
         try:
             dtype_name, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+            if not isinstance(dtype_name, str) or not isinstance(shape, list) or not all(
+                    type(v) is int and v >= 0 for v in (*shape, begin, end)):
+                raise TypeError
         except (KeyError, TypeError, ValueError):
             raise MoetoolError(f"{path}: corrupt safetensors header entry for tensor {name}") from None
         if dtype_name not in DTYPES:

@@ -106,6 +106,27 @@ def test_header_entry_byte_range_wrong(bad, cli):
     assert r.error_line == f"{path}: tensor w byte range 0..12 does not match shape [2, 2] F32"
 
 
+@pytest.mark.parametrize("entry", [
+    {"dtype": "F32", "shape": "xy", "data_offsets": [0, 8]},
+    {"dtype": "F32", "shape": None, "data_offsets": [0, 8]},
+    {"dtype": "F32", "shape": [-1, -2], "data_offsets": [0, 8]},
+    {"dtype": "F32", "shape": [2.5], "data_offsets": [0, 8]},
+    {"dtype": "F32", "shape": [2], "data_offsets": ["0", "8"]},
+    {"dtype": "F32", "shape": [2], "data_offsets": [0, 8, 9]},
+    {"dtype": [], "shape": [2], "data_offsets": [0, 8]},
+    {"dtype": "F32", "shape": [2]},
+    "not an object",
+], ids=["shape-str", "shape-null", "shape-negative", "shape-float", "offsets-str", "offsets-3", "dtype-list",
+        "no-offsets", "entry-str"])
+def test_malformed_header_entry(tmp_path, entry):
+    """Every malformed entry is a one-line error naming the file and tensor, never a crash."""
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(raw_safetensors({"a": entry}, bytes(8)))
+    with pytest.raises(MoetoolError) as err:
+        read_safetensors_header(path)
+    assert str(err.value) == f"{path}: corrupt safetensors header entry for tensor a"
+
+
 def test_overlapping_tensors(bad, cli):
     for f in (SHARD1, SHARD2, INDEX):
         (bad / f).unlink()
