@@ -32,6 +32,7 @@ from moetool.checkpoint import Checkpoint
 from moetool.errors import MoetoolError
 from moetool.experts_io import ExpertReader, Linear, suffixes_of
 from moetool.formats.base import WeightFormat
+from moetool.memory import trim
 from moetool.writer import JOURNAL_NAME, OutputDir, TensorSpec
 
 ROLES = ("gate", "up", "down")
@@ -385,10 +386,12 @@ class Executor:
         with ThreadPoolExecutor(self.workers, thread_name_prefix="moetool-convert") as pool:
             window: deque = deque()
             stash: dict[str, list[torch.Tensor]] = {}
-            for kind, fn in tasks:
+            for n, (kind, fn) in enumerate(tasks):
                 window.append((kind, pool.submit(fn)))
                 if len(window) > 2 * self.workers:
                     yield from self._emit(*window.popleft(), specs, stash)
+                if n % 16 == 15:
+                    trim()
             while window:
                 yield from self._emit(*window.popleft(), specs, stash)
 

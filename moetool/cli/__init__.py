@@ -24,6 +24,9 @@ from moetool.cli import demo, inspect, quantize, repack, shard, verify  # noqa: 
 
 
 def main(argv: list[str] | None = None) -> None:
+    from moetool.memory import bound_malloc
+
+    bound_malloc()
     try:
         app(args=argv, prog_name="moetool", standalone_mode=False)
     except MoetoolError as err:
