@@ -258,7 +258,7 @@ def open_checkpoint(source: str | os.PathLike, revision: str | None = None) -> C
         try:
             index = json.loads(index_path.read_text())
             weight_map = index["weight_map"]
-            if not isinstance(weight_map, dict):
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise TypeError
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
             raise MoetoolError(f"{index_path}: invalid index (needs a JSON object with a weight_map)") from None

@@ -150,6 +150,16 @@ def test_index_entry_must_be_relative(bad, cli, entry):
     assert r.error_line == f"{bad / INDEX}: shard path {entry!r} must be a plain relative file name"
 
 
+@pytest.mark.parametrize("value", [5, None, ["x"]])
+def test_index_entry_not_a_file_name(bad, cli, value):
+    index = json.loads((bad / INDEX).read_text())
+    index["weight_map"]["lm_head.weight"] = value
+    (bad / INDEX).write_text(json.dumps(index))
+    r = cli("inspect", bad)
+    assert r.code == 2
+    assert r.error_line == f"{bad / INDEX}: invalid index (needs a JSON object with a weight_map)"
+
+
 def test_tensor_in_index_absent_from_its_shard(bad, cli):
     index = json.loads((bad / INDEX).read_text())
     index["weight_map"]["model.layers.0.mlp.experts.9.up_proj.weight"] = SHARD1
