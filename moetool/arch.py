@@ -278,14 +278,20 @@ def describe(config: dict, tensors: dict, stored_experts: dict[int, int] | None 
         # one rank folder of ``moetool shard``: it stores only its local slots
         stored_experts = {int(k): int(v) for k, v in ep["stored_experts"].items()}
     names = set(tensors)
-    hidden = int(_get(cfg, ("hidden_size",), "hidden_size"))
-    num_experts = int(_get(cfg, family.num_experts, "expert count"))
-    intermediate = int(_get(cfg, family.intermediate, "expert intermediate size"))
-    router = family.router(cfg)
+    try:
+        hidden = int(_get(cfg, ("hidden_size",), "hidden_size"))
+        num_experts = int(_get(cfg, family.num_experts, "expert count"))
+        intermediate = int(_get(cfg, family.intermediate, "expert intermediate size"))
+        n_layers = int(_get(cfg, ("num_hidden_layers",), "num_hidden_layers"))
+        router = family.router(cfg)
+        moe_indices = family.moe_layers(cfg)
+    except KeyError as e:
+        raise MoetoolError(f"config.json: missing {e.args[0]}") from None
+    except (TypeError, ValueError) as e:
+        raise MoetoolError(f"config.json: invalid value ({e})") from None
     if router.top_k < 1 or router.top_k > num_experts:
         raise MoetoolError(f"config.json: top-k {router.top_k} must be between 1 and the expert count {num_experts}")
     layers = []
-    moe_indices = family.moe_layers(cfg)
     for i in moe_indices:
         lp = _layer_prefix(names, i)
         prefix = f"{lp}.{family.moe_module}"
@@ -314,14 +320,17 @@ def describe(config: dict, tensors: dict, stored_experts: dict[int, int] | None 
                     shared_gate = f"{prefix}.{family.shared_gate_module}.weight"
                     if shared_gate not in names:
                         shared_gate = None
-                shared = SharedExpertSpec(intermediate=family.shared_intermediate(cfg), has_gate=shared_gate is not None)
+                try:
+                    shared_intermediate = int(family.shared_intermediate(cfg))
+                except KeyError as e:
+                    raise MoetoolError(f"config.json: missing {e.args[0]} (layer {i} has a shared expert)") from None
+                shared = SharedExpertSpec(intermediate=shared_intermediate, has_gate=shared_gate is not None)
         router_bias = f"{prefix}.{family.router_module}.bias" if family.router_has_bias else None
         layers.append(MoELayerSpec(i, prefix, num_experts, hidden, intermediate, router, router_weight, bias, storage,
                                    shared, shared_bases, shared_gate, router_bias,
                                    stored_experts=-1 if stored_experts is None else n_stored))
     if not layers:
         raise MoetoolError(f"config.json: {family.name} model has no MoE layers")
-    n_layers = int(cfg["num_hidden_layers"])
     dense = [i for i in range(n_layers) if i not in set(moe_indices)]
     return ModelSpec(family, cfg.get("model_type", ""), n_layers, hidden, layers, dense)
 

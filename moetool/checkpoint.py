@@ -251,6 +251,8 @@ def open_checkpoint(source: str | os.PathLike, revision: str | None = None) -> C
         config = json.loads(config_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise MoetoolError(f"{config_path}: invalid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise MoetoolError(f"{config_path}: not a JSON object")
 
     index_path = root / INDEX_NAME
     weight_map: dict[str, str] | None = None

@@ -262,6 +262,21 @@ def test_invalid_config_json(bad, cli):
     assert r.error_line.startswith(f"{bad / 'config.json'}: invalid JSON (")
 
 
+@pytest.mark.parametrize("mutate, message", [
+    (lambda c: [], "{cfg}: not a JSON object"),
+    (lambda c: c.pop("num_hidden_layers") and c, "config.json: missing num_hidden_layers (looked for num_hidden_layers)"),
+    (lambda c: c.pop("num_experts_per_tok") and c, "config.json: missing num_experts_per_tok"),
+    (lambda c: c.pop("num_experts") and c, "config.json: missing expert count (looked for num_experts, num_local_experts)"),
+    (lambda c: {**c, "hidden_size": "wide"}, "config.json: invalid value (invalid literal for int() with base 10: 'wide')"),
+], ids=["list", "no-layers", "no-top-k", "no-experts", "bad-hidden"])
+def test_config_errors(bad, cli, mutate, message):
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps(mutate(cfg)))
+    r = cli("inspect", bad)
+    assert r.code == 2
+    assert r.error_line == message.format(cfg=bad / "config.json")
+
+
 def test_missing_expert_tensor_names_the_expert(bad, cli):
     name = "model.layers.1.mlp.experts.2.up_proj.weight"
     rewrite_file(file_of(bad, name), lambda t: t.pop(name))
