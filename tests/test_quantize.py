@@ -579,3 +579,16 @@ def test_unfinished_output_used_as_input(tiny, cli, tmp_path):
     from moetool.writer import verify_manifest
 
     assert JOURNAL_NAME not in verify_manifest(out)["files"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("args", [["--fp8-block"], ["--fp8-channel"], ["--int4", "--group-size", "64", "--asymmetric"]],
+                         ids=["fp8-block", "fp8-channel", "int4-asym"])
+def test_device_cuda_matches_cpu(tiny, cli, tmp_path, args):
+    """--device cuda quantizes on the GPU: the same bytes as on the CPU."""
+    src = tiny("deepseek_v3", hidden=320, intermediate=192)
+    assert cli("quantize", src, tmp_path / "cpu", *args, "--quiet").code == 0
+    r = cli("quantize", src, tmp_path / "gpu", *args, "--device", "cuda", "--quiet")
+    assert r.code == 0, r.err
+    assert tree_hashes(tmp_path / "gpu") == tree_hashes(tmp_path / "cpu")
