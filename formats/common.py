@@ -32,6 +32,20 @@ def check_weight(w: torch.Tensor, reduced: torch.Tensor | None = None) -> None:
         raise MoetoolError(f"contains NaN/Inf ({bad} of {w.numel()} values)")
 
 
+_E4M3_TABLE: dict[torch.device, torch.Tensor] = {}
+
+
+def e4m3_to_float(q: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn -> float32, exactly ``q.float()``; on CPU through a 256-entry table
+    (3x faster than torch's element-wise fp8 conversion there)."""
+    if q.device.type != "cpu":
+        return q.float()
+    table = _E4M3_TABLE.get(q.device)
+    if table is None:
+        table = _E4M3_TABLE[q.device] = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    return torch.take(table, q.view(torch.uint8).long()).view(q.shape)
+
+
 def check_weight_shape(w: torch.Tensor) -> None:
     """2-D and floating point (the cheap part of ``check_weight``)."""
     if w.dim() != 2:

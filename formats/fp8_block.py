@@ -24,6 +24,7 @@ from moetool.formats.common import (
     check_tensor,
     abs_max,
     check_weight,
+    e4m3_to_float,
     check_weight_shape,
     split_row_blocked,
 )
@@ -72,8 +73,8 @@ def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     when N and K are multiples of 128)."""
     n, k = q.shape
     if n % BLOCK or k % BLOCK:
-        return q.float() * expand_block_scales(scale, n, k)
-    out = q.float()
+        return e4m3_to_float(q) * expand_block_scales(scale, n, k)
+    out = e4m3_to_float(q)
     out.view(n // BLOCK, BLOCK, k // BLOCK, BLOCK).mul_(scale[:, None, :, None])
     return out
 

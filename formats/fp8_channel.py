@@ -21,6 +21,7 @@ from moetool.formats.common import (
     check_tensor,
     abs_max,
     check_weight,
+    e4m3_to_float,
     check_weight_shape,
     scale_in_dtype,
     split_row_blocked,
@@ -68,7 +69,7 @@ class Fp8Channel(WeightFormat):
 
     def dequantize(self, t: Tensors) -> torch.Tensor:
         self.logical_shape(t)
-        return t["weight"].float() * t["weight_scale"].float()
+        return e4m3_to_float(t["weight"]).mul_(t["weight_scale"].float())
 
     def logical_shape(self, t: Tensors) -> tuple[int, int]:
         """Also checks that the tensors are complete and consistent."""
