@@ -144,6 +144,8 @@ class Checkpoint:
         self.tensors = tensors
         self.files = files
         self._fds: dict[str, int] = {}
+        #: read into page-locked buffers (set when tensors go on to a GPU)
+        self.pin_memory = False
 
     # -- reading ---------------------------------------------------------------------------
     def __contains__(self, name: str) -> bool:
@@ -173,7 +175,7 @@ class Checkpoint:
         fd = self._fds.get(file)
         if fd is None:
             fd = self._fds[file] = os.open(self.root / file, os.O_RDONLY)
-        buf = torch.empty(nbytes, dtype=torch.uint8)
+        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
         view = writable_bytes(buf)
         done = 0
         while done < nbytes:

@@ -141,6 +141,7 @@ class Source:
                  device: str = "cpu"):
         self.ckpt = ckpt
         self.device = torch.device(device)
+        ckpt.pin_memory = self.device.type == "cuda"
         self.reader = ExpertReader(ckpt, spec)
         self.spec = spec
         self.in_fmt = self.reader.fmt
@@ -157,13 +158,31 @@ class Source:
         fmt = in_fmt or self.in_fmt
         if same_format(fmt, self.out_fmt):
             return lin
+        if self.device.type == "cuda":
+            return self._convert_cuda(lin, where, fmt)
         try:
-            w = fmt.dequantize({k: v.to(self.device, non_blocking=True) for k, v in lin.items()})
+            w = fmt.dequantize(lin)
             q = self.out_fmt.quantize(w, self.dtype)
         except MoetoolError as err:
             raise MoetoolError(f"{where}: {err}") from None
         self.stats.add(w, self.out_fmt.dequantize(q))
-        return {k: v.cpu() for k, v in q.items()} if self.device.type != "cpu" else q
+        return q
+
+    def _convert_cuda(self, lin: Linear, where: str, fmt: WeightFormat) -> Linear:
+        """The same conversion on the GPU: a stream per converting thread, pinned host
+        buffers, Triton quantization kernels where the format has one (bit-identical to the
+        torch formulas), the format's torch code otherwise."""
+        stream = _thread_stream(self.device)
+        with torch.cuda.stream(stream):
+            try:
+                w = fmt.dequantize({k: v.to(self.device, non_blocking=True) for k, v in lin.items()})
+                q = gpu_quantize(self.out_fmt, w, self.dtype) or self.out_fmt.quantize(w, self.dtype)
+            except MoetoolError as err:
+                raise MoetoolError(f"{where}: {err}") from None
+            self.stats.add(w, self.out_fmt.dequantize(q))
+            out = {k: v.to("cpu", non_blocking=True) for k, v in q.items()}
+        stream.synchronize()
+        return out
 
     def expert_role(self, layer: MoELayerSpec, e: int, role: str) -> Linear:
         where = f"{layer.prefix} expert {e} {role}"
@@ -184,6 +203,34 @@ class Source:
     def plain_linear(self, base: str) -> Linear:
         fmt, lin = self.reader.plain_linear(base)
         return self.convert(lin, base, in_fmt=fmt)
+
+
+_streams = threading.local()
+
+
+def _thread_stream(device: torch.device):
+    stream = getattr(_streams, "stream", None)
+    if stream is None:
+        stream = _streams.stream = torch.cuda.Stream(device)
+    return stream
+
+
+def gpu_quantize(fmt: WeightFormat, w: torch.Tensor, orig_dtype: torch.dtype) -> Linear | None:
+    """Quantize a CUDA weight with the Triton kernels; None where no kernel applies or the
+    input is not finite (the format's torch code then quantizes, or raises naming the problem)."""
+    from moetool.kernels import quant as kq
+
+    if fmt.name == "fp8-block":
+        q, scale = kq.fp8_block_quant(w.contiguous())
+        t = {"weight": q, "weight_scale_inv": scale}
+    elif fmt.name == "int4-group" and w.shape[1] % fmt.group_size == 0 and fmt.group_size % 8 == 0:
+        t = kq.int4_group_quant_pack(w.contiguous(), fmt.group_size, fmt.symmetric, orig_dtype)
+        scale = t["weight_scale"]
+    else:
+        return None
+    if not bool(torch.isfinite(scale).all()):
+        return None
+    return {s: t[s] for s in fmt.suffixes}
 
 
 class ErrorStats:
