@@ -73,12 +73,13 @@ def _align_count_kernel(ids_ptr, counts_ptr, sorted_ids_ptr, P, EM, fill_per_pro
 
 
 @triton.jit
-def _align_scatter_kernel(ids_ptr, counts_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr,
+def _align_scatter_kernel(ids_ptr, counts_ptr, base_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr,
                           P, E, num_chunks, num_blocks,
                           BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, E_P2: tl.constexpr,
                           ROWS: tl.constexpr, BLOCK_B: tl.constexpr):
     """Program c places chunk c's pairs: dest = pad_start[e] + (#pairs of e in earlier chunks)
-    + (#pairs of e earlier in this chunk). Program 0 also writes expert_ids and num_post_pad."""
+    + (#pairs of e earlier in this chunk). Program 0 also writes expert_ids and num_post_pad.
+    base [num_chunks, E_P2] is scratch: each program's per-expert start, gathered per pair."""
     c = tl.program_id(0)
     cols = tl.arange(0, E_P2)
     total = tl.zeros([E_P2], dtype=tl.int32)
@@ -90,13 +91,18 @@ def _align_scatter_kernel(ids_ptr, counts_ptr, sorted_ids_ptr, expert_ids_ptr, n
         before += tl.sum(tl.where((r < c)[:, None], cnt, 0), axis=0)
     padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M  # [E_P2], 0 past E
     pad_end = tl.cumsum(padded, axis=0)
-    pad_start = pad_end - padded
+    tl.store(base_ptr + c * E_P2 + cols, pad_end - padded + before)
+    tl.debug_barrier()  # the row is read back below by other threads of this program
     offs = c * BLOCK_P + tl.arange(0, BLOCK_P)
-    e = tl.load(ids_ptr + offs, mask=offs < P, other=-1)
-    onehot = (e[:, None] == cols[None, :]).to(tl.int32)  # [BP, E_P2]
-    rank = tl.cumsum(onehot, axis=0) - onehot  # earlier pairs of the same expert in this chunk
-    dest = tl.sum(onehot * (rank + (pad_start + before)[None, :]), axis=1)  # [BP]
-    tl.store(sorted_ids_ptr + dest, offs.to(tl.int32), mask=(offs < P) & (e >= 0))
+    valid = offs < P
+    e = tl.load(ids_ptr + offs, mask=valid, other=-1)  # [BP]
+    valid = valid & (e >= 0)
+    base = tl.load(base_ptr + c * E_P2 + e, mask=valid, other=0)
+    # rank of pair i among this chunk's pairs of the same expert: #{j < i : e_j == e_i}
+    j = tl.arange(0, BLOCK_P)
+    same = (e[:, None] == e[None, :]) & (j[None, :] < j[:, None])  # [BP, BP]
+    rank = tl.sum(same.to(tl.int32), axis=1)
+    tl.store(sorted_ids_ptr + base + rank, offs.to(tl.int32), mask=valid)
     if c == 0:
         tl.store(num_post_pad_ptr, tl.sum(padded, axis=0))
         for b0 in range(0, num_blocks, BLOCK_B):
@@ -112,8 +118,8 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int)
 
     sorted_ids lists pair indices p = t*k + j grouped by expert (ascending e, then ascending p),
     each expert's run starting at a multiple of BM and padded with P = T*k; block b holds expert
-    expert_ids[b] (-1 past the last used block). Two Triton launches (count per chunk of pairs,
-    then place), no host synchronisation.
+    expert_ids[b] (-1 past the last used block). Two Triton launches over chunks of 128 pairs
+    (count, then place), no host synchronisation.
     """
     _check(topk_ids.dim() == 2 and topk_ids.is_contiguous(), "topk_ids must be [T, k], contiguous")
     _check(block_m > 0 and block_m & (block_m - 1) == 0, f"block_m must be a power of two, got {block_m}")
@@ -121,24 +127,23 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int)
     dev = topk_ids.device
     P, E = topk_ids.numel(), num_experts
     EM = align_capacity(P, E, block_m)
-    sorted_ids = torch.full((EM,), P, dtype=torch.int32, device=dev) if P == 0 or E == 0 else \
-        torch.empty((EM,), dtype=torch.int32, device=dev)
     expert_ids = torch.full((EM // block_m,), -1, dtype=torch.int32, device=dev)
     num_post_pad = torch.zeros((1,), dtype=torch.int32, device=dev)
     if P == 0 or E == 0:
-        return sorted_ids, expert_ids, num_post_pad
+        return torch.full((EM,), P, dtype=torch.int32, device=dev), expert_ids, num_post_pad
+    sorted_ids = torch.empty((EM,), dtype=torch.int32, device=dev)
     e_p2 = max(16, triton.next_power_of_2(E))
-    block_p = max(16, min(1024, 65536 // e_p2, triton.next_power_of_2(P)))
+    block_p = max(16, min(128, triton.next_power_of_2(P)))
     num_chunks = triton.cdiv(P, block_p)
-    warps = 16 if block_p * e_p2 >= 32768 else 4
-    counts = torch.empty((num_chunks, e_p2), dtype=torch.int32, device=dev)
+    warps = 8 if block_p * e_p2 >= 16384 else 4
+    scratch = torch.empty((2, num_chunks, e_p2), dtype=torch.int32, device=dev)  # counts, bases
     fill = triton.cdiv(EM, num_chunks)
-    _align_count_kernel[(num_chunks,)](topk_ids, counts, sorted_ids, P, EM, fill,
+    _align_count_kernel[(num_chunks,)](topk_ids, scratch[0], sorted_ids, P, EM, fill,
                                        BLOCK_P=block_p, E_P2=e_p2, FILL_BLOCK=1024, num_warps=warps)
     _align_scatter_kernel[(num_chunks,)](
-        topk_ids, counts, sorted_ids, expert_ids, num_post_pad, P, E, num_chunks, EM // block_m,
+        topk_ids, scratch[0], scratch[1], sorted_ids, expert_ids, num_post_pad, P, E, num_chunks, EM // block_m,
         BLOCK_M=block_m, BLOCK_P=block_p, E_P2=e_p2, ROWS=max(1, min(16, 4096 // e_p2)),
-        BLOCK_B=max(16, min(256, 16384 // e_p2)), num_warps=warps,
+        BLOCK_B=max(16, min(256, 8192 // e_p2)), num_warps=warps,
     )
     return sorted_ids, expert_ids, num_post_pad
 
@@ -322,18 +327,32 @@ class MoeConfig:
     num_stages: int = 3
 
 
-def default_config(fmt_name: str, pairs_per_expert: float, act_dtype: torch.dtype, interpreted: bool) -> MoeConfig:
-    """Untuned but sane tiles: small BLOCK_M when experts see few tokens (decode), 128-wide K
-    blocks for fp8-block (one scale per K tile), fewer stages for fp32 (shared memory)."""
-    bk = 128 if fmt_name == "fp8-block" else 64
+# Tiles per format for (pairs per expert <= 32, <= 256, more): the best of bench/kernels.py
+# --sweep on an H100 (DeepSeek-V3 expert shapes H 7168, N 2048, 32 local experts, bf16
+# activations, T 64 / 512 / 4096). (block_m, block_n, block_k, group_m, num_warps, num_stages)
+_TILES = {
+    "dense": ((16, 128, 128, 1, 4, 3), (128, 128, 64, 16, 8, 3), (128, 128, 64, 16, 8, 3)),
+    "fp8-block": ((16, 64, 128, 1, 4, 3), (64, 128, 128, 8, 8, 3), (64, 128, 128, 8, 8, 3)),
+    "fp8-channel": ((16, 64, 128, 1, 4, 4), (64, 64, 64, 8, 4, 4), (128, 128, 64, 16, 8, 3)),
+    "int4-group": ((16, 64, 64, 1, 4, 3), (64, 64, 64, 8, 4, 4), (64, 128, 64, 8, 4, 3)),
+}
+
+
+def default_config(fmt_name: str, pairs_per_expert: float, act_dtype: torch.dtype, interpreted: bool,
+                   group_size: int = 128) -> MoeConfig:
+    """Tiles from ``_TILES`` by pairs per expert (T*k/E: an upper bound, -1 pairs included, as
+    counting the real ones would need a host sync). fp32 activations: 2 stages (shared memory).
+    int4: block_k <= g when g is a power of two, so a K tile never straddles two groups."""
     if interpreted:  # small tiles: fewer wasted lanes in tiny tests
         return MoeConfig(16, 32, 128 if fmt_name == "fp8-block" else 32, 1, 4, 1)
-    stages = 2 if act_dtype == torch.float32 else 3
-    if pairs_per_expert <= 32:
-        return MoeConfig(16, 64, bk, 1, 4, stages)
-    if pairs_per_expert <= 256 or fmt_name == "int4-group":
-        return MoeConfig(64, 128 if fmt_name != "int4-group" else 64, bk, 8, 4, stages)
-    return MoeConfig(128, 128, bk, 16, 8, stages)
+    small, mid, large = _TILES[fmt_name]
+    bm, bn, bk, gm, warps, stages = small if pairs_per_expert <= 32 else mid if pairs_per_expert <= 256 else large
+    if act_dtype == torch.float32:
+        stages = 2
+        bm, bn = min(bm, 64), min(bn, 64)
+    if fmt_name == "int4-group" and group_size >= 16 and group_size & (group_size - 1) == 0:
+        bk = min(bk, group_size)
+    return MoeConfig(bm, bn, bk, gm, warps, stages)
 
 
 @dataclass
@@ -646,7 +665,7 @@ def fused_experts(
     P = T * k
     interpreted = is_interpreted(_moe_gemm_kernel)
     act_dtype = hidden.dtype if hidden.dtype in _FLOAT_ACTS else torch.bfloat16
-    cfg = config or default_config(fmt_name, P / E, act_dtype, interpreted)
+    cfg = config or default_config(fmt_name, P / E, act_dtype, interpreted, group_size)
     _check(all(b >= 16 and b & (b - 1) == 0 for b in (cfg.block_m, cfg.block_n, cfg.block_k)),
            f"tile sizes must be powers of two >= 16: {cfg}")
     fp8 = fmt_name == "fp8-block"
