@@ -238,10 +238,12 @@ def _probe_slots(experts, local: LocalExperts, x: torch.Tensor, device: torch.de
 
 
 class LazyExperts:
-    """Sequence of (gate, up, down) fp32 of a layer's experts, read one at a time (bounded memory)."""
+    """Sequence of (gate, up, down) fp32 of a layer's experts, read one at a time (bounded
+    memory), on ``device``."""
 
-    def __init__(self, reader: ExpertReader, layer: MoELayerSpec):
+    def __init__(self, reader: ExpertReader, layer: MoELayerSpec, device: torch.device | None = None):
         self.reader, self.layer = reader, layer
+        self.device = device or torch.device("cpu")
 
     def __len__(self) -> int:
         return self.layer.num_experts
@@ -249,7 +251,7 @@ class LazyExperts:
     def __getitem__(self, e: int):
         if not 0 <= e < len(self):
             raise IndexError(e)
-        return self.reader.expert_fp32(self.layer, e)
+        return tuple(w.to(self.device) for w in self.reader.expert_fp32(self.layer, e))
 
     def __iter__(self):
         return (self[e] for e in range(len(self)))
@@ -366,30 +368,33 @@ def build_report(shards: EPShards, ref_ckpt, spec, ref_reader: ExpertReader, opt
         th["expert_rel_err"] = opts.max_expert_rel_err
     from moetool.verify.reference import reference_moe_forward, swiglu
 
+    # the reference runs on a GPU when there is one (the ranks are done with them by now)
+    dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     reports = []
     for i in layer_ids:
         layer = spec.layer(i)
         nw_name = norm_weight_name(layer)
         nw = ref_ckpt.get(nw_name) if nw_name in ref_ckpt else None
-        gate = ref_ckpt.get(layer.router_weight).float()
-        bias = ref_ckpt.get(layer.correction_bias).float() if layer.correction_bias else None
+        gate = ref_ckpt.get(layer.router_weight).float().to(dev)
+        bias = ref_ckpt.get(layer.correction_bias).float().to(dev) if layer.correction_bias else None
         shared = ref_reader.shared_fp32(layer)
-        lazy = LazyExperts(ref_reader, layer)
+        shared = None if shared is None else tuple(None if w is None else w.to(dev) for w in shared)
+        lazy = LazyExperts(ref_reader, layer, dev)
         ys, refs = [], []
         for g in range(opts.dp):
             rank0 = next(r for r in results if r[i]["group"] == g and r[i]["y"] is not None)
-            x = make_tokens(i, g, opts.tokens, layer.hidden, opts.seed, nw)
-            refs.append(reference_moe_forward(x, gate, bias, layer.router, lazy, shared))
+            x = make_tokens(i, g, opts.tokens, layer.hidden, opts.seed, nw).to(dev)
+            refs.append(reference_moe_forward(x, gate, bias, layer.router, lazy, shared).cpu())
             ys.append(rank0[i]["y"])
         rel, sqnr, mx = _metrics(torch.cat(ys), torch.cat(refs))
         # each expert alone on the probe batch, every copy of it (replicas too)
-        xp = probe_tokens(i, layer.hidden, opts.seed, nw)
+        xp = probe_tokens(i, layer.hidden, opts.seed, nw).to(dev)
         worst = (-1, -1, 0.0)
         expert_ref: dict[int, torch.Tensor] = {}
         for rank, r in enumerate(results):
             for s, e in enumerate(r[i]["slots"]):
                 if e not in expert_ref:
-                    expert_ref[e] = swiglu(xp, *lazy[e])
+                    expert_ref[e] = swiglu(xp, *lazy[e]).cpu()
                 erel, _, _ = _metrics(r[i]["probe"][s], expert_ref[e])
                 if not erel <= worst[2] and not (math.isnan(erel) and math.isnan(worst[2])):
                     worst = (e, rank, erel)
