@@ -223,9 +223,13 @@ def resolve_source(source: str | os.PathLike, revision: str | None = None) -> Pa
         from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
     except ImportError as e:  # pragma: no cover - a runtime dependency
         raise MoetoolError(f"huggingface_hub is needed to fetch {source}: {e}") from None
+    import huggingface_hub.errors as hf_errors
+
+    offline = (LocalEntryNotFoundError,) + tuple(
+        c for c in (getattr(hf_errors, "OfflineModeIsEnabled", None),) if c is not None)
     try:
         local = snapshot_download(text, revision=revision, allow_patterns=["*.safetensors", "*.json"])
-    except LocalEntryNotFoundError:
+    except offline:
         raise MoetoolError(f"{source}: not in the local Hugging Face cache and the Hub cannot be reached (HF_HUB_OFFLINE?)") from None
     except HfHubHTTPError as e:
         raise MoetoolError(f"{source}: Hub error: {str(e).splitlines()[0]}") from None
