@@ -592,3 +592,18 @@ def test_device_cuda_matches_cpu(tiny, cli, tmp_path, args):
     r = cli("quantize", src, tmp_path / "gpu", *args, "--device", "cuda", "--quiet")
     assert r.code == 0, r.err
     assert tree_hashes(tmp_path / "gpu") == tree_hashes(tmp_path / "cpu")
+
+
+def test_same_format_again_is_a_copy_and_other_params_requantize(tiny, cli, tmp_path):
+    src = tiny("mixtral")
+    g128 = tmp_path / "g128"
+    assert cli("quantize", src, g128, "--int4", "--quiet").code == 0
+    again = tmp_path / "again"
+    r = cli("quantize", g128, again, "--int4", "--quiet")
+    assert r.code == 0, r.err
+    a, b = read_tensors(g128), read_tensors(again)
+    assert set(a) == set(b) and all(bit_equal(a[n], b[n]) for n in a)
+    assert json.loads((again / "config.json").read_text()) == json.loads((g128 / "config.json").read_text())
+    g64 = tmp_path / "g64"
+    assert cli("quantize", g128, g64, "--int4", "--group-size", "64", "--quiet").code == 0
+    check_quantized(g128, g64, Int4Group(64, True))
