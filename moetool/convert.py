@@ -362,7 +362,11 @@ class Planner:
             w = src.reader.dequantize_any(group.src_base)  # packed formats need data for the shape
             return [TensorSpec(group.dst, src.dtype, tuple(w.shape))]
         if isinstance(group, SharedLinear):
-            out = src.plain_linear(group.src_base)
+            stats, src.stats = src.stats, ErrorStats()  # planning is not part of the output's statistics
+            try:
+                out = src.plain_linear(group.src_base)
+            finally:
+                src.stats = stats
             return [TensorSpec(f"{group.dst_base}.{s}", t.dtype, tuple(t.shape)) for s, t in out.items()]
         layer = src.layer(group.layer)
         if isinstance(group, ExpertLinear):

@@ -186,6 +186,10 @@ def test_include_shared_experts(tiny, cli, tmp_path, family):
     r = cli("quantize", src, out, "--int4", "--include-shared-experts", "--quiet")
     assert r.code == 0, r.err
     check_quantized(src, out, Int4Group(), include_shared=True)
+    with open_checkpoint(src) as ck:
+        spec = ExpertReader(ck).spec
+    # the summary counts each converted linear once: routed experts and the shared ones
+    check_summary(r.out, Int4Group(), sum(3 * m.num_experts + 3 for m in spec.moe_layers))
 
 
 def test_gpt_oss_is_inspect_only(hf_model, cli, tmp_path):
