@@ -167,14 +167,36 @@ class OutputDir:
         if manifest.exists():
             if not force:
                 raise MoetoolError(f"{self.root}: already holds a complete output ({MANIFEST_NAME}); use --force to overwrite")
+            self._remove_listed(manifest, "files")  # the old output's files: none may linger beside the new
             manifest.unlink()
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise MoetoolError(f"{self.root}: cannot create the output folder ({e.strerror})") from None
         if force:
+            self._remove_listed(self.root / JOURNAL_NAME, "files")
             (self.root / JOURNAL_NAME).unlink(missing_ok=True)
         self._journal = self._load_journal()
+
+    def _remove_listed(self, listing: Path, key: str) -> None:
+        """Delete the files a previous manifest or journal of this folder lists (files moetool
+        wrote), so that a new plan with other file names leaves no stale shard behind;
+        then folders left empty (EP rank folders of another --ep)."""
+        try:
+            names = list(json.loads(listing.read_text()).get(key, {}))
+        except (OSError, ValueError, AttributeError):
+            return
+        for name in names:
+            rel = Path(str(name))
+            if rel.is_absolute() or ".." in rel.parts:
+                continue
+            path = self.root / rel
+            if path.is_file():
+                path.unlink()
+            parent = path.parent
+            while parent != self.root and parent.is_dir() and not any(parent.iterdir()):
+                parent.rmdir()
+                parent = parent.parent
 
     # -- journal ------------------------------------------------------------------------
     def _load_journal(self) -> dict[str, dict]:
@@ -186,6 +208,7 @@ class OutputDir:
         except (json.JSONDecodeError, UnicodeDecodeError):
             return {}
         if data.get("plan_id") != self.plan_id:
+            self._remove_listed(path, "files")  # another plan's files: not resumable, maybe other names
             return {}
         return dict(data.get("files", {}))
 
