@@ -611,3 +611,15 @@ def test_same_format_again_is_a_copy_and_other_params_requantize(tiny, cli, tmp_
     g64 = tmp_path / "g64"
     assert cli("quantize", g128, g64, "--int4", "--group-size", "64", "--quiet").code == 0
     check_quantized(g128, g64, Int4Group(64, True))
+
+
+def test_force_leaves_no_stale_shards(tiny, cli, tmp_path):
+    """--force over an output of other file names: the old files go, the new output opens."""
+    src, out = tiny("deepseek_v3"), tmp_path / "out"
+    assert cli("quantize", src, out, "--fp8-block", "--max-shard-size", "1MB", "--quiet").code == 0
+    assert len(list(out.glob("*.safetensors"))) > 2
+    assert cli("quantize", src, out, "--fp8-block", "--force", "--quiet").code == 0
+    assert sorted(p.name for p in out.glob("*.safetensors")) == ["model-00001-of-00002.safetensors",
+                                                                 "model-00002-of-00002.safetensors"]
+    assert cli("inspect", out).code == 0
+    check_quantized(src, out, Fp8Block())

@@ -436,3 +436,11 @@ def test_small_rank_files_merge_back(sources, cli, tmp_path):
     check_shards(sources["int4"], out, 2, "stacked")
     assert cli("shard", "--merge", out, merged, "--quiet").code == 0
     assert tensor_files(merged) == tensor_files(sources["int4"])
+
+
+def test_force_with_another_ep_leaves_no_stale_ranks(sources, cli, tmp_path):
+    out = tmp_path / "shards"
+    assert cli("shard", sources["bf16"], out, "--ep", "4", "--quiet").code == 0
+    assert cli("shard", sources["bf16"], out, "--ep", "2", "--force", "--quiet").code == 0
+    assert sorted(p.name for p in out.iterdir()) == [MANIFEST_NAME, rank_dir(0, 2), rank_dir(1, 2)]
+    check_shards(sources["bf16"], out, 2, "stacked")

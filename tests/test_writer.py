@@ -107,7 +107,6 @@ def test_journal_resume_and_manifest(tmp_path):
     # same plan: the finished file is recognised; another plan: it is not
     again = OutputDir(tmp_path / "o", plan_id="p1")
     assert again.already_done("a.safetensors") and again.skipped == ["a.safetensors"]
-    assert not OutputDir(tmp_path / "o", plan_id="p2").already_done("a.safetensors")
     # a modified file is not trusted
     p = tmp_path / "o" / "a.safetensors"
     data = bytearray(p.read_bytes())
@@ -124,6 +123,12 @@ def test_journal_resume_and_manifest(tmp_path):
     assert verify_manifest(tmp_path / "o")["kind"] == "checkpoint"
     with pytest.raises(MoetoolError, match="already holds a complete output"):
         OutputDir(tmp_path / "o")
+    # another plan's journal: not resumable (and its files are removed)
+    (tmp_path / "o" / MANIFEST_NAME).rename(tmp_path / "manifest.bak")
+    (tmp_path / "o" / JOURNAL_NAME).write_text(json.dumps({"plan_id": "p1", "files": manifest["files"]}))
+    assert not OutputDir(tmp_path / "o", plan_id="p2").already_done("a.safetensors")
+    assert not (tmp_path / "o" / "a.safetensors").exists()
+    (tmp_path / "manifest.bak").rename(tmp_path / "o" / MANIFEST_NAME)
     OutputDir(tmp_path / "o", force=True)  # --force: the manifest goes first
     assert not (tmp_path / "o" / MANIFEST_NAME).exists()
 
@@ -190,3 +195,13 @@ def test_output_path_that_is_a_file(tmp_path, cli, tiny):
     r = cli("quantize", tiny("mixtral"), tmp_path / "afile" / "sub", "--fp8-block", "--quiet")
     assert r.code == 2
     assert r.error_line == f"{tmp_path / 'afile' / 'sub'}: cannot create the output folder (Not a directory)"
+
+
+def test_journal_of_another_plan_removes_its_files(tmp_path):
+    t = {"w": torch.randn(4, 4)}
+    out = OutputDir(tmp_path, plan_id="A")
+    out.write_safetensors("model-00001-of-00003.safetensors", specs_of(t), iter(t.items()))
+    (tmp_path / "keep.txt").write_text("not ours")
+    OutputDir(tmp_path, plan_id="B")  # plan A's files cannot be resumed: they go
+    assert not (tmp_path / "model-00001-of-00003.safetensors").exists()
+    assert (tmp_path / "keep.txt").exists()
