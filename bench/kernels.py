@@ -23,6 +23,7 @@ Peaks are datasheet numbers (dense, no sparsity): H100 SXM 989 TFLOP/s bf16, 197
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -149,18 +150,19 @@ def bench_moe(args, peak, rows):
                 active = int(torch.unique(ids[ids >= 0]).numel())
                 flops = 6.0 * P * N * H
                 nbytes = active * wbytes + hidden.numel() * hidden.element_size() + T * H * 4
-                fn = lambda: fused_experts(hidden, t13, t2, fmt, ids, tw, **kwargs)  # noqa: E731
+                fn = functools.partial(fused_experts, hidden, t13, t2, fmt, ids, tw, **kwargs)
                 t_tri = time_cuda(fn, args.reps)
                 out = fn()
                 row = {"kind": "moe", "layer": layer, "format": fmt, "T": T, "E_local": E, "H": H, "N": N,
                        "k": k, "pairs": P, "active_experts": active, "triton_us": t_tri * 1e6}
                 if not args.no_ref:
                     ref_kwargs = {key: v for key, v in kwargs.items() if key != "check_ids"}
-                    ref_fn = lambda: fused_experts_ref(hidden, t13, t2, fmt, ids, tw, **ref_kwargs)  # noqa: E731
+                    ref_fn = functools.partial(fused_experts_ref, hidden, t13, t2, fmt, ids, tw, **ref_kwargs)
                     row["ref_us"] = time_cuda(ref_fn, max(1, args.reps // 5), warmup=1) * 1e6
                     ref = ref_fn()
                     row["rel_err_vs_ref"] = ((out - ref).norm() / ref.norm()).item()
-                row["torch_bf16_loop_us"] = time_cuda(lambda: torch_loop_bf16(x, w13, w2, ids, tw), args.reps) * 1e6
+                loop = functools.partial(torch_loop_bf16, x, w13, w2, ids, tw)
+                row["torch_bf16_loop_us"] = time_cuda(loop, args.reps) * 1e6
                 row["tflops"] = flops / t_tri / 1e12
                 row["gbps"] = nbytes / t_tri / 1e9
                 if peak:
@@ -170,7 +172,7 @@ def bench_moe(args, peak, rows):
                     row["floor_pct"] = 100.0 * floor / t_tri
                 rows.append(row)
                 print_row(row)
-            del t13, t2, w13, w2
+            t13 = t2 = w13 = w2 = None
             torch.cuda.empty_cache()
 
 
@@ -202,17 +204,16 @@ def sweep_moe(args, rows):
                     if cfg and fmt == "fp8-block" and 128 % cfg.block_k:
                         continue
                     try:
-                        times[str(c or "default")] = time_cuda(
-                            lambda: fused_experts(hidden, t13, t2, fmt, ids, tw, config=cfg, **kwargs), args.reps
-                        ) * 1e6
+                        fn = functools.partial(fused_experts, hidden, t13, t2, fmt, ids, tw, config=cfg, **kwargs)
+                        times[str(c or "default")] = time_cuda(fn, args.reps) * 1e6
                     except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
                         times[str(c)] = float("nan")
                         print(f"  {c}: {type(e).__name__}: {str(e)[:80]}")
-                best = min((v, key) for key, v in times.items() if v == v)
+                best = min((v, key) for key, v in times.items() if not math.isnan(v))
                 rows.append({"kind": "sweep", "layer": layer, "format": fmt, "T": T, "us": times})
                 print(f"{layer:10} {fmt:11} T={T:5d} best {best[1]} {best[0]:.1f} us | "
                       + " ".join(f"{key}:{v:.0f}" for key, v in times.items()))
-            del t13, t2
+            t13 = t2 = None
             torch.cuda.empty_cache()
 
 
@@ -239,8 +240,8 @@ def bench_quant(args, peak, rows):
     ]
     for name, t, fn, ref_fn, bytes_per_elt in cases:
         nbytes = t.numel() * bytes_per_elt  # read bf16, write the quantized values (scales ignored)
-        t_k = time_cuda(lambda: fn(t), args.reps)
-        t_r = time_cuda(lambda: ref_fn(t), max(3, args.reps // 5))
+        t_k = time_cuda(functools.partial(fn, t), args.reps)
+        t_r = time_cuda(functools.partial(ref_fn, t), max(3, args.reps // 5))
         # bit-exactness is defined against the CPU reference: torch on CUDA divides by a Python
         # scalar as a multiply by its reciprocal (not correctly rounded), so the same reference
         # run on the GPU can differ in the last bit of a scale (reported as ref_gpu_equals_cpu)
@@ -284,10 +285,11 @@ def print_row(r):
                   f"{'TFLOP/s':>8} {'GB/s':>7} {'floor us':>9} {'floor%':>6} {'bf16 loop us':>12} "
                   f"{'ref us':>10} {'rel err':>8}")
         err = r.get("rel_err_vs_ref")
+        err_s = f"{err:8.2e}" if err is not None else "-"
         print(f"{r['layer']:10} {r['format']:11} {r['T']:5d} {r['pairs']:6d} {r['active_experts']:5d} "
               f"{_fmt(r['triton_us'], 10)} {_fmt(r['tflops'], 8)} {_fmt(r['gbps'], 7, 0)} "
               f"{_fmt(r.get('floor_us'), 9)} {_fmt(r.get('floor_pct'), 6)} {_fmt(r['torch_bf16_loop_us'], 12)} "
-              f"{_fmt(r.get('ref_us'), 10)} {('%8.2e' % err) if err is not None else '-':>8}")
+              f"{_fmt(r.get('ref_us'), 10)} {err_s:>8}")
     else:
         if "quant" not in _printed:
             _printed.add("quant")
@@ -295,7 +297,7 @@ def print_row(r):
                   f"{'ref us':>9} {'ref GB/s':>8} {'bit-exact':>9} {'ref gpu=cpu':>11}")
         print(f"{r['name']:22} {'x'.join(map(str, r['shape'])):>12} {_fmt(r['triton_us'], 10)} "
               f"{_fmt(r['triton_gbps'], 7, 0)} {_fmt(r.get('floor_pct'), 6)} {_fmt(r['ref_us'], 9)} "
-              f"{_fmt(r['ref_gbps'], 8, 0)} {str(r['bit_exact']):>9} {str(r['ref_gpu_equals_cpu']):>11}")
+              f"{_fmt(r['ref_gbps'], 8, 0)} {r['bit_exact']!s:>9} {r['ref_gpu_equals_cpu']!s:>11}")
     sys.stdout.flush()
 
 

@@ -5,10 +5,10 @@ Letters: T tokens, H hidden, N intermediate, E local experts, k top-k.
 """
 import pytest
 import torch
-
-from moetool.errors import MoetoolError
 from moetool.kernels import fused_moe as fm
 from moetool.kernels import quant as kq
+
+from moetool.errors import MoetoolError
 
 # Largest allowed ||out - ref|| / ||ref|| per case. What the kernels round that the reference
 # does not: dense/W*A16: the intermediate [P, 2N] and silu output in the activation dtype
@@ -98,7 +98,7 @@ def run_case(case, shape, device, apply_router_weight=True):
     w13, w2 = make_weights(fmt, E, H, N, group, bool(symmetric))
     ids, tw = make_routing(T, E, k)
     x, xs = make_hidden(T, H, hdtype)
-    kwargs = dict(hidden_scale=xs, apply_router_weight=apply_router_weight, group_size=group)
+    kwargs = {"hidden_scale": xs, "apply_router_weight": apply_router_weight, "group_size": group}
     ref = fm.fused_experts_ref(x, w13, w2, fmt, ids, tw, **kwargs)
     kwargs["hidden_scale"] = xs.to(device) if xs is not None else None
     out = fm.fused_experts(x.to(device), _to(w13, device), _to(w2, device), fmt, ids.to(device), tw.to(device),
@@ -145,7 +145,7 @@ def test_dropped_and_idle_experts_are_never_computed(device):
 def test_structured_expert_identity(device):
     """Expert e scales by (e+1) (w13 gate = up = I on the first H rows, w2 = (e+1)/silu(1) I):
     with x = ones, each token's output is sum_j weight_j (e_j + 1): a swapped expert shows."""
-    T, E, H, k = 6, 4, 32, 2
+    T, E, H = 6, 4, 32
     N = H
     eye = torch.eye(N, H)
     w13 = torch.stack([torch.cat([eye, eye]) for _ in range(E)]).float()
@@ -191,7 +191,6 @@ def test_int32_ids_and_explicit_config(device):
 
 def test_bad_arguments_raise(device):
     E, H, N = 2, 64, 32
-    w13, w2 = _to(make_weights("dense", E, H, N, dtype=torch.float16)[0], device), None
     w13, w2 = (_to(w, device) for w in make_weights("dense", E, H, N, dtype=torch.float16))
     x = torch.randn(3, H, dtype=torch.float16, device=device)
     ids = torch.tensor([[0, 1], [1, 0], [0, 2]], device=device)
@@ -227,7 +226,7 @@ def test_align_matches_loop_reference(T, k, E, block_m, device):
     ref = fm.moe_align_block_size_ref(ids, block_m, E)
     for a, b in zip(got, ref):
         assert a.dtype == b.dtype and torch.equal(a, b)
-    sorted_ids, expert_ids, num_post = got
+    sorted_ids, _, num_post = got
     P = T * k
     valid = sorted_ids[sorted_ids < P]
     assert sorted(valid.tolist()) == [p for p in range(P) if ids.view(-1)[p] >= 0]

@@ -1,7 +1,6 @@
 """Quantize / pack kernels: bit-exact against their torch references (fp8 compared as bytes)."""
 import pytest
 import torch
-
 from moetool.kernels import quant as kq
 
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -22,10 +21,10 @@ def _weights(shape, dtype, device):
 
 def _assert_same(a: dict, b: dict):
     assert a.keys() == b.keys()
-    for key in a:
-        assert a[key].dtype == b[key].dtype, key
-        assert a[key].shape == b[key].shape, key
-        assert torch.equal(a[key].cpu(), b[key].cpu()), key
+    for key, value in a.items():
+        assert value.dtype == b[key].dtype, key
+        assert value.shape == b[key].shape, key
+        assert torch.equal(value.cpu(), b[key].cpu()), key
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
