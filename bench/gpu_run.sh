@@ -4,8 +4,12 @@
 set -uo pipefail
 EP=${1:-4}; DP=${2:-2}; OUT=${OUT:-/tmp/moetool-gpu-out}; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-pip install -e . --no-deps --no-build-isolation -q >/dev/null 2>&1 || echo "editable install failed"
+# no network there, so no install: link formats/ and kernels/ where the moetool.formats /
+# moetool.kernels imports look (the device works on a copy of the tree)
+[ -e moetool/formats ] || ln -s ../formats moetool/formats
+[ -e moetool/kernels ] || ln -s ../kernels moetool/kernels
+export PYTHONPATH="$PWD"
 nvidia-smi -L
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-timeout 240 python -m pytest -q -p no:cacheprovider -m gpu tests/verify tests/test_quantize.py tests/kernels 2>&1 | tail -6 | tee "$OUT/pytest_gpu.txt"
-timeout 330 python bench/verify_gpu.py --ep "$EP" --dp "$DP" --json "$OUT/verify_gpu.json" 2>&1 | grep -v -i -E "warn|return func" | tee "$OUT/verify_gpu.txt"
+timeout 240 python -m pytest -q -p no:cacheprovider -m gpu tests/verify tests/test_quantize.py tests/kernels 2>&1 | tail -15 | tee "$OUT/pytest_gpu.txt"
+timeout 330 python bench/verify_gpu.py --ep "$EP" --dp "$DP" ${BACKENDS:+--backends "$BACKENDS"} --json "$OUT/verify_gpu.json" 2>&1 | grep -v -i -E "warn|return func" | tee "$OUT/verify_gpu.txt"

@@ -201,7 +201,11 @@ def _rank_main(rank: int, shards_root: str, opts: VerifyOptions, layer_ids: list
             shared = reader.shared_fp32(layer)
             nw_name = norm_weight_name(layer)
             nw = ckpt.get(nw_name) if nw_name in ckpt else None
-            x = make_tokens(i, topo.group_index, opts.tokens, layer.hidden, opts.seed, nw)
+            x = make_tokens(i, topo.group_index, opts.tokens, layer.hidden, opts.seed, nw).to(device)
+            # everything on the rank's device before the timed runs (no host copies inside)
+            gate = gate.to(device)
+            bias = None if bias is None else bias.to(device)
+            shared = None if shared is None else tuple(None if w is None else w.float().to(device) for w in shared)
             for _ in range(opts.warmup):
                 run_moe_layer(x, gate, bias, layer.router, local, placement, shared, dispatcher, experts,
                               opts.chunk_size)

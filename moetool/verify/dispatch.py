@@ -383,26 +383,29 @@ class All2AllDispatcher(Dispatcher):
         topo = self.topo
         st = prep.state
         out = expert_out if reduced else weight_and_reduce(expert_out, prep.local_ids, prep.topk_weights)
-        out = out.float().contiguous()  # [M, H]
-        H = out.shape[1]
+        # partial sums travel back in the wire dtype (bf16 as in serving, fp32 when exactness is tested)
+        wire = self.comm_dtype if self.comm_dtype.is_floating_point else torch.float32
+        out = out.to(wire).contiguous()  # [M, H]
+        H, nb = out.shape[1], wire.itemsize
         back = out.new_empty(sum(st["send"]), H)  # [P, H]
         dist.all_to_all_single(back, out, output_split_sizes=st["send"], input_split_sizes=st["recv"])
         me = topo.rank
-        stats.combine_bytes_sent += (sum(st["recv"]) - st["recv"][me]) * H * 4
-        stats.combine_bytes_recv += (sum(st["send"]) - st["send"][me]) * H * 4
-        y = out.new_zeros(st["m"], H)
-        y.index_add_(0, st["pair_tok"], back)  # [m, H], summed over destinations in rank order
+        stats.combine_bytes_sent += (sum(st["recv"]) - st["recv"][me]) * H * nb
+        stats.combine_bytes_recv += (sum(st["send"]) - st["send"][me]) * H * nb
+        y = torch.zeros(st["m"], H, dtype=torch.float32, device=out.device)
+        y.index_add_(0, st["pair_tok"], back.float())  # [m, H], summed over destinations in rank order
         if topo.tp == 1:
             return y
         split = _row_split(st["t"], topo.tp)
         width = max(split)
+        y = y.to(wire)
         if y.shape[0] < width:
             y = torch.cat([y, y.new_zeros(width - y.shape[0], H)])
         full = y.new_empty(topo.tp * width, H)
         all_gather_tensor(full, y, group=topo.tp_group)
-        stats.combine_bytes_sent += (topo.tp - 1) * width * H * 4
-        stats.combine_bytes_recv += (topo.tp - 1) * width * H * 4
-        return torch.cat([full[i * width:i * width + split[i]] for i in range(topo.tp)])  # [t, H]
+        stats.combine_bytes_sent += (topo.tp - 1) * width * H * nb
+        stats.combine_bytes_recv += (topo.tp - 1) * width * H * nb
+        return torch.cat([full[i * width:i * width + split[i]] for i in range(topo.tp)]).float()  # [t, H]
 
 
 DISPATCHERS: dict[str, type[Dispatcher]] = {"allgather": AllGatherDispatcher, "all2all": All2AllDispatcher}
