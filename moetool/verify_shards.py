@@ -61,7 +61,7 @@ class VerifyOptions:
     max_expert_rel_err: float | None = None
     timeout_s: float = 900.0
     comm_dtype: str = "bfloat16"
-    warmup: int = 0  # extra untimed runs of each layer (for timings on GPUs)
+    warmup: int = 0  # extra untimed runs of each layer; > 0 also aligns ranks before each timed phase
 
 
 @dataclass
@@ -210,7 +210,7 @@ def _rank_main(rank: int, shards_root: str, opts: VerifyOptions, layer_ids: list
                 run_moe_layer(x, gate, bias, layer.router, local, placement, shared, dispatcher, experts,
                               opts.chunk_size)
             y, stats = run_moe_layer(x, gate, bias, layer.router, local, placement, shared, dispatcher, experts,
-                                     opts.chunk_size)
+                                     opts.chunk_size, align_phases=opts.warmup > 0)
             probe = _probe_slots(experts, local, probe_tokens(i, layer.hidden, opts.seed, nw), device)
             results[i] = {"y": y.cpu() if topo.tp_index == 0 else None, "group": topo.group_index,
                           "probe": probe.cpu(), "slots": list(local.slot_to_global), "stats": stats}

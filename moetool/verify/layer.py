@@ -9,6 +9,7 @@ import time
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 
 from moetool.errors import MoetoolError
 from moetool.spec import ExpertPlacement, LocalExperts, RouterSpec
@@ -32,13 +33,18 @@ class PhaseTimer:
     """Wall time per phase (time.perf_counter); on CUDA also CUDA-event time, with a
     synchronize around each phase so the wall time belongs to that phase."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, align_ranks: bool = False):
         self.cuda = device.type == "cuda"
+        #: barrier before each phase, so a phase's time is its own work and not the wait for a
+        #: slower rank (for timing communication; adds a barrier per phase)
+        self.align_ranks = align_ranks
         self.wall = {p: 0.0 for p in PHASES}
         self._events: dict[str, list] = {p: [] for p in PHASES}
 
     @contextmanager
     def phase(self, name: str):
+        if self.align_ranks:
+            dist.barrier()
         if self.cuda:
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -65,7 +71,7 @@ def run_moe_layer(x_group: torch.Tensor, gate_weight: torch.Tensor,
                   correction_bias: torch.Tensor | None, router: RouterSpec, local: LocalExperts,
                   placement: ExpertPlacement, shared: SharedWeights | None,
                   dispatcher: Dispatcher, experts: ExpertsBackend,
-                  chunk_size: int = 4096) -> tuple[torch.Tensor, dict]:
+                  chunk_size: int = 4096, align_phases: bool = False) -> tuple[torch.Tensor, dict]:
     """Collective: every rank calls it with its group's tokens.
 
     x_group [T_g, H] float32 (identical on the tp ranks of a dp group); gate_weight [E, H];
@@ -84,7 +90,7 @@ def run_moe_layer(x_group: torch.Tensor, gate_weight: torch.Tensor,
     if router.apply_weight_on_input and router.top_k != 1:
         raise MoetoolError(f"apply_weight_on_input needs top_k 1, not {router.top_k}")
     check_local_experts(local, placement, topo.rank, topo.world_size)
-    timer = PhaseTimer(dev)
+    timer = PhaseTimer(dev, align_phases)
     t_start = time.perf_counter()
     x_group = x_group.to(device=dev, dtype=torch.float32)
     gate_weight = gate_weight.to(dev)
