@@ -7,8 +7,8 @@ Builds (once, cached in --workdir) a synthetic bf16 checkpoint, then measures: `
 same files (the I/O floor), `moetool quantize` per format, `moetool shard --ep 8`,
 `moetool repack --layout stacked`, and llm-compressor's `model_free_ptq` for the matching
 scheme when it is installed. Each step runs as its own process; peak RSS is the largest sum
-of RSS over the process tree, sampled every 20 ms. Prints a table with seconds, GB/s of
-input, ratios against cp and llm-compressor, and peak RSS.
+of RSS over the process tree, sampled every 20 ms. Steps run --repeat times, interleaved; the
+table prints the median seconds, GB/s of input, ratios against cp and llm-compressor, and peak RSS.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import threading
@@ -162,6 +163,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--llmc-python", default=sys.executable, help="python that has llmcompressor installed")
     ap.add_argument("--llmc-workers", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--repeat", type=int, default=3, help="runs per step; the table shows the median")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -194,15 +196,20 @@ def main() -> None:
     else:
         print("llm-compressor not installed (--llmc-python): its rows are skipped", file=sys.stderr)
 
+    runs: dict[str, list[tuple[float, int]]] = {name: [] for name, _, _ in steps}
+    for _ in range(args.repeat):  # interleaved, so drifting disk speed hits every step alike
+        for name, cmd, dst in steps:
+            shutil.rmtree(dst, ignore_errors=True)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            subprocess.run(["sync"])
+            runs[name].append(timed(cmd))
+            shutil.rmtree(dst, ignore_errors=True)
+            print(f"  {name}: {runs[name][-1][0]:.2f} s", file=sys.stderr)
     results = {}
-    for name, cmd, dst in steps:
-        shutil.rmtree(dst, ignore_errors=True)
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["sync"])
-        seconds, peak = timed(cmd)
-        results[name] = {"seconds": seconds, "gbps": in_bytes / seconds / 1e9, "peak_rss_mb": peak / 1e6}
-        shutil.rmtree(dst, ignore_errors=True)
-        print(f"  {name}: {seconds:.2f} s", file=sys.stderr)
+    for name, rs in runs.items():
+        seconds = statistics.median(s for s, _ in rs)
+        results[name] = {"seconds": seconds, "gbps": in_bytes / seconds / 1e9,
+                         "peak_rss_mb": max(p for _, p in rs) / 1e6, "runs": [round(s, 2) for s, _ in rs]}
 
     cp = results.get("cp", {}).get("seconds")
     rows = []
@@ -215,6 +222,7 @@ def main() -> None:
         return
     print(f"input: {in_bytes / 2**30:.2f} GiB bf16 in {len(list(src.glob('*.safetensors')))} shard(s), "
           f"{os.cpu_count()} cores, device {args.device}")
+    print(f"median of {args.repeat} runs per step; peak RSS is the largest seen")
     print(f"{'step':<20} {'seconds':>8} {'GB/s':>6} {'x cp':>6} {'x llmc':>7} {'peak RSS MB':>12}")
     for r in rows:
         vs_cp = f"{r['vs_cp']:.2f}" if r["vs_cp"] else "-"

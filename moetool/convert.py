@@ -439,7 +439,7 @@ class Executor:
             stash: dict[str, list[torch.Tensor]] = {}
             for n, (kind, fn) in enumerate(tasks):
                 window.append((kind, pool.submit(fn)))
-                if len(window) > 2 * self.workers:
+                if len(window) > self.workers:
                     yield from self._emit(*window.popleft(), specs, stash)
                 if n % 16 == 15:
                     trim()
