@@ -184,7 +184,8 @@ def main() -> None:
         if not only or name in only:
             steps.append((name, cmd, dst))
 
-    add("cp", ["cp", "-r", str(src), str(out / "cp")], out / "cp")
+    # the floor for a durable copy: moetool fsyncs every file it writes, so cp must sync too
+    add("cp", ["sh", "-c", f"cp -r '{src}' '{out / 'cp'}' && sync"], out / "cp")
     for fmt, flag in MOETOOL_FLAG.items():
         add(fmt, moetool + ["quantize", str(src), str(out / fmt), flag, "-q", "--device", args.device], out / fmt)
     add("shard", moetool + ["shard", str(src), str(out / "shard"), "--ep", "8", "-q"], out / "shard")

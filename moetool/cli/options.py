@@ -18,6 +18,15 @@ MaxShardSize = Annotated[Optional[str], typer.Option("--max-shard-size", help="e
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="no progress bar")]
 Json = Annotated[bool, typer.Option("--json", help="machine-readable output")]
 
+LAYOUTS = ("per-expert", "stacked")
+
+
+def check_layout(layout: str) -> str:
+    if layout not in LAYOUTS:
+        raise MoetoolError(f"--layout {layout!r}: expected per-expert or stacked")
+    return layout
+
+
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
           "GIB": 2**30, "TIB": 2**40}
 

@@ -5,7 +5,7 @@ from typing import Annotated
 import typer
 
 from moetool.cli import app
-from moetool.cli.options import DryRun, Force, MaxShardSize, Out, Quiet, Revision, Source, parse_size
+from moetool.cli.options import DryRun, Force, MaxShardSize, Out, Quiet, Revision, Source, check_layout, parse_size
 from moetool.errors import MoetoolError
 from moetool.quantize import quantize
 
@@ -32,8 +32,7 @@ def quantize_cmd(
     chosen = [n for n, on in (("fp8-block", fp8_block), ("fp8-channel", fp8_channel), ("int4-group", int4)) if on]
     if len(chosen) != 1:
         raise MoetoolError("choose exactly one of --fp8-block, --fp8-channel, --int4")
-    if layout not in ("per-expert", "stacked"):
-        raise MoetoolError(f"--layout {layout!r}: expected per-expert or stacked")
+    check_layout(layout)
     if group_size < 1:
         raise MoetoolError(f"--group-size {group_size} must be positive")
     result = quantize(source, out, chosen[0], group_size=group_size, symmetric=symmetric, layout=layout,

@@ -5,8 +5,7 @@ from typing import Annotated
 import typer
 
 from moetool.cli import app
-from moetool.cli.options import DryRun, Force, MaxShardSize, Out, Quiet, Revision, Source, parse_size
-from moetool.errors import MoetoolError
+from moetool.cli.options import DryRun, Force, MaxShardSize, Out, Quiet, Revision, Source, check_layout, parse_size
 from moetool.quantize import repack
 
 
@@ -22,8 +21,7 @@ def repack_cmd(
     revision: Revision = None,
 ) -> None:
     """Per-expert <-> stacked w13 [E, 2N, K] / w2 [E, K, N], bit-identical, in any format."""
-    if layout not in ("per-expert", "stacked"):
-        raise MoetoolError(f"--layout {layout!r}: expected per-expert or stacked")
+    check_layout(layout)
     result = repack(source, out, layout, max_shard_size=parse_size(max_shard_size), dry_run=dry_run, force=force,
                     progress=not quiet, revision=revision)
     typer.echo(result.describe() if dry_run else result.render())

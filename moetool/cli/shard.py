@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 import typer
 
 from moetool.cli import app
-from moetool.cli.options import DryRun, Force, MaxShardSize, Out, Quiet, Revision, Source, parse_size
+from moetool.cli.options import DryRun, Force, MaxShardSize, Out, Quiet, Revision, Source, check_layout, parse_size
 from moetool.errors import MoetoolError
 from moetool.shard import merge, shard
 
@@ -28,8 +28,7 @@ def shard_cmd(
     revision: Revision = None,
 ) -> None:
     """Split experts over EP ranks: one folder per rank plus a manifest (or --merge them back)."""
-    if layout not in ("per-expert", "stacked"):
-        raise MoetoolError(f"--layout {layout!r}: expected per-expert or stacked")
+    check_layout(layout)
     if merge_:
         if ep is not None:
             raise MoetoolError("--merge takes the rank count from the manifest; drop --ep")
