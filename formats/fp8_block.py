@@ -95,9 +95,11 @@ class Fp8Block(WeightFormat):
 
     def dequantize(self, t: Tensors) -> torch.Tensor:
         n, k = self.logical_shape(t)
-        halves = self._halves(t)
-        if halves:
-            return torch.cat([self.dequantize(h) for h in halves])
+        if t["weight_scale_inv"].shape[0] != ceil_div(n, BLOCK):
+            raise MoetoolError(
+                f"weight_scale_inv has {t['weight_scale_inv'].shape[0]} rows for N={n}: a w13 with "
+                "per-half scale rows; split it (split_rows) before dequantizing"
+            )
         return dequantize_blocks(t["weight"], t["weight_scale_inv"])
 
     def logical_shape(self, t: Tensors) -> tuple[int, int]:
@@ -117,15 +119,6 @@ class Fp8Block(WeightFormat):
         check_tensor(t, "weight_scale_inv", (rows, ceil_div(k, BLOCK)), [torch.float32])
         return n, k
 
-    def _halves(self, t: Tensors) -> list[Tensors] | None:
-        """The two halves of a w13 stored with per-half scale rows (N/2 not a multiple of 128)."""
-        n = t["weight"].shape[0]
-        if n % 2 or (n // 2) % BLOCK == 0 or t["weight_scale_inv"].shape[0] == ceil_div(n, BLOCK):
-            return None
-        h, r = n // 2, ceil_div(n // 2, BLOCK)
-        return [{"weight": t["weight"][:h], "weight_scale_inv": t["weight_scale_inv"][:r]},
-                {"weight": t["weight"][h:], "weight_scale_inv": t["weight_scale_inv"][r:]}]
-
     def cat_rows(self, parts: list[Tensors]) -> Tensors:
         """Every part but the last needs N % 128 == 0 (a scale block cannot span two parts),
         except two parts of equal N (gate + up = w13): their scale rows are stacked as they are,
@@ -136,12 +129,18 @@ class Fp8Block(WeightFormat):
         return cat_row_blocked(self.name, parts, rows, _ROW_BLOCKS)
 
     def split_rows(self, t: Tensors, sizes: list[int]) -> list[Tensors]:
+        """Two equal parts of N % 128 != 0 rows can only be a w13 made by ``cat_rows``: each
+        half has its own ceil(N/128) scale rows. (Whether a tensor is such a w13 cannot be told
+        from its shapes when N % 128 <= 64, so callers split by the sizes they know.)"""
         n, _ = self.logical_shape(t)
-        halves = self._halves(t)
-        if halves is not None:
-            if list(sizes) != [n // 2, n // 2]:
-                raise MoetoolError(f"{self.name}: a w13 of two {n // 2}-row halves cannot be split into {sizes}")
-            return [{s: v.clone() for s, v in h.items()} for h in halves]
+        if len(sizes) == 2 and sizes[0] == sizes[1] and sizes[0] % BLOCK and sum(sizes) == n:
+            h, r = sizes[0], ceil_div(sizes[0], BLOCK)
+            scale = t["weight_scale_inv"]
+            if scale.shape[0] != 2 * r:
+                raise MoetoolError(f"{self.name}: a w13 of two {h}-row halves needs {2 * r} weight_scale_inv rows, "
+                                   f"got {scale.shape[0]}")
+            return [{"weight": t["weight"][:h].clone(), "weight_scale_inv": scale[:r].clone()},
+                    {"weight": t["weight"][h:].clone(), "weight_scale_inv": scale[r:].clone()}]
         return split_row_blocked(self.name, t, n, sizes, _ROW_BLOCKS)
 
     def quantization_config(self, ignore: list[str]) -> dict | None:

@@ -99,7 +99,8 @@ class TorchExperts(ExpertsBackend):
         for i, e in enumerate(local.slot_to_global):
             t13, t2 = local.slot(i)
             try:
-                w13 = fmt.dequantize(t13)  # [2N, H]
+                # split first: a w13 may carry per-half scales (fp8-block, N % 128 != 0)
+                w13 = torch.cat([fmt.dequantize(part) for part in fmt.split_rows(t13, [N, N])])  # [2N, H]
                 w2 = fmt.dequantize(t2)  # [H, N]
             except MoetoolError as err:
                 raise MoetoolError(f"local slot {i} (expert {e}): {err}") from err

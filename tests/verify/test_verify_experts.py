@@ -29,6 +29,9 @@ class CountingFormat:
         self.calls += 1
         return self.fmt.dequantize(t)
 
+    def split_rows(self, t, sizes):
+        return self.fmt.split_rows(t, sizes)
+
 
 def _setup(fmt="dense"):
     layer = vw.make_layer("softmax")
@@ -69,7 +72,7 @@ def test_torch_experts_dequantize_once_per_layer():
     experts = TorchExperts()
     experts.bind(local, CPU)
     experts.bind(local, CPU)  # the next chunk of the same layer
-    assert local.fmt.calls == 2 * len(local.slot_to_global)
+    assert local.fmt.calls == 3 * len(local.slot_to_global)  # gate, up, down once each
 
 
 def test_torch_experts_reject_out_of_range_ids_and_bad_shapes():
