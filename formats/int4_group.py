@@ -12,6 +12,7 @@ w ~= (q - z) * s with q, z in [-8, 7] (z = 0 when symmetric).
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -33,6 +34,7 @@ from moetool.formats.common import (
 from moetool.formats.fp8_block import AMAX_FLOOR
 
 INT4_MIN, INT4_MAX = -8, 7
+LITTLE_ENDIAN = sys.byteorder == "little"
 NIBBLES_PER_WORD = 8
 
 
@@ -55,6 +57,13 @@ def pack_int4(q: torch.Tensor, packed_dim: int = 1) -> torch.Tensor:
         raise ValueError("pack_int4 values must lie in [-8, 7]")
     n, k = q.shape
     words = ceil_div(k, NIBBLES_PER_WORD)
+    if LITTLE_ENDIAN and k % NIBBLES_PER_WORD == 0:
+        # two nibbles per byte (element 2j low, 2j+1 high), 4 bytes per little-endian word:
+        # element 8w+i lands in bits [4i, 4i+4) of word w, as below, in byte-wide passes
+        codes = (q + 8).view(torch.uint8)  # [N, K] in [0, 16)
+        pairs = torch.empty((n, k // 2), dtype=torch.uint8, device=q.device)  # row-major strides for the view
+        torch.bitwise_or(codes[:, 0::2], codes[:, 1::2] << 4, out=pairs)
+        return pairs.view(torch.int32)  # [N, K/8]
     codes = (q + 8).to(torch.int32)  # [N, K] in [0, 16)
     if k % NIBBLES_PER_WORD:  # padding nibbles are 0 bits
         codes = torch.nn.functional.pad(codes, (0, words * NIBBLES_PER_WORD - k))
@@ -79,6 +88,10 @@ def unpack_int4(packed: torch.Tensor, length: int, packed_dim: int = 1) -> torch
     n, words = packed.shape
     if words != ceil_div(length, NIBBLES_PER_WORD):
         raise ValueError(f"{words} int32 words cannot hold {length} int4 values")
+    if LITTLE_ENDIAN and packed.is_contiguous():
+        pairs = packed.view(torch.uint8)  # [N, 4*words], byte j holds elements 2j (low), 2j+1 (high)
+        codes = torch.stack([pairs & 0xF, pairs >> 4], dim=-1).view(n, words * NIBBLES_PER_WORD)
+        return codes[:, :length].view(torch.int8) - 8
     shifts = _nibble_shifts(packed.device).to(torch.int32)
     codes = (packed.unsqueeze(-1) >> shifts) & 0xF  # arithmetic shift, then the low nibble
     return codes.reshape(n, words * NIBBLES_PER_WORD)[:, :length].to(torch.int8) - 8
