@@ -131,7 +131,7 @@ class Fp8Block(WeightFormat):
     def split_rows(self, t: Tensors, sizes: list[int]) -> list[Tensors]:
         """Two equal parts of N % 128 != 0 rows can only be a w13 made by ``cat_rows``: each
         half has its own ceil(N/128) scale rows. (Whether a tensor is such a w13 cannot be told
-        from its shapes when N % 128 <= 64, so callers split by the sizes they know.)"""
+        from its shapes when N % 128 > 64, so callers split by the sizes they know.)"""
         n, _ = self.logical_shape(t)
         if len(sizes) == 2 and sizes[0] == sizes[1] and sizes[0] % BLOCK and sum(sizes) == n:
             h, r = sizes[0], ceil_div(sizes[0], BLOCK)
