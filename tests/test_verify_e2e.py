@@ -232,3 +232,20 @@ def test_demo(cli):
     r = cli("demo")
     assert r.code == 0, r.err
     assert "demo PASSED" in r.out and "[4/4] moetool verify" in r.out
+
+
+def test_fp8_block_w13_halves_that_look_like_one_linear(tmp_path):
+    """N = 96: the stacked w13 scale rows (2 x ceil(96/128) = 2) equal those of one 192-row
+    linear, so only the known sizes tell gate and up apart; both experts backends on CPU
+    must read it right (a guess would scale the up rows with the gate's scales)."""
+    model = make_tiny_checkpoint(tmp_path / "m", "deepseek_v3", hidden=256, intermediate=96, experts=8, top_k=2,
+                                 layers=2, shards=1)
+
+    def louder_up(t):  # up rows 8x the gate rows, so borrowing the gate's scale shows
+        for name in [n for n in t if ".experts." in n and n.endswith("up_proj.weight")]:
+            t[name] = (t[name].float() * 8).to(t[name].dtype)
+    rewrite_file(model / "model.safetensors", louder_up)
+    quantize(model, tmp_path / "q", "fp8-block", progress=False)
+    shard(tmp_path / "q", tmp_path / "s", 2, layout="stacked", progress=False)
+    (rep,) = verify_many([(tmp_path / "s", model, _opts(ep=2, dp=1, dispatch="all2all"))])
+    assert rep.passed, rep.render()
