@@ -58,7 +58,17 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict:
         "expert_bytes": expert_bytes,
         "other_bytes": total_bytes - expert_bytes,
         "notes": spec.family.notes or None,
+        "ep_rank": _ep_rank(ckpt.config, spec),
     }
+
+
+def _ep_rank(config: dict, spec) -> dict | None:
+    """For one rank folder of ``moetool shard``: which rank, and the experts it stores per layer."""
+    ep = config.get("moetool_ep")
+    if not isinstance(ep, dict):
+        return None
+    return {"rank": ep.get("rank"), "ep": ep.get("ep"), "layout": ep.get("layout"),
+            "stored_experts": {str(m.index): m.n_stored for m in spec.moe_layers}}
 
 
 def render(info: dict) -> str:
@@ -82,6 +92,11 @@ def render(info: dict) -> str:
         ("tensors", f"{info['tensors']} in {info['files']} file(s); " + ", ".join(f"{k} {v}" for k, v in info["dtypes"].items())),
         ("bytes", f"experts {gb(info['expert_bytes'])}, other {gb(info['other_bytes'])}"),
     ]
+    if info.get("ep_rank"):
+        r = info["ep_rank"]
+        stored = sorted(set(r["stored_experts"].values()))
+        rows.append(("EP rank", f"{r['rank']} of {r['ep']} ({r['layout']}): stores "
+                     f"{'/'.join(map(str, stored))} of the {info['experts']} experts per layer"))
     if info.get("notes"):
         rows.append(("notes", info["notes"]))
     width = max(len(k) for k, _ in rows)

@@ -123,3 +123,17 @@ def test_typer_cli_runner(hf_model):
     result = CliRunner().invoke(app, ["inspect", str(hf_model("olmoe").path), "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["architecture"] == "olmoe"
+
+
+def test_inspect_ep_rank_folder(tiny, cli, tmp_path):
+    """A rank folder of `moetool shard` says which rank it is and how many experts it stores."""
+    src = tiny("mixtral", experts=8)
+    assert cli("shard", src, tmp_path / "s", "--ep", "3", "--quiet").code == 0
+    r = cli("inspect", tmp_path / "s" / "rank-00002-of-00003", "--json")
+    assert r.code == 0, r.err
+    info = json.loads(r.out)
+    assert info["experts"] == 8  # the model's
+    assert info["ep_rank"] == {"rank": 2, "ep": 3, "layout": "stacked", "stored_experts": {"0": 4, "1": 4}}
+    r = cli("inspect", tmp_path / "s" / "rank-00000-of-00003")
+    assert "EP rank         0 of 3 (stacked): stores 2 of the 8 experts per layer" in r.out
+    assert json.loads(cli("inspect", src, "--json").out)["ep_rank"] is None
