@@ -189,7 +189,7 @@ class Source:
         st = layer.storage
         if st.kind == "per-expert":
             base = st.per_expert_bases(e)[ROLES.index(role)]
-            return self.convert(self.reader.linear(base), base)
+            return self.convert(self.reader.linear(base), f"{base}.{self.in_fmt.suffixes[0]}")
         if role == "down":
             return self.convert(self.reader.down(layer, e), where)
         return self.convert(self.reader.gate_up_down(layer, e)[ROLES.index(role)], where)
@@ -202,7 +202,7 @@ class Source:
 
     def plain_linear(self, base: str) -> Linear:
         fmt, lin = self.reader.plain_linear(base)
-        return self.convert(lin, base, in_fmt=fmt)
+        return self.convert(lin, f"{base}.{fmt.suffixes[0]}", in_fmt=fmt)
 
 
 _streams = threading.local()

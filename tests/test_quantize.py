@@ -399,7 +399,7 @@ def test_nan_weight_names_the_tensor(tiny, cli, tmp_path, copy_ckpt):
     out = tmp_path / "out"
     r = cli("quantize", src, out, "--fp8-block", "--quiet")
     assert r.code == 2
-    assert r.error_line == "model.layers.1.block_sparse_moe.experts.2.w3: contains NaN/Inf (1 of 32768 values)"
+    assert r.error_line == "model.layers.1.block_sparse_moe.experts.2.w3.weight: contains NaN/Inf (1 of 32768 values)"
     assert not (out / MANIFEST_NAME).exists()
 
 
@@ -413,7 +413,7 @@ def test_inf_in_a_shared_expert(tiny, cli, tmp_path, copy_ckpt):
     rewrite_file(file_of(src, name), poison)
     r = cli("quantize", src, tmp_path / "out", "--int4", "--include-shared-experts", "--quiet")
     assert r.code == 2
-    assert r.error_line == "model.layers.0.mlp.shared_expert.up_proj: contains NaN/Inf (1 of 65536 values)"
+    assert r.error_line == "model.layers.0.mlp.shared_expert.up_proj.weight: contains NaN/Inf (1 of 65536 values)"
     # without --include-shared-experts the tensor passes through untouched (it is not quantized)
     assert cli("quantize", src, tmp_path / "out2", "--int4", "--quiet").code == 0
 
@@ -422,7 +422,7 @@ def test_group_size_not_dividing_k(tiny, cli, tmp_path):
     out = tmp_path / "out"
     r = cli("quantize", tiny("mixtral"), out, "--int4", "--group-size", "96", "--quiet")
     assert r.code == 2
-    assert r.error_line == ("model.layers.0.block_sparse_moe.experts.0.w1: has K=256 columns, which group size 96 "
+    assert r.error_line == ("model.layers.0.block_sparse_moe.experts.0.w1.weight: has K=256 columns, which group size 96 "
                             "does not divide (compressed-tensors and vLLM need whole groups; pick a divisor of K)")
     assert not out.exists()  # found while planning, before any output
 
