@@ -146,8 +146,25 @@ class Checkpoint:
         self._fds: dict[str, int] = {}
         #: read into page-locked buffers (set when tensors go on to a GPU)
         self.pin_memory = False
+        self._suffix_index: dict[str, set[str]] | None = None
 
     # -- reading ---------------------------------------------------------------------------
+    def suffixes(self, base: str, sep: str = ".") -> set[str]:
+        """Suffixes stored for ``base``: ``base.weight``, ``base.weight_scale_inv``... -> {"weight",
+        "weight_scale_inv"} (sep "."), or for a stacked base ``P.experts.w13`` the ``w13_*``
+        tensors' suffixes (sep "_"). From an index built once, not a scan of every name."""
+        if self._suffix_index is None:
+            index: dict[str, set[str]] = {}
+            for name in self.tensors:
+                parent, _, last = name.rpartition(".")
+                index.setdefault(parent, set()).add(last)
+            self._suffix_index = index
+        if sep == ".":
+            return set(self._suffix_index.get(base, ()))
+        parent, _, last = base.rpartition(".")
+        head = last + sep
+        return {s[len(head):] for s in self._suffix_index.get(parent, ()) if s.startswith(head)}
+
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
 

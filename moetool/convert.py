@@ -30,7 +30,7 @@ import torch
 from moetool.arch import ModelSpec, MoELayerSpec
 from moetool.checkpoint import Checkpoint
 from moetool.errors import MoetoolError
-from moetool.experts_io import ExpertReader, Linear, suffixes_of
+from moetool.experts_io import ExpertReader, Linear
 from moetool.formats.base import WeightFormat
 from moetool.memory import trim
 from moetool.writer import JOURNAL_NAME, OutputDir, TensorSpec
@@ -296,7 +296,7 @@ class Planner:
         if st.kind == "per-expert":
             for e in range(layer.n_stored):
                 for base in st.per_expert_bases(e):
-                    names |= {f"{base}.{s}" for s in suffixes_of(ckpt.tensors, base)}
+                    names |= {f"{base}.{s}" for s in ckpt.suffixes(base)}
         elif st.kind == "stacked":
             names |= {n for n in ckpt.tensors if n.startswith(st.gate_up + "_") or n.startswith(st.down + "_")}
         else:
@@ -332,11 +332,11 @@ class Planner:
             for r, _ in enumerate(ROLES):
                 ref_base = st.per_expert_bases(0)[r]
                 want = {s: (ckpt.tensors[f"{ref_base}.{s}"].dtype, ckpt.tensors[f"{ref_base}.{s}"].shape)
-                        for s in suffixes_of(ckpt.tensors, ref_base)}
+                        for s in ckpt.suffixes(ref_base)}
                 for e in range(1, layer.n_stored):
                     base = st.per_expert_bases(e)[r]
                     got = {s: (ckpt.tensors[f"{base}.{s}"].dtype, ckpt.tensors[f"{base}.{s}"].shape)
-                           for s in suffixes_of(ckpt.tensors, base)}
+                           for s in ckpt.suffixes(base)}
                     if got != want:
                         raise MoetoolError(f"{base}: tensors {_fmt_sig(got)} differ from expert 0's {_fmt_sig(want)}")
 
@@ -382,12 +382,13 @@ def _fmt_sig(sig: dict) -> str:
 
 
 def _storage_sig(ckpt: Checkpoint, layer: MoELayerSpec) -> tuple:
+    """Besides the dims, what decides a layer's expert output specs: the tensors stored per
+    expert and their dtypes (the same for every layer of a model, so one probe serves all)."""
     st = layer.storage
-    if st.kind == "per-expert":
-        base = st.per_expert_bases(0)[0]
-        return tuple(sorted((s, str(ckpt.tensors[f"{base}.{s}"].dtype)) for s in suffixes_of(ckpt.tensors, base)))
-    base = st.gate_up
-    return tuple(sorted((n, str(i.dtype)) for n, i in ckpt.tensors.items() if n.startswith(base)))[:4]
+    if st.kind == "fused":
+        return (str(ckpt.tensors[st.gate_up].dtype),)
+    base, sep = (st.per_expert_bases(0)[0], ".") if st.kind == "per-expert" else (st.gate_up, "_")
+    return tuple(sorted((s, str(ckpt.tensors[f"{base}{sep}{s}"].dtype)) for s in ckpt.suffixes(base, sep)))
 
 
 def assign_files(groups: list[Group], homes: list[str], specs: list[list[TensorSpec]],

@@ -17,12 +17,6 @@ from moetool.formats.base import WeightFormat
 Linear = dict[str, torch.Tensor]
 
 
-def suffixes_of(names, base: str, sep: str = ".") -> set[str]:
-    """Suffixes present for ``base`` (``base.weight``, ``base.weight_scale_inv``...)."""
-    head = base + sep
-    return {n[len(head):] for n in names if n.startswith(head) and "." not in n[len(head):]}
-
-
 class ExpertReader:
     """Reads experts of a described checkpoint. ``fmt`` is the experts' weight format."""
 
@@ -125,7 +119,7 @@ class ExpertReader:
         return fmt, {s: self.ckpt.get(f"{base}.{s}") for s in fmt.suffixes if f"{base}.{s}" in self.ckpt}
 
     def linear_format(self, base: str) -> WeightFormat:
-        sufs = suffixes_of(self.ckpt.tensors, base)
+        sufs = self.ckpt.suffixes(base)
         info = self.ckpt.tensors.get(f"{base}.weight")
         try:
             return linear_format(self.fmt, sufs, info.dtype if info else None)
@@ -144,9 +138,9 @@ def detect_expert_format(ckpt: Checkpoint, spec: ModelSpec) -> WeightFormat:
     st = layer.storage
     if st.kind == "per-expert":
         base = st.per_expert_bases(0)[0]
-        sufs, main = suffixes_of(ckpt.tensors, base), f"{base}.weight"
+        sufs, main = ckpt.suffixes(base), f"{base}.weight"
     elif st.kind == "stacked":
-        sufs, main = suffixes_of(ckpt.tensors, st.gate_up, sep="_"), f"{st.gate_up}_weight"
+        sufs, main = ckpt.suffixes(st.gate_up, sep="_"), f"{st.gate_up}_weight"
     else:
         sufs, main = {"weight"}, st.gate_up
     info = ckpt.tensors.get(main)
