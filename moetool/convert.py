@@ -358,9 +358,9 @@ class Planner:
         if isinstance(group, Copy):
             info = src.ckpt.info(group.src)
             return [TensorSpec(group.dst, info.dtype, info.shape)]
-        if isinstance(group, Dequant):
-            w = src.reader.dequantize_any(group.src_base)  # packed formats need data for the shape
-            return [TensorSpec(group.dst, src.dtype, tuple(w.shape))]
+        if isinstance(group, Dequant):  # the shape only (packed formats keep it in a tensor)
+            fmt, lin = src.reader.plain_linear(group.src_base)
+            return [TensorSpec(group.dst, src.dtype, fmt.logical_shape(lin))]
         if isinstance(group, SharedLinear):
             stats, src.stats = src.stats, ErrorStats()  # planning is not part of the output's statistics
             try:
@@ -424,6 +424,15 @@ def assign_files(groups: list[Group], homes: list[str], specs: list[list[TensorS
 # ---------------------------------------------------------------------------------- executing
 
 
+@dataclass
+class _StackedGroup:
+    """The stacked group being written: its main tensor's spec, and the slices of its other
+    tensors (scales...), kept until the main tensor is complete."""
+
+    main: TensorSpec | None = None
+    rest: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+
+
 class Executor:
     """Produces a planned file's tensor data in order, converting up to ``workers`` linears
     at once on threads (torch ops release the GIL), a bounded window ahead of the writer."""
@@ -437,17 +446,17 @@ class Executor:
         tasks = self._tasks(pf)
         with ThreadPoolExecutor(self.workers, thread_name_prefix="moetool-convert") as pool:
             window: deque = deque()
-            stash: dict[str, list[torch.Tensor]] = {}
+            group = _StackedGroup()
             for n, (kind, fn) in enumerate(tasks):
                 window.append((kind, pool.submit(fn)))
                 if len(window) > self.workers:
-                    yield from self._emit(*window.popleft(), specs, stash)
+                    yield from self._emit(*window.popleft(), specs, group)
                 if n % 16 == 15:
                     trim()
             while window:
-                yield from self._emit(*window.popleft(), specs, stash)
+                yield from self._emit(*window.popleft(), specs, group)
 
-    def _emit(self, kind: str, future, specs: Iterator[TensorSpec], stash: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    def _emit(self, kind: str, future, specs: Iterator[TensorSpec], group: "_StackedGroup") -> Iterator[tuple[str, torch.Tensor]]:
         """kind "plain": every tensor in spec order; "slice": a stacked group's main weight
         slice now, its other tensors kept until "flush" writes them after the main weight."""
         result = future.result()
@@ -455,19 +464,18 @@ class Executor:
             for t in result:
                 yield next(specs).name, t
         elif kind == "slice":
-            if not stash:
-                stash["__spec__"] = [next(specs)]
+            if group.main is None:
+                group.main = next(specs)
             items = list(result.items())
-            yield stash["__spec__"][0].name, items[0][1]
+            yield group.main.name, items[0][1]
             for s, t in items[1:]:
-                stash.setdefault(s, []).append(t)
+                group.rest.setdefault(s, []).append(t)
         else:  # flush
-            stash.pop("__spec__", None)
-            for s, parts in list(stash.items()):
+            for parts in group.rest.values():
                 spec = next(specs)
                 for t in parts:
                     yield spec.name, t
-            stash.clear()
+            group.main, group.rest = None, {}
 
     def _tasks(self, pf: PlannedFile):
         for g in pf.groups:

@@ -338,21 +338,20 @@ def verify_many(jobs: list[tuple], *, revision: str | None = None) -> list[Verif
     backends = {b for *_, b in prepared}
     if len(eps) != 1 or len(backends) != 1:
         raise MoetoolError(f"verify_many: jobs need one ep and backend, got {sorted(eps)} / {sorted(backends)}")
-    refs, rank_jobs = [], []
+    refs, specs, rank_jobs = [], [], []
     try:
         for shards, ref, opts, _ in prepared:
             ref_ckpt = open_checkpoint(ref, revision)
             refs.append(ref_ckpt)
-            spec = describe(ref_ckpt.config, ref_ckpt.tensors)
-            rank_jobs.append((str(shards.root), opts, _layers_to_check(shards, spec, opts)))
+            specs.append(describe(ref_ckpt.config, ref_ckpt.tensors))
+            rank_jobs.append((str(shards.root), opts, _layers_to_check(shards, specs[-1], opts)))
         from moetool.verify.launch import spawn_world
 
         ep, backend = eps.pop(), backends.pop()
         timeout = sum(o.timeout_s for _, _, o, _ in prepared)
         results = spawn_world(_rank_jobs, ep, backend, args=(rank_jobs,), timeout_s=timeout)
         reports = []
-        for j, ((shards, _, opts, _), ref_ckpt) in enumerate(zip(prepared, refs)):
-            spec = describe(ref_ckpt.config, ref_ckpt.tensors)
+        for j, ((shards, _, opts, _), ref_ckpt, spec) in enumerate(zip(prepared, refs, specs)):
             per_rank = [r[j] for r in results]
             reports.append(build_report(shards, ref_ckpt, spec, ExpertReader(ref_ckpt, spec), opts, backend,
                                         rank_jobs[j][2], per_rank))
