@@ -213,8 +213,20 @@ def _payload(x: torch.Tensor, act_quant: bool, comm_dtype: torch.dtype) -> tuple
 
 
 def _expert_counts(local_ids: torch.Tensor, num_slots: int) -> torch.Tensor:
-    valid = local_ids[local_ids >= 0]
-    return torch.bincount(valid, minlength=num_slots)[:num_slots]  # [L]
+    """local_ids [M, k] (-1 = elsewhere) -> pairs per local slot, int64 [L]; no host sync
+    (bincount on CUDA reads the maximum back to size its output)."""
+    counts = torch.zeros(num_slots + 1, dtype=torch.int64, device=local_ids.device)
+    counts.scatter_add_(0, (local_ids.flatten() + 1).clamp(0, num_slots), torch.ones_like(local_ids.flatten()))
+    return counts[1:]  # [L]
+
+
+def _combine(rows: torch.Tensor, pos: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """rows [P, H], pos [m, R] -> sum of each token's rows in rank order (moetool.kernels.ep_combine):
+    the Triton kernel on CUDA, its bit-identical torch reference elsewhere."""
+    from moetool.kernels import ep_combine
+
+    fn = ep_combine.combine_rows if rows.is_cuda else ep_combine.combine_rows_ref
+    return fn(rows, pos, out)
 
 
 def _row_split(t: int, parts: int) -> list[int]:
@@ -259,8 +271,9 @@ class Dispatcher:
 
     def finalize(self, expert_out: torch.Tensor, prep: Prepared, reduced: bool,
                  stats: CommStats) -> torch.Tensor:
-        """Expert output ([M, H] if ``reduced`` else [M, k, H]) -> this group's chunk
-        [t, H] float32, every expert's weighted contribution summed, replicated on the tp group."""
+        """Expert output ([M, H] if ``reduced`` else [M, k, H]) -> this group's chunk [t, H]
+        (float32, or the wire dtype where the last step was a collective), every expert's
+        weighted contribution summed, replicated on the tp group."""
         raise NotImplementedError
 
 
@@ -353,31 +366,40 @@ class All2AllDispatcher(Dispatcher):
         dest_rank, dest_slot = table.destinations(topk_ids, token_index)  # [m, k] x2
         to_rank = torch.zeros(m, R, dtype=torch.bool, device=dev)
         to_rank.scatter_(1, dest_rank, True)  # [m, R]
-        pair_rank, pair_tok = torch.nonzero(to_rank.t(), as_tuple=True)  # [P] sorted by rank, then token
-        send_counts = torch.bincount(pair_rank, minlength=R)  # [R]
-        ids_send = torch.where(dest_rank[pair_tok] == pair_rank[:, None], dest_slot[pair_tok],
-                               torch.full_like(dest_slot[pair_tok], -1))  # [P, k]
-        parts, like = _payload(x, act_quant, self.comm_dtype)
-        parts = [p[pair_tok] for p in parts] + [ids_send, topk_weights.float()[pair_tok]]
-        like += [(torch.int64, k), (torch.float32, k)]
-        send = _pack_rows(parts)  # uint8 [P, B]
-        B = send.shape[1]
+        send_counts = to_rank.sum(dim=0)  # [R]
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts)  # counts first
-        send_l, recv_l = send_counts.tolist(), recv_counts.tolist()
+        counts = torch.cat([send_counts, recv_counts]).tolist()  # the one host synchronisation
+        send_l, recv_l = counts[:R], counts[R:]
+        P = sum(send_l)
+        # row of pair (t, r) in the send buffer: rank-major, tokens ascending; -1 = not sent
+        start = torch.cumsum(send_counts, 0) - send_counts  # [R]
+        pos = torch.where(to_rank, torch.cumsum(to_rank, 0) - 1 + start, -1)  # [m, R]
+        pair = torch.empty(P + 1, dtype=torch.int64, device=dev)  # flat (t * R + r) per send row
+        pair.scatter_(0, torch.where(pos >= 0, pos, P).flatten(), torch.arange(m * R, device=dev))
+        pair = pair[:P]
+        pair_tok = pair // R
+        # each row carries the local slots of the experts its destination holds, -1 elsewhere
+        at = dest_rank[:, None, :] == torch.arange(R, device=dev)[None, :, None]  # [m, R, k]
+        ids_tr = torch.where(at, dest_slot[:, None, :], -1).to(torch.int32).view(m * R, k)
+        parts, like = _payload(x, act_quant, self.comm_dtype)
+        token_bytes = _pack_rows(parts)  # [m, Bt]
+        meta = _pack_rows([ids_tr[pair], topk_weights.float()[pair_tok]])  # [P, 8k]
+        send = torch.cat([token_bytes[pair_tok], meta], dim=1)  # uint8 [P, B]
+        like += [(torch.int32, k), (torch.float32, k)]
+        B = send.shape[1]
         recv = send.new_empty(sum(recv_l), B)
         dist.all_to_all_single(recv, send, output_split_sizes=recv_l, input_split_sizes=send_l)
         me = topo.rank
-        stats.dispatch_bytes_sent += (sum(send_l) - send_l[me]) * B + 8 * (R - 1)
+        stats.dispatch_bytes_sent += (P - send_l[me]) * B + 8 * (R - 1)
         stats.dispatch_bytes_recv += (sum(recv_l) - recv_l[me]) * B + 8 * (R - 1)
         hidden, *rest = _unpack_rows(recv, like)
         scale = rest[0] if act_quant else None
-        local_ids, weights = rest[-2], rest[-1]  # [M, k]
+        local_ids, weights = rest[-2].long(), rest[-1]  # [M, k]
         stats.tokens_received += recv.shape[0]
         counts = _expert_counts(local_ids, num_slots)
         return Prepared(hidden, scale, local_ids, weights, counts,
-                        {"m": m, "pair_tok": pair_tok, "send": send_l, "recv": recv_l,
-                         "t": chunk.sizes[topo.group_index]})
+                        {"pos": pos, "send": send_l, "recv": recv_l, "t": chunk.sizes[topo.group_index]})
 
     def finalize(self, expert_out, prep, reduced, stats):
         topo = self.topo
@@ -392,20 +414,23 @@ class All2AllDispatcher(Dispatcher):
         me = topo.rank
         stats.combine_bytes_sent += (sum(st["recv"]) - st["recv"][me]) * H * nb
         stats.combine_bytes_recv += (sum(st["send"]) - st["send"][me]) * H * nb
-        y = torch.zeros(st["m"], H, dtype=torch.float32, device=out.device)
-        y.index_add_(0, st["pair_tok"], back.float())  # [m, H], summed over destinations in rank order
+        pos = st["pos"]  # [m, R]
         if topo.tp == 1:
-            return y
+            return _combine(back, pos)  # [m, H] fp32, summed over destinations in rank order
         split = _row_split(st["t"], topo.tp)
         width = max(split)
-        y = y.to(wire)
-        if y.shape[0] < width:
-            y = torch.cat([y, y.new_zeros(width - y.shape[0], H)])
-        full = y.new_empty(topo.tp * width, H)
-        all_gather_tensor(full, y, group=topo.tp_group)
+        part = back.new_empty(width, H, dtype=wire if wire in (torch.float32, torch.bfloat16) else torch.float32)
+        _combine(back, pos, out=part[:pos.shape[0]])
+        if pos.shape[0] < width:
+            part[pos.shape[0]:].zero_()
+        full = part.new_empty(topo.tp * width, H)
+        all_gather_tensor(full, part, group=topo.tp_group)
+        nb = part.element_size()
         stats.combine_bytes_sent += (topo.tp - 1) * width * H * nb
         stats.combine_bytes_recv += (topo.tp - 1) * width * H * nb
-        return torch.cat([full[i * width:i * width + split[i]] for i in range(topo.tp)]).float()  # [t, H]
+        if width * topo.tp == st["t"]:
+            return full  # [t, H]
+        return torch.cat([full[i * width:i * width + split[i]] for i in range(topo.tp)])  # [t, H]
 
 
 DISPATCHERS: dict[str, type[Dispatcher]] = {"allgather": AllGatherDispatcher, "all2all": All2AllDispatcher}

@@ -1,0 +1,89 @@
+"""Expert-parallel combine: sum the rows each token got back from the ranks it was sent to.
+
+Letters: P = rows received back (one per (token, destination rank) pair, in send order),
+m = tokens this rank routed, H = hidden, R = ranks.
+
+    out[t] = sum over r = 0..R-1 with pos[t, r] >= 0 of rows[pos[t, r]]      (fp32, r ascending)
+
+The sum runs in fp32 from 0.0 in rank order, in both the kernel and its reference, so the two
+agree bit for bit. The kernel writes fp32, or rounds once to bfloat16 (round to nearest even)
+so the result can go straight into a bf16 collective buffer.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moetool.errors import MoetoolError
+
+from .common import check_device, round_to_bf16
+
+OUT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@triton.jit
+def _combine_rows_kernel(rows_ptr, pos_ptr, out_ptr, H, stride_rows, stride_pos, stride_out,
+                         R: tl.constexpr, BLOCK_H: tl.constexpr, OUT_BF16: tl.constexpr):
+    """Program (t, h-block): out[t, cols] = sum_r rows[pos[t, r], cols] over valid r."""
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    in_h = cols < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for r in tl.static_range(R):
+        p = tl.load(pos_ptr + t * stride_pos + r).to(tl.int64) + tl.zeros((BLOCK_H,), dtype=tl.int64)
+        row = tl.load(rows_ptr + p * stride_rows + cols, mask=in_h & (p >= 0), other=0.0)
+        acc += row.to(tl.float32)
+    if OUT_BF16:
+        tl.store(out_ptr + t.to(tl.int64) * stride_out + cols, round_to_bf16(acc).to(tl.bfloat16), mask=in_h)
+    else:
+        tl.store(out_ptr + t.to(tl.int64) * stride_out + cols, acc, mask=in_h)
+
+
+def _check_args(rows: torch.Tensor, pos: torch.Tensor, out: torch.Tensor | None) -> None:
+    if rows.dim() != 2 or not rows.is_floating_point():
+        raise MoetoolError(f"combine: rows must be a 2-D float tensor [P, H], got {rows.dtype} {list(rows.shape)}")
+    if pos.dim() != 2 or pos.dtype not in (torch.int32, torch.int64):
+        raise MoetoolError(f"combine: pos must be int32/int64 [m, R], got {pos.dtype} {list(pos.shape)}")
+    if out is not None:
+        if out.dtype not in OUT_DTYPES:
+            raise MoetoolError(f"combine: out must be float32 or bfloat16, got {out.dtype}")
+        if tuple(out.shape) != (pos.shape[0], rows.shape[1]) or out.stride(1) != 1:
+            raise MoetoolError(f"combine: out must be [m, H] = [{pos.shape[0]}, {rows.shape[1]}] with "
+                               f"contiguous rows, got {list(out.shape)}")
+
+
+def combine_rows(rows: torch.Tensor, pos: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """rows float [P, H] (contiguous rows), pos int [m, R] (-1 = token not sent to that rank)
+    -> out [m, H]: float32 unless ``out`` (float32 or bfloat16, row stride free) is given.
+    Positions must lie in [-1, P); they are not checked on the device."""
+    _check_args(rows, pos, out)
+    if out is None:
+        out = torch.empty(pos.shape[0], rows.shape[1], dtype=torch.float32, device=rows.device)
+    check_device(_combine_rows_kernel, rows, pos, out)
+    m, R = pos.shape
+    H = rows.shape[1]
+    if m and H:
+        if rows.stride(1) != 1:
+            rows = rows.contiguous()
+        block_h = min(1024, triton.next_power_of_2(H))
+        _combine_rows_kernel[(m, triton.cdiv(H, block_h))](
+            rows, pos, out, H, rows.stride(0), pos.stride(0), out.stride(0),
+            R=R, BLOCK_H=block_h, OUT_BF16=out.dtype == torch.bfloat16, num_warps=4,
+        )
+    return out
+
+
+def combine_rows_ref(rows: torch.Tensor, pos: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Pure-torch reference of :func:`combine_rows` (same arguments, same summation order)."""
+    _check_args(rows, pos, out)
+    m, R = pos.shape
+    acc = torch.zeros(m, rows.shape[1], dtype=torch.float32, device=rows.device)
+    for r in range(R):
+        sel = pos[:, r] >= 0
+        if bool(sel.any()):
+            acc[sel] += rows[pos[sel, r]].float()
+    if out is None:
+        return acc
+    out.copy_(acc)  # torch rounds to nearest even, as the kernel does
+    return out
