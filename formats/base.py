@@ -49,6 +49,16 @@ class WeightFormat:
         """The format's tensors for one linear -> float32 [N, K]."""
         raise NotImplementedError
 
+    def quantize_measured(self, w: torch.Tensor, orig_dtype: torch.dtype) -> tuple[Tensors, float, float]:
+        """``quantize(w, orig_dtype)`` and the error of its dequantization, exactly:
+        (tensors, sum w32^2, sum (dequantize(tensors) - w32)^2), w32 = w.float(), each term in
+        float32 as ``dequantize`` computes it. Formats override this with a fused CPU version
+        (same tensors bit for bit, same per-element terms) that never makes [N, K] temporaries."""
+        from moetool.formats.common import error_sums
+
+        t = self.quantize(w, orig_dtype)
+        return (t, *error_sums(w, self.dequantize(t)))
+
     def logical_shape(self, t: Tensors) -> tuple[int, int]:
         """[N, K] of the unquantized weight."""
         raise NotImplementedError

@@ -6,6 +6,7 @@ lower case and never name the tensor themselves.
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -40,10 +41,52 @@ def e4m3_to_float(q: torch.Tensor) -> torch.Tensor:
     (5x faster than torch's element-wise fp8 conversion there)."""
     if q.device.type != "cpu":
         return q.float()
-    table = _E4M3_TABLE.get(q.device)
+    return e4m3_table(q.device).index_select(0, q.view(torch.uint8).reshape(-1).int()).view(q.shape)
+
+
+#: elements of one band of rows that the fused CPU quantizers process at a time: their
+#: float32 temporaries (a few such bands per thread) stay in the caches and are reused
+BAND_ELEMENTS = 1 << 18
+
+_scratch = threading.local()
+
+
+def scratch(slot: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A 1-D CPU buffer of ``numel`` elements, kept per thread and reused on every call with the
+    same ``slot`` (grown when too small): temporaries that every linear needs again come
+    from memory already mapped and in cache, not from fresh allocations page-faulted in.
+    The caller must be done with it before asking for the same slot again."""
+    bufs = getattr(_scratch, "bufs", None)
+    if bufs is None:
+        bufs = _scratch.bufs = {}
+    buf = bufs.get((slot, dtype))
+    if buf is None or buf.numel() < numel:
+        buf = bufs[(slot, dtype)] = torch.empty(numel, dtype=dtype)
+    return buf[:numel]
+
+
+def band_rows(n: int, k: int, multiple: int = 1) -> int:
+    """Rows per band of an [N, K] weight: about ``BAND_ELEMENTS`` elements, a multiple of
+    ``multiple`` rows (a block height), at most N rounded up to that multiple."""
+    rows = max(1, BAND_ELEMENTS // max(k, 1)) // multiple * multiple
+    return min(max(rows, multiple), ceil_div(n, multiple) * multiple)
+
+
+def error_sums(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, float]:
+    """(sum ref^2, sum (got - ref)^2) in float32 per element, accumulated as Python floats.
+    ``got`` is overwritten when it is float32 (a fresh dequantized copy)."""
+    ref = ref.float().reshape(-1)
+    diff = got.float().reshape(-1)
+    diff = diff.sub_(ref) if diff.data_ptr() == got.data_ptr() else diff - ref
+    return float(torch.dot(ref, ref)), float(torch.dot(diff, diff))
+
+
+def e4m3_table(device: torch.device) -> torch.Tensor:
+    """float32 [256]: the value of every float8_e4m3fn bit pattern."""
+    table = _E4M3_TABLE.get(device)
     if table is None:
-        table = _E4M3_TABLE[q.device] = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
-    return table.index_select(0, q.view(torch.uint8).reshape(-1).int()).view(q.shape)
+        table = _E4M3_TABLE[device] = torch.arange(256, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn).float()
+    return table
 
 
 def check_weight_shape(w: torch.Tensor) -> None:

@@ -23,9 +23,12 @@ from moetool.formats.common import (
     check_suffixes,
     check_tensor,
     abs_max,
+    band_rows,
     check_weight,
+    e4m3_table,
     e4m3_to_float,
     check_weight_shape,
+    scratch,
     split_row_blocked,
 )
 
@@ -63,6 +66,45 @@ def fp8_block_quant_ref(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def fp8_block_quant_measured(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+    """``fp8_block_quant_ref(w)`` bit for bit, plus the error sums of its dequantization
+    (sum w32^2, sum (q * s - w32)^2, per element in float32 as ``dequantize_blocks``).
+
+    CPU, N and K multiples of 128. Fused: a band of block rows at a time goes through
+    per-thread float32 buffers that stay in cache (convert, block maxima, divide, clamp, to
+    e4m3, back through the e4m3 table, error), so no [N, K] float32 temporary is made."""
+    n, k = w.shape
+    col_blocks = k // BLOCK
+    rows = band_rows(n, k, BLOCK)
+    q = torch.empty((n, k), dtype=torch.float8_e4m3fn)
+    scale = torch.empty((n // BLOCK, col_blocks), dtype=torch.float32)
+    ref_buf = scratch("ref", rows * k, torch.float32)
+    work_buf = scratch("work", rows * k, torch.float32)
+    index_buf = scratch("index", rows * k, torch.int32)
+    table = e4m3_table(q.device)
+    sig = noise = 0.0
+    for r0 in range(0, n, rows):
+        m = min(rows, n - r0)
+        ref, work, index = ref_buf[: m * k], work_buf[: m * k], index_buf[: m * k]
+        ref.view(m, k).copy_(w[r0 : r0 + m])
+        blocks = ref.view(m // BLOCK, BLOCK, col_blocks, BLOCK)
+        s = scale[r0 // BLOCK : (r0 + m) // BLOCK]
+        torch.amax(blocks, dim=(1, 3), out=s)
+        torch.maximum(s, blocks.amin(dim=(1, 3)).neg_(), out=s)  # abs_max
+        s.clamp_(min=AMAX_FLOOR).div_(FP8_E4M3_MAX)
+        s4 = s[:, None, :, None]
+        torch.div(blocks, s4, out=work.view(blocks.shape)).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+        qb = q[r0 : r0 + m]
+        qb.copy_(work.view(m, k))
+        sig += float(torch.dot(ref, ref))
+        index.copy_(qb.view(torch.uint8).view(-1))
+        torch.index_select(table, 0, index, out=work)  # e4m3 -> float32, exactly q.float()
+        work.view(blocks.shape).mul_(s4)
+        work.sub_(ref)
+        noise += float(torch.dot(work, work))
+    return q, scale, sig, noise
+
+
 def expand_block_scales(scale: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """s [ceil(N/128), ceil(K/128)] -> [N, K], each scale repeated over its block."""
     return scale.repeat_interleave(BLOCK, dim=0)[:n].repeat_interleave(BLOCK, dim=1)[:, :k]
@@ -92,6 +134,15 @@ class Fp8Block(WeightFormat):
         q, scale = fp8_block_quant_ref(w)
         check_weight(w, scale)
         return {"weight": q, "weight_scale_inv": scale}
+
+    def quantize_measured(self, w: torch.Tensor, orig_dtype: torch.dtype) -> tuple[Tensors, float, float]:
+        check_weight_shape(w)
+        n, k = w.shape
+        if w.device.type != "cpu" or n % BLOCK or k % BLOCK:
+            return super().quantize_measured(w, orig_dtype)
+        q, scale, sig, noise = fp8_block_quant_measured(w)
+        check_weight(w, scale)
+        return {"weight": q, "weight_scale_inv": scale}, sig, noise
 
     def dequantize(self, t: Tensors) -> torch.Tensor:
         n, k = self.logical_shape(t)

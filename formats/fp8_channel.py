@@ -20,10 +20,13 @@ from moetool.formats.common import (
     check_suffixes,
     check_tensor,
     abs_max,
+    band_rows,
     check_weight,
+    e4m3_table,
     e4m3_to_float,
     check_weight_shape,
     scale_in_dtype,
+    scratch,
     split_row_blocked,
 )
 from moetool.formats.fp8_block import AMAX_FLOOR, FP8_E4M3_MAX
@@ -50,6 +53,40 @@ def fp8_channel_quant_ref(
     return q, scale.to(orig_dtype)
 
 
+def fp8_channel_quant_measured(
+    w: torch.Tensor, orig_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+    """``fp8_channel_quant_ref(w, orig_dtype)`` bit for bit, plus the error sums of its
+    dequantization (sum w32^2, sum (q * s - w32)^2, per element in float32 as ``dequantize``).
+    CPU; a band of rows at a time in per-thread buffers (see ``fp8_block_quant_measured``)."""
+    n, k = w.shape
+    rows = band_rows(n, k)
+    q = torch.empty((n, k), dtype=torch.float8_e4m3fn)
+    scale = torch.empty((n, 1), dtype=orig_dtype)
+    ref_buf = scratch("ref", rows * k, torch.float32)
+    work_buf = scratch("work", rows * k, torch.float32)
+    index_buf = scratch("index", rows * k, torch.int32)
+    table = e4m3_table(q.device)
+    sig = noise = 0.0
+    for r0 in range(0, n, rows):
+        m = min(rows, n - r0)
+        ref, work, index = ref_buf[: m * k], work_buf[: m * k], index_buf[: m * k]
+        ref2 = ref.view(m, k)
+        ref2.copy_(w[r0 : r0 + m])
+        s = scale_in_dtype(abs_max(ref2, 1)[:, None].clamp_(min=AMAX_FLOOR).div_(FP8_E4M3_MAX), orig_dtype)
+        torch.div(ref2, s, out=work.view(m, k)).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+        qb = q[r0 : r0 + m]
+        qb.copy_(work.view(m, k))
+        scale[r0 : r0 + m] = s
+        sig += float(torch.dot(ref, ref))
+        index.copy_(qb.view(torch.uint8).view(-1))
+        torch.index_select(table, 0, index, out=work)  # e4m3 -> float32, exactly q.float()
+        work.view(m, k).mul_(s)
+        work.sub_(ref)
+        noise += float(torch.dot(work, work))
+    return q, scale, sig, noise
+
+
 @register
 @dataclass(frozen=True)
 class Fp8Channel(WeightFormat):
@@ -66,6 +103,18 @@ class Fp8Channel(WeightFormat):
             raise
         check_weight(w, scale)
         return {"weight": q, "weight_scale": scale}
+
+    def quantize_measured(self, w: torch.Tensor, orig_dtype: torch.dtype) -> tuple[Tensors, float, float]:
+        check_weight_shape(w)
+        if w.device.type != "cpu":
+            return super().quantize_measured(w, orig_dtype)
+        try:
+            q, scale, sig, noise = fp8_channel_quant_measured(w, orig_dtype)
+        except MoetoolError:
+            check_weight(w)  # NaN/Inf in w explains a non-finite scale: say so
+            raise
+        check_weight(w, scale)
+        return {"weight": q, "weight_scale": scale}, sig, noise
 
     def dequantize(self, t: Tensors) -> torch.Tensor:
         self.logical_shape(t)

@@ -26,9 +26,11 @@ from moetool.formats.common import (
     check_suffixes,
     check_tensor,
     abs_max,
+    band_rows,
     check_weight,
     check_weight_shape,
     scale_in_dtype,
+    scratch,
     split_row_blocked,
 )
 from moetool.formats.fp8_block import AMAX_FLOOR
@@ -139,6 +141,66 @@ def int4_group_quant_ref(
     return q, scale.to(orig_dtype), zero_point
 
 
+def int4_group_quant_measured(
+    w: torch.Tensor, group_size: int, symmetric: bool, orig_dtype: torch.dtype
+) -> tuple[Tensors, float, float]:
+    """``int4_group_quant_ref`` followed by ``pack_int4`` (the format's tensors, bit for bit),
+    plus the error sums of their dequantization (sum w32^2, sum ((q - z) * s - w32)^2, per
+    element in float32 as ``Int4Group.dequantize``).
+
+    CPU, little-endian, K a multiple of 8 and of ``group_size``. A band of rows at a time goes
+    through per-thread buffers that stay in cache (see ``fp8_block_quant_measured``); the
+    codes are packed two per byte straight from the band."""
+    n, k = w.shape
+    groups_per_row = k // group_size
+    rows = band_rows(n, k)
+    packed = torch.empty((n, k // 2), dtype=torch.uint8)
+    scale = torch.empty((n, groups_per_row), dtype=orig_dtype)
+    zero_point = None if symmetric else torch.empty((n, groups_per_row), dtype=torch.int8)
+    ref_buf = scratch("ref", rows * k, torch.float32)
+    work_buf = scratch("work", rows * k, torch.float32)
+    codes_buf = scratch("codes", rows * k, torch.int8)
+    high_buf = scratch("high", rows * k // 2, torch.uint8)
+    sig = noise = 0.0
+    for r0 in range(0, n, rows):
+        m = min(rows, n - r0)
+        ref, work = ref_buf[: m * k], work_buf[: m * k]
+        groups = ref.view(m, groups_per_row, group_size)
+        groups.view(m, k).copy_(w[r0 : r0 + m])
+        work3 = work.view(groups.shape)
+        if symmetric:
+            s = scale_in_dtype(abs_max(groups, -1).clamp_(min=AMAX_FLOOR).div_(INT4_MAX), orig_dtype)
+            torch.div(groups, s[..., None], out=work3).round_()
+        else:
+            low = groups.amin(dim=-1).clamp_(max=0)
+            high = groups.amax(dim=-1).clamp_(min=0)
+            s = scale_in_dtype(high.sub_(low).clamp_(min=AMAX_FLOOR).div_(INT4_MAX - INT4_MIN), orig_dtype)
+            zero = torch.div(low.neg_(), s).round_().sub_(8).clamp_(INT4_MIN, INT4_MAX)
+            torch.div(groups, s[..., None], out=work3).round_().add_(zero[..., None])
+            zero_point[r0 : r0 + m] = zero
+        work.clamp_(INT4_MIN, INT4_MAX)
+        scale[r0 : r0 + m] = s
+        # codes q + 8 in [0, 16), element 2j in the low nibble of byte j, 2j + 1 in the high
+        codes = codes_buf[: m * k].view(m, k)
+        codes.copy_(work.view(m, k))
+        codes = codes.view(torch.uint8).add_(8)  # q + 8 wraps nothing: [-8, 7] -> [0, 15]
+        high = high_buf[: m * k // 2].view(m, k // 2)
+        torch.bitwise_left_shift(codes[:, 1::2], 4, out=high)
+        torch.bitwise_or(codes[:, 0::2], high, out=packed[r0 : r0 + m])
+        # error: dequantize's (q - z) * s, element by element
+        sig += float(torch.dot(ref, ref))
+        if zero_point is not None:
+            work3.sub_(zero[..., None])
+        work3.mul_(s[..., None])
+        work.sub_(ref)
+        noise += float(torch.dot(work, work))
+    t = {"weight_packed": packed.view(torch.int32), "weight_scale": scale,
+         "weight_shape": torch.tensor([n, k], dtype=torch.int32)}
+    if zero_point is not None:
+        t["weight_zero_point"] = pack_int4(zero_point, packed_dim=0)
+    return t, sig, noise
+
+
 def expand_groups(per_group: torch.Tensor, group_size: int, k: int) -> torch.Tensor:
     """[N, ceil(K/g)] -> [N, K], each value repeated over its group (the last may be partial)."""
     return per_group.repeat_interleave(group_size, dim=1)[:, :k]
@@ -187,6 +249,19 @@ class Int4Group(WeightFormat):
         if zero_point is not None:
             t["weight_zero_point"] = pack_int4(zero_point, packed_dim=0)
         return t
+
+    def quantize_measured(self, w: torch.Tensor, orig_dtype: torch.dtype) -> tuple[Tensors, float, float]:
+        check_weight_shape(w)
+        k = w.shape[1]
+        if w.device.type != "cpu" or not LITTLE_ENDIAN or k % NIBBLES_PER_WORD or k % self.group_size:
+            return super().quantize_measured(w, orig_dtype)
+        try:
+            t, sig, noise = int4_group_quant_measured(w, self.group_size, self.symmetric, orig_dtype)
+        except MoetoolError:
+            check_weight(w)  # NaN/Inf in w explains a non-finite scale: say so
+            raise
+        check_weight(w, t["weight_scale"])
+        return {s: t[s] for s in self.suffixes}, sig, noise
 
     def dequantize(self, t: Tensors) -> torch.Tensor:
         n, k = self.logical_shape(t)

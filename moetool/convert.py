@@ -32,6 +32,8 @@ from moetool.checkpoint import Checkpoint
 from moetool.errors import MoetoolError
 from moetool.experts_io import ExpertReader, Linear
 from moetool.formats.base import WeightFormat
+from moetool.formats.common import error_sums
+from moetool.formats.dense import Dense
 from moetool.memory import trim
 from moetool.writer import JOURNAL_NAME, OutputDir, TensorSpec
 
@@ -161,11 +163,17 @@ class Source:
         if self.device.type == "cuda":
             return self._convert_cuda(lin, where, fmt)
         try:
-            w = fmt.dequantize(lin)
-            q = self.out_fmt.quantize(w, self.dtype)
+            # a dense weight goes in as stored (bf16...): the fused quantizers convert it to
+            # float32 a band at a time, exactly as fmt.dequantize would
+            if isinstance(fmt, Dense):
+                fmt.logical_shape(lin)
+                w = lin["weight"]
+            else:
+                w = fmt.dequantize(lin)
+            q, sig, noise = self.out_fmt.quantize_measured(w, self.dtype)
         except MoetoolError as err:
             raise MoetoolError(f"{where}: {err}") from None
-        self.stats.add(w, self.out_fmt.dequantize(q))
+        self.stats.add_sums(sig, noise)
         return q
 
     def _convert_cuda(self, lin: Linear, where: str, fmt: WeightFormat) -> Linear:
@@ -247,11 +255,10 @@ class ErrorStats:
 
     def add(self, ref: torch.Tensor, got: torch.Tensor) -> None:
         """ref: the weight before quantization; got: a fresh dequantized copy (overwritten)."""
-        ref = ref.float().reshape(-1)
-        diff = got.float().reshape(-1)
-        diff = diff.sub_(ref) if diff.data_ptr() == got.data_ptr() else diff - ref
-        sig = float(torch.dot(ref, ref))
-        noise = float(torch.dot(diff, diff))
+        self.add_sums(*error_sums(ref, got))
+
+    def add_sums(self, sig: float, noise: float) -> None:
+        """One linear's sum ref^2 and sum (got - ref)^2 (``WeightFormat.quantize_measured``)."""
         rel = (noise / sig) ** 0.5 if sig > 0 else (0.0 if noise == 0 else float("inf"))
         with self._lock:
             self._add(rel, sig, noise)

@@ -1,0 +1,91 @@
+"""quantize_measured: the fused CPU quantizers give the reference formulas' tensors bit for bit
+and the error sums of dequantize(quantize(w)) against w."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moetool.errors import MoetoolError
+from moetool.formats import Fp8Block, Fp8Channel, Int4Group
+from moetool.formats import common
+from moetool.formats.common import error_sums
+
+FORMATS = {
+    "fp8-block": Fp8Block(),
+    "fp8-channel": Fp8Channel(),
+    "int4-sym-g128": Int4Group(128, True),
+    "int4-asym-g128": Int4Group(128, False),
+    "int4-sym-g32": Int4Group(32, True),
+    "int4-asym-g64": Int4Group(64, False),
+}
+SHAPES = [(256, 384), (384, 256), (128, 1024), (640, 128), (1024, 2048)]
+
+
+def random_weight(shape, dtype=torch.bfloat16, seed=0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(*shape, generator=g) * 0.02
+    w[0, :64] = 0  # an all-zero block / group takes the amax floor
+    w[-1, -9:] *= 50  # outliers
+    return w.to(dtype)
+
+
+def same_tensors(a: dict, b: dict) -> None:
+    assert list(a) == list(b)
+    for key in a:
+        assert a[key].dtype == b[key].dtype and a[key].shape == b[key].shape, key
+        if a[key].dtype == torch.float8_e4m3fn:
+            assert torch.equal(a[key].view(torch.uint8), b[key].view(torch.uint8)), key
+        else:
+            assert torch.equal(a[key], b[key]), key
+
+
+@pytest.fixture(params=[1 << 14, 1 << 18], ids=["small-bands", "default-bands"])
+def band(request, monkeypatch):
+    """Several bands per weight (a remainder band included) and the default size."""
+    monkeypatch.setattr(common, "BAND_ELEMENTS", request.param)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_measured_matches_reference(name, shape, dtype, band):
+    fmt = FORMATS[name]
+    w = random_weight(shape, dtype)
+    got, sig, noise = fmt.quantize_measured(w, dtype)
+    want = fmt.quantize(w.float(), dtype)
+    same_tensors(got, want)
+    # the same per-element terms as dequantize(want) - w32: float32 dot products per band,
+    # added up in float64, against a float64 sum of them
+    w64 = w.double()
+    assert sig == pytest.approx(float((w64 * w64).sum()), rel=1e-4)
+    diff = fmt.dequantize(want).double() - w64
+    assert noise == pytest.approx(float((diff * diff).sum()), rel=1e-4)
+
+
+@pytest.mark.parametrize("fmt, shape", [(Fp8Block(), (200, 136)), (Int4Group(12, True), (24, 36)),
+                                        (Int4Group(12, False), (24, 36))],
+                         ids=["fp8-block-partial-blocks", "int4-sym-g12", "int4-asym-g12"])
+def test_measured_falls_back_where_not_fused(fmt, shape):
+    """Shapes the fused code does not take (partial fp8 blocks, int4 K not a multiple of 8)
+    go through quantize + dequantize."""
+    w = random_weight(shape)
+    got, sig, noise = fmt.quantize_measured(w, torch.bfloat16)
+    same_tensors(got, fmt.quantize(w.float(), torch.bfloat16))
+    assert (sig, noise) == error_sums(w.float(), fmt.dequantize(got))
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_measured_refuses_non_finite(name, bad):
+    w = random_weight((256, 256))
+    w[200, 3] = bad
+    with pytest.raises(MoetoolError, match="NaN/Inf"):
+        FORMATS[name].quantize_measured(w, torch.bfloat16)
+
+
+def test_scratch_is_reused_per_thread():
+    a = common.scratch("test", 100, torch.float32)
+    b = common.scratch("test", 50, torch.float32)
+    assert a.data_ptr() == b.data_ptr() and b.numel() == 50
+    c = common.scratch("test", 1000, torch.float32)  # grows
+    assert c.numel() == 1000
