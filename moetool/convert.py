@@ -556,6 +556,10 @@ def run_plan(plan: Plan, sources: list[Source], out: OutputDir, *, bytes_in: int
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="writing", disable=not progress,
                leave=False)
     written = 0
+    # the executor converts one linear per core: torch's own intra-op threads on top of
+    # that only contend for the cores (and spin while they wait)
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
         for pf in plan.files:
             if out.already_done(pf.name):
@@ -565,6 +569,7 @@ def run_plan(plan: Plan, sources: list[Source], out: OutputDir, *, bytes_in: int
             written += 1
     finally:
         bar.close()
+        torch.set_num_threads(torch_threads)
     for src_path, name in plan.other_files:
         out.copy_file(src_path, name)
     for name, obj in plan.json_files.items():
