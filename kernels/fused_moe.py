@@ -35,7 +35,7 @@ import triton.language as tl
 
 from moetool.errors import MoetoolError
 
-from .common import check_device, e4m3_rne, is_interpreted
+from .common import check_device, e4m3_rne, is_interpreted, round_to_bf16
 from .quant import fp8_act_quant, fp8_dequant_act_ref
 
 FMT_CODES = {"dense": 0, "fp8-block": 1, "fp8-channel": 2, "int4-group": 3}
@@ -538,8 +538,9 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _moe_sum_kernel(c_ptr, ids_ptr, out_ptr, H, stride_cp, stride_ch, stride_ot, stride_oh,
-                    TOPK: tl.constexpr, BLOCK_H: tl.constexpr):
-    """out[t] = sum_j (ids[t, j] >= 0 ? c[t*TOPK + j] : 0), in slot order j = 0..TOPK-1."""
+                    TOPK: tl.constexpr, BLOCK_H: tl.constexpr, OUT_BF16: tl.constexpr):
+    """out[t] = sum_j (ids[t, j] >= 0 ? c[t*TOPK + j] : 0), in slot order j = 0..TOPK-1, in fp32;
+    OUT_BF16: rounded once to bfloat16 (nearest even) on the store."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = cols < H
@@ -548,36 +549,45 @@ def _moe_sum_kernel(c_ptr, ids_ptr, out_ptr, H, stride_cp, stride_ch, stride_ot,
         p = t * TOPK + j
         valid = tl.load(ids_ptr + p + tl.zeros_like(cols)) >= 0  # [BH], one id broadcast
         acc += tl.load(c_ptr + p * stride_cp + cols * stride_ch, mask=hmask & valid, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * stride_ot + cols * stride_oh, acc, mask=hmask)
+    if OUT_BF16:
+        tl.store(out_ptr + t * stride_ot + cols * stride_oh, round_to_bf16(acc).to(tl.bfloat16), mask=hmask)
+    else:
+        tl.store(out_ptr + t * stride_ot + cols * stride_oh, acc, mask=hmask)
 
 
-def moe_sum(c: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    """c [T*k, H] (rows of dropped pairs may hold anything), topk_ids [T, k] -> fp32 [T, H]."""
+#: what moe_sum / fused_experts can write: fp32, or bf16 rounded once from the fp32 sum
+OUT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def moe_sum(c: torch.Tensor, topk_ids: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """c [T*k, H] (rows of dropped pairs may hold anything), topk_ids [T, k] -> [T, H] out_dtype
+    (fp32, or bf16 rounded from the fp32 sum)."""
+    _check(out_dtype in OUT_DTYPES, f"moe_sum: out_dtype must be float32 or bfloat16, got {out_dtype}")
     _check(topk_ids.dim() == 2 and topk_ids.is_contiguous(), "moe_sum: topk_ids must be [T, k], contiguous")
     T, k = topk_ids.shape
     _check(c.dim() == 2 and c.shape[0] == T * k and c.is_contiguous(), "moe_sum: c must be [T*k, H], contiguous")
     check_device(_moe_sum_kernel, c, topk_ids)
     H = c.shape[1]
-    out = torch.empty((T, H), dtype=torch.float32, device=c.device)
+    out = torch.empty((T, H), dtype=out_dtype, device=c.device)
     if T and H:
         if k == 0:
             return out.zero_()
         block_h = min(1024, triton.next_power_of_2(H))
         _moe_sum_kernel[(T, triton.cdiv(H, block_h))](
             c, topk_ids, out, H, c.stride(0), c.stride(1), out.stride(0), out.stride(1),
-            TOPK=k, BLOCK_H=block_h, num_warps=4,
+            TOPK=k, BLOCK_H=block_h, OUT_BF16=out_dtype == torch.bfloat16, num_warps=4,
         )
     return out
 
 
-def moe_sum_ref(c: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+def moe_sum_ref(c: torch.Tensor, topk_ids: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Reference of :func:`moe_sum` (same slot order, so bit-exact)."""
     T, k = topk_ids.shape
     c3 = torch.where((topk_ids >= 0)[:, :, None], c.view(T, k, -1).float(), 0.0)
     out = torch.zeros((T, c.shape[1]), dtype=torch.float32, device=c.device)
     for j in range(k):
         out += c3[:, j]
-    return out
+    return out.to(out_dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -630,10 +640,13 @@ def fused_experts(
     config: MoeConfig | None = None,
     check_ids: bool = True,
     soft_fp8: bool | None = None,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """One rank's routed experts with Triton kernels -> out float32 [T, H].
+    """One rank's routed experts with Triton kernels -> out [T, H] out_dtype (float32, or
+    bfloat16 rounded once from the fp32 sum, e.g. for a bf16 combine).
 
     hidden [T, H] fp16/bf16/fp32, or float8_e4m3fn with hidden_scale fp32 [T, ceil(H/128)]
+    (rows may be strided, e.g. views into a received buffer; columns contiguous)
     (fp8-block only; float hidden is quantized per 1x128 group here for fp8-block).
     w13 / w2: stacked tensors of ``fmt_name`` (module docstring), logical [E, 2N, H] / [E, H, N].
     topk_ids [T, k] int local expert slots, -1 = not on this rank (never computed, adds 0);
@@ -649,7 +662,8 @@ def fused_experts(
     k = topk_ids.shape[1]
     w13p = _parse_weights(fmt_name, w13, "w13", E, 2 * N, H, group_size, N)
     w2p = _parse_weights(fmt_name, w2, "w2", E, H, N, group_size, None)
-    _check(hidden.is_contiguous() and topk_ids.is_contiguous(), "hidden and topk_ids must be contiguous")
+    _check(hidden.stride(1) == 1 and topk_ids.is_contiguous(), "hidden needs contiguous rows and topk_ids must be contiguous")
+    _check(out_dtype in OUT_DTYPES, f"out_dtype must be float32 or bfloat16, got {out_dtype}")
     tensors = [hidden, topk_ids, w13p.main, w2p.main]
     if apply_router_weight:
         _check(topk_weights.is_contiguous(), "topk_weights must be contiguous")
@@ -657,7 +671,7 @@ def fused_experts(
     check_device(_moe_gemm_kernel, *tensors)
     dev = hidden.device
     if T == 0 or k == 0 or E == 0 or N == 0 or H == 0:
-        return torch.zeros((T, H), dtype=torch.float32, device=dev)
+        return torch.zeros((T, H), dtype=out_dtype, device=dev)
     if check_ids:
         top = int(topk_ids.max())
         _check(top < E, f"topk_ids holds local expert {top} but only {E} experts are on this rank")
@@ -675,7 +689,7 @@ def fused_experts(
 
     a1, a1_scale = hidden, hidden_scale
     if fp8 and hidden.dtype != torch.float8_e4m3fn:
-        a1, a1_scale = fp8_act_quant(hidden, FP8_BLOCK, soft_fp8=soft_fp8)
+        a1, a1_scale = fp8_act_quant(hidden.contiguous(), FP8_BLOCK, soft_fp8=soft_fp8)
     cache1 = torch.empty((P, 2 * N), dtype=act_dtype, device=dev)
     _invoke_gemm(a1, a1_scale, w13p, cache1, weights, sorted_ids, expert_ids, num_post_pad,
                  P, k, N, False, group_size, cfg)
@@ -687,7 +701,7 @@ def fused_experts(
     cache3 = torch.empty((P, H), dtype=torch.float32, device=dev)
     _invoke_gemm(a2, a2_scale, w2p, cache3, weights, sorted_ids, expert_ids, num_post_pad,
                  P, 1, H, apply_router_weight, group_size, cfg)
-    return moe_sum(cache3, topk_ids)
+    return moe_sum(cache3, topk_ids, out_dtype)
 
 
 def dequantize_stacked(fmt_name: str, t: dict[str, torch.Tensor], e: int, rows: int, cols: int,

@@ -150,6 +150,8 @@ class Prepared:
     topk_weights: torch.Tensor  # float32 [M, k]
     expert_num_tokens: torch.Tensor  # int64 [L]
     state: dict = field(default_factory=dict)
+    #: dtype finalize wants a reduced expert output in (experts that reduce write it directly)
+    out_dtype: torch.dtype = torch.float32
 
 
 @dataclass
@@ -185,22 +187,41 @@ def fp8_act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s.float()
 
 
-def _pack_rows(parts: list[torch.Tensor]) -> torch.Tensor:
-    """2-D tensors with the same row count -> uint8 [rows, sum of row bytes]: one collective
-    carries tokens, scales, ids and weights together (gloo cannot send float8 either)."""
-    return torch.cat([p.contiguous().view(torch.uint8) for p in parts], dim=1)
+@dataclass(frozen=True)
+class RowLayout:
+    """Several 2-D parts side by side in one uint8 row, so one collective carries tokens,
+    scales, ids and weights together (gloo cannot send float8 either). Each part starts at a
+    16-byte boundary, so reading a part back is a strided view of the received buffer, not a copy."""
 
+    parts: tuple[tuple[torch.dtype, int], ...]  # (dtype, columns) of each part
 
-def _unpack_rows(buf: torch.Tensor, like: list[tuple[torch.dtype, int]]) -> list[torch.Tensor]:
-    """Inverse of _pack_rows: ``like`` = [(dtype, columns)] of each part."""
-    out, col = [], 0
-    for dtype, cols in like:
-        nbytes = cols * torch.empty(0, dtype=dtype).element_size()
-        part = buf.new_empty(buf.shape[0], nbytes)  # fresh strides: a 1-row slice keeps its old ones
-        part.copy_(buf[:, col:col + nbytes])
-        out.append(part.view(dtype))
-        col += nbytes
-    return out
+    ALIGN: ClassVar[int] = 16
+
+    @property
+    def offsets(self) -> list[int]:
+        out, off = [], 0
+        for dtype, cols in self.parts:
+            out.append(off)
+            off += -(-cols * dtype.itemsize // self.ALIGN) * self.ALIGN
+        return out + [off]
+
+    @property
+    def row_bytes(self) -> int:
+        return self.offsets[-1]
+
+    def pack(self, values: list[torch.Tensor]) -> torch.Tensor:
+        """values[i] [n, cols_i] (any dtype castable to part i's) -> uint8 [n, row_bytes]."""
+        n = values[0].shape[0]
+        buf = torch.empty(n, self.row_bytes, dtype=torch.uint8, device=values[0].device)
+        for view, v in zip(self.unpack(buf), values):
+            view.copy_(v)
+        return buf
+
+    def unpack(self, buf: torch.Tensor) -> list[torch.Tensor]:
+        """uint8 [n, row_bytes] -> one strided view [n, cols_i] per part (dtype_i)."""
+        offs = self.offsets
+        return [buf[:, offs[i]:offs[i] + cols * dtype.itemsize].view(dtype)
+                for i, (dtype, cols) in enumerate(self.parts)]
 
 
 def _payload(x: torch.Tensor, act_quant: bool, comm_dtype: torch.dtype) -> tuple[list[torch.Tensor], list]:
@@ -208,16 +229,18 @@ def _payload(x: torch.Tensor, act_quant: bool, comm_dtype: torch.dtype) -> tuple
     if act_quant:
         q, s = fp8_act_quant(x.float())  # [m, H], [m, G]
         return [q, s], [(torch.float8_e4m3fn, q.shape[1]), (torch.float32, s.shape[1])]
-    h = x.to(comm_dtype)
-    return [h], [(comm_dtype, h.shape[1])]
+    return [x], [(comm_dtype, x.shape[1])]
 
 
 def _expert_counts(local_ids: torch.Tensor, num_slots: int) -> torch.Tensor:
     """local_ids [M, k] (-1 = elsewhere) -> pairs per local slot, int64 [L]; no host sync
     (bincount on CUDA reads the maximum back to size its output)."""
-    counts = torch.zeros(num_slots + 1, dtype=torch.int64, device=local_ids.device)
-    counts.scatter_add_(0, (local_ids.flatten() + 1).clamp(0, num_slots), torch.ones_like(local_ids.flatten()))
-    return counts[1:]  # [L]
+    flat = local_ids.flatten()
+    if flat.numel() * num_slots <= 1 << 26:  # one-hot sum: atomics would contend on L addresses
+        return (flat[:, None] == torch.arange(num_slots, device=flat.device)).sum(dim=0)  # [L]
+    counts = torch.zeros(num_slots + 1, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, (flat + 1).clamp(0, num_slots), torch.ones_like(flat))
+    return counts[1:]
 
 
 def _combine(rows: torch.Tensor, pos: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -295,9 +318,8 @@ class AllGatherDispatcher(Dispatcher):
         sizes = chunk.sizes  # [dp]
         tmax = max(sizes)
         parts, like = _payload(x, act_quant, self.comm_dtype)
-        parts += [topk_ids, topk_weights.float()]
-        like += [(torch.int64, k), (torch.float32, k)]
-        buf = _pack_rows(parts)  # uint8 [t, B]
+        layout = RowLayout(tuple(like) + ((torch.int64, k), (torch.float32, k)))
+        buf = layout.pack(parts + [topk_ids, topk_weights])  # uint8 [t, B]
         if t < tmax:
             buf = torch.cat([buf, buf.new_zeros(tmax - t, buf.shape[1])])
         if topo.dp > 1:
@@ -307,8 +329,8 @@ class AllGatherDispatcher(Dispatcher):
             gathered = buf
         stats.dispatch_bytes_sent += (topo.dp - 1) * buf.numel()
         stats.dispatch_bytes_recv += (topo.dp - 1) * buf.numel()
-        unpacked = _unpack_rows(gathered, like)
-        ids, weights = unpacked[-2], unpacked[-1]  # [dp*tmax, k]
+        unpacked = layout.unpack(gathered)
+        ids, weights = unpacked[-2], unpacked[-1].contiguous()  # [dp*tmax, k]
         rows = torch.arange(tmax, device=dev)
         valid = torch.cat([rows < sizes[g] for g in range(topo.dp)])  # [dp*tmax]
         gidx = torch.cat([chunk.starts[g] + rows for g in range(topo.dp)])  # [dp*tmax]
@@ -345,12 +367,13 @@ class AllGatherDispatcher(Dispatcher):
 
 class All2AllDispatcher(Dispatcher):
     """DeepEP high-throughput style. Rank i of a tp group takes the i-th contiguous slice of
-    the group's chunk (no token is sent twice), sends each token row once to every rank
-    holding one of its experts (counts first, then one packed payload: row, [fp8 scales],
-    local slot ids with -1 for its experts elsewhere, weights), and the combine returns one
-    float32 row per (token, destination) with the top-k weights already applied on the
-    expert side (by the experts, or by ``weight_and_reduce`` before the send); the source
-    only sums. An all-gather in the tp group restores the replicated [t, H] chunk."""
+    the group's chunk (no token is sent twice) and sends each token row once to every rank
+    holding one of its experts: counts first (the one host synchronisation), then one packed
+    payload per token: row, [fp8 scales], global expert ids, weights, global position (the
+    receiver picks the ids it holds with the same replica rule). The combine returns one row
+    per (token, destination) in the wire dtype with the top-k weights already applied on the
+    expert side; the source sums them in rank order (``moetool.kernels.ep_combine``) straight
+    into the buffer of an all-gather in the tp group, which restores the replicated [t, H] chunk."""
 
     name = "all2all"
 
@@ -361,71 +384,69 @@ class All2AllDispatcher(Dispatcher):
 
     def prepare(self, x, topk_ids, topk_weights, token_index, chunk, table, num_slots, act_quant, stats):
         topo = self.topo
-        R, dev = topo.world_size, x.device
+        R, dev, me = topo.world_size, x.device, topo.rank
         m, k = topk_ids.shape
-        dest_rank, dest_slot = table.destinations(topk_ids, token_index)  # [m, k] x2
-        to_rank = torch.zeros(m, R, dtype=torch.bool, device=dev)
-        to_rank.scatter_(1, dest_rank, True)  # [m, R]
-        send_counts = to_rank.sum(dim=0)  # [R]
+        dest_rank, _ = table.destinations(topk_ids, token_index)  # [m, k]
+        sent = torch.zeros(R, m, dtype=torch.bool, device=dev)
+        sent.scatter_(0, dest_rank.t(), True)  # [R, m]: token t goes to rank r
+        send_counts = sent.sum(dim=1)  # [R]
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts)  # counts first
         counts = torch.cat([send_counts, recv_counts]).tolist()  # the one host synchronisation
         send_l, recv_l = counts[:R], counts[R:]
         P = sum(send_l)
-        # row of pair (t, r) in the send buffer: rank-major, tokens ascending; -1 = not sent
+        # row of (r, t) in the send buffer: rank-major, tokens ascending; -1 = not sent.
+        # (a scan along the last, contiguous dim: along dim 0 of [m, R] it is ~10x slower on CUDA)
         start = torch.cumsum(send_counts, 0) - send_counts  # [R]
-        pos = torch.where(to_rank, torch.cumsum(to_rank, 0) - 1 + start, -1)  # [m, R]
-        pair = torch.empty(P + 1, dtype=torch.int64, device=dev)  # flat (t * R + r) per send row
-        pair.scatter_(0, torch.where(pos >= 0, pos, P).flatten(), torch.arange(m * R, device=dev))
-        pair = pair[:P]
-        pair_tok = pair // R
-        # each row carries the local slots of the experts its destination holds, -1 elsewhere
-        at = dest_rank[:, None, :] == torch.arange(R, device=dev)[None, :, None]  # [m, R, k]
-        ids_tr = torch.where(at, dest_slot[:, None, :], -1).to(torch.int32).view(m * R, k)
+        pos = torch.where(sent, torch.cumsum(sent, 1) + (start - 1)[:, None], -1)  # [R, m]
+        pair_tok = torch.empty(P + 1, dtype=torch.int64, device=dev)
+        pair_tok.scatter_(0, torch.where(pos >= 0, pos, P).flatten(), torch.arange(m, device=dev).repeat(R))
+        # one row per token: its payload, global expert ids, weights and global position; the
+        # receiver works out which of the ids are its own (same replica choice as here)
         parts, like = _payload(x, act_quant, self.comm_dtype)
-        token_bytes = _pack_rows(parts)  # [m, Bt]
-        meta = _pack_rows([ids_tr[pair], topk_weights.float()[pair_tok]])  # [P, 8k]
-        send = torch.cat([token_bytes[pair_tok], meta], dim=1)  # uint8 [P, B]
-        like += [(torch.int32, k), (torch.float32, k)]
-        B = send.shape[1]
+        layout = RowLayout(tuple(like) + ((torch.int32, k), (torch.float32, k), (torch.int64, 1)))
+        rows = layout.pack(parts + [topk_ids, topk_weights, token_index[:, None]])  # [m, B]
+        send = rows[pair_tok[:P]]  # [P, B]
+        B = layout.row_bytes
         recv = send.new_empty(sum(recv_l), B)
         dist.all_to_all_single(recv, send, output_split_sizes=recv_l, input_split_sizes=send_l)
-        me = topo.rank
         stats.dispatch_bytes_sent += (P - send_l[me]) * B + 8 * (R - 1)
         stats.dispatch_bytes_recv += (sum(recv_l) - recv_l[me]) * B + 8 * (R - 1)
-        hidden, *rest = _unpack_rows(recv, like)
+        hidden, *rest = layout.unpack(recv)
         scale = rest[0] if act_quant else None
-        local_ids, weights = rest[-2].long(), rest[-1]  # [M, k]
+        ids, weights, tok = rest[-3].long(), rest[-2].contiguous(), rest[-1][:, 0]  # [M, k] x2, [M]
+        dest_rank, dest_slot = table.destinations(ids, tok)
+        local_ids = torch.where(dest_rank == me, dest_slot, -1)  # [M, k]
         stats.tokens_received += recv.shape[0]
-        counts = _expert_counts(local_ids, num_slots)
-        return Prepared(hidden, scale, local_ids, weights, counts,
-                        {"pos": pos, "send": send_l, "recv": recv_l, "t": chunk.sizes[topo.group_index]})
+        wire = self.comm_dtype if self.comm_dtype in (torch.float32, torch.bfloat16) else torch.float32
+        return Prepared(hidden, scale, local_ids, weights, _expert_counts(local_ids, num_slots),
+                        {"pos": pos, "send": send_l, "recv": recv_l, "t": chunk.sizes[topo.group_index]},
+                        out_dtype=wire)
 
     def finalize(self, expert_out, prep, reduced, stats):
         topo = self.topo
         st = prep.state
         out = expert_out if reduced else weight_and_reduce(expert_out, prep.local_ids, prep.topk_weights)
-        # partial sums travel back in the wire dtype (bf16 as in serving, fp32 when exactness is tested)
-        wire = self.comm_dtype if self.comm_dtype.is_floating_point else torch.float32
-        out = out.to(wire).contiguous()  # [M, H]
-        H, nb = out.shape[1], wire.itemsize
+        # partial sums travel back in the wire dtype (bf16 as in serving, fp32 when exactness is
+        # tested); experts that reduce already wrote them in it (prep.out_dtype)
+        out = out.to(prep.out_dtype).contiguous()  # [M, H]
+        H, nb = out.shape[1], out.element_size()
         back = out.new_empty(sum(st["send"]), H)  # [P, H]
         dist.all_to_all_single(back, out, output_split_sizes=st["send"], input_split_sizes=st["recv"])
         me = topo.rank
         stats.combine_bytes_sent += (sum(st["recv"]) - st["recv"][me]) * H * nb
         stats.combine_bytes_recv += (sum(st["send"]) - st["send"][me]) * H * nb
-        pos = st["pos"]  # [m, R]
+        pos = st["pos"].t()  # [m, R]
         if topo.tp == 1:
             return _combine(back, pos)  # [m, H] fp32, summed over destinations in rank order
         split = _row_split(st["t"], topo.tp)
         width = max(split)
-        part = back.new_empty(width, H, dtype=wire if wire in (torch.float32, torch.bfloat16) else torch.float32)
+        part = back.new_empty(width, H)  # the tp all-gather's input, written in place
         _combine(back, pos, out=part[:pos.shape[0]])
         if pos.shape[0] < width:
             part[pos.shape[0]:].zero_()
         full = part.new_empty(topo.tp * width, H)
         all_gather_tensor(full, part, group=topo.tp_group)
-        nb = part.element_size()
         stats.combine_bytes_sent += (topo.tp - 1) * width * H * nb
         stats.combine_bytes_recv += (topo.tp - 1) * width * H * nb
         if width * topo.tp == st["t"]:

@@ -58,10 +58,13 @@ class ExpertsBackend:
         raise NotImplementedError
 
     def apply(self, hidden: torch.Tensor, hidden_scale: torch.Tensor | None, local_ids: torch.Tensor,
-              topk_weights: torch.Tensor, expert_num_tokens: torch.Tensor) -> torch.Tensor:
-        """hidden [M, H] (float, or float8_e4m3fn with hidden_scale float32 [M, G]),
-        local_ids int64 [M, k] (-1: not here), topk_weights float32 [M, k],
-        expert_num_tokens int64 [L] (rows per local slot) -> see applies_weights_and_reduces."""
+              topk_weights: torch.Tensor, expert_num_tokens: torch.Tensor,
+              out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """hidden [M, H] (float, or float8_e4m3fn with hidden_scale float32 [M, G]; rows may be
+        strided views), local_ids int64 [M, k] (-1: not here), topk_weights float32 [M, k],
+        expert_num_tokens int64 [L] (rows per local slot) -> see applies_weights_and_reduces.
+        out_dtype: dtype of the reduced [M, H] result (float32, or bfloat16 rounded once from
+        the fp32 sum, what a bf16 combine sends); unreduced outputs are always float32."""
         raise NotImplementedError
 
     def release(self) -> None:
@@ -69,9 +72,11 @@ class ExpertsBackend:
 
 
 def _check_ids(local_ids: torch.Tensor, num_slots: int) -> None:
-    if local_ids.numel() and (int(local_ids.max()) >= num_slots or int(local_ids.min()) < -1):
-        raise MoetoolError(f"local expert id out of range: ids span [{int(local_ids.min())}, "
-                           f"{int(local_ids.max())}] with {num_slots} local slots")
+    if not local_ids.numel():
+        return
+    lo, hi = torch.stack([local_ids.min(), local_ids.max()]).tolist()  # one host sync
+    if hi >= num_slots or lo < -1:
+        raise MoetoolError(f"local expert id out of range: ids span [{lo}, {hi}] with {num_slots} local slots")
 
 
 class TorchExperts(ExpertsBackend):
@@ -117,7 +122,7 @@ class TorchExperts(ExpertsBackend):
         self._bound = None
         self._gate, self._up, self._down = [], [], []
 
-    def apply(self, hidden, hidden_scale, local_ids, topk_weights, expert_num_tokens):
+    def apply(self, hidden, hidden_scale, local_ids, topk_weights, expert_num_tokens, out_dtype=torch.float32):
         if self._bound is None:
             raise MoetoolError("TorchExperts.apply before bind")
         L = len(self._gate)
@@ -136,7 +141,7 @@ class TorchExperts(ExpertsBackend):
                 out.index_add_(0, tok, y * topk_weights[tok, j].float()[:, None])
             else:
                 out[tok, j] = y
-        return out
+        return out.to(out_dtype) if self._reduce else out
 
 
 class TritonExperts(ExpertsBackend):
@@ -167,17 +172,17 @@ class TritonExperts(ExpertsBackend):
     def release(self) -> None:
         self._bound, self._w13, self._w2 = None, {}, {}
 
-    def apply(self, hidden, hidden_scale, local_ids, topk_weights, expert_num_tokens):
+    def apply(self, hidden, hidden_scale, local_ids, topk_weights, expert_num_tokens, out_dtype=torch.float32):
         if self._bound is None:
             raise MoetoolError("TritonExperts.apply before bind")
         from moetool.kernels.fused_moe import fused_experts  # lazy: needs triton + CUDA
 
         _check_ids(local_ids, self._num_slots)
         if local_ids.shape[0] == 0:
-            return torch.zeros(0, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+            return torch.zeros(0, hidden.shape[1], dtype=out_dtype, device=hidden.device)
         return fused_experts(hidden, self._w13, self._w2, self._fmt_name, local_ids, topk_weights,
-                             hidden_scale=hidden_scale, apply_router_weight=True,
-                             group_size=self._group_size).float()
+                             hidden_scale=hidden_scale, apply_router_weight=True, check_ids=False,
+                             group_size=self._group_size, out_dtype=out_dtype)
 
 
 EXPERTS: dict[str, type[ExpertsBackend]] = {"torch": TorchExperts, "triton": TritonExperts}

@@ -134,7 +134,7 @@ def run_moe_layer(x_group: torch.Tensor, gate_weight: torch.Tensor,
                                       num_slots, act_quant, stats)
         with timer.phase("experts"):
             out = experts.apply(prep.hidden, prep.hidden_scale, prep.local_ids, prep.topk_weights,
-                                prep.expert_num_tokens)
+                                prep.expert_num_tokens, out_dtype=prep.out_dtype)
         for s, n in enumerate(prep.expert_num_tokens.tolist()):
             stats.expert_tokens[s] += n
         with timer.phase("combine"):

@@ -123,6 +123,29 @@ def test_without_router_weight(case, device):
     assert rel_err(out, ref) < tol
 
 
+@pytest.mark.parametrize("case", ["fp8-block-w8a8", "dense-fp16"])
+def test_row_strided_hidden_and_bf16_output(case, device):
+    """Hidden rows viewed inside a wider received buffer give the contiguous result, and
+    out_dtype=bfloat16 is that fp32 result rounded once (nearest even)."""
+    fmt, hdtype, symmetric, _ = CASES[case]
+    T, E, H, N, k, group = SHAPES[0]
+    w13, w2 = make_weights(fmt, E, H, N, group, bool(symmetric))
+    w13, w2 = _to(w13, device), _to(w2, device)
+    ids, tw = make_routing(T, E, k)
+    x, xs = make_hidden(T, H, hdtype)
+    ids, tw, x = ids.to(device), tw.to(device), x.to(device)
+    xs = xs.to(device) if xs is not None else None
+    wide = torch.zeros(T, H + 48, dtype=x.dtype, device=device)
+    wide[:, 16:16 + H] = x
+    strided = wide[:, 16:16 + H]
+    assert not strided.is_contiguous()
+    want = fm.fused_experts(x, w13, w2, fmt, ids, tw, hidden_scale=xs, group_size=group)
+    got = fm.fused_experts(strided, w13, w2, fmt, ids, tw, hidden_scale=xs, group_size=group,
+                           out_dtype=torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got.cpu(), want.cpu().to(torch.bfloat16))
+
+
 def test_dropped_and_idle_experts_are_never_computed(device):
     """Expert 3 holds NaN weights. Tokens routed there with id -1 (another rank's copy) and no
     token routed to it at all: a kernel that touches it (a padding block, a -1 pair) leaks NaN."""
@@ -257,6 +280,9 @@ def test_moe_sum_bit_exact_and_ignores_dropped_rows(device):
     c[ids.view(-1) < 0] = float("nan")  # rows of dropped pairs are never written
     out = fm.moe_sum(c.to(device), ids.to(device)).cpu()
     assert torch.equal(out, fm.moe_sum_ref(c, ids))
+    half = fm.moe_sum(c.to(device), ids.to(device), torch.bfloat16).cpu()
+    assert half.dtype == torch.bfloat16 and torch.equal(half, fm.moe_sum_ref(c, ids, torch.bfloat16))
+    assert torch.equal(half, out.to(torch.bfloat16))
 
 
 # ---- GPU only: bf16 dots, realistic tiles, hardware fp8 cast --------------------------------

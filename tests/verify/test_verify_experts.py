@@ -12,7 +12,7 @@ import verify_workers as vw  # noqa: E402
 
 from moetool.errors import MoetoolError  # noqa: E402
 from moetool.spec import ExpertPlacement  # noqa: E402
-from moetool.verify.dispatch import RouteTable, _pack_rows, _unpack_rows, check_local_experts  # noqa: E402
+from moetool.verify.dispatch import RouteTable, RowLayout, check_local_experts  # noqa: E402
 from moetool.verify.experts import TorchExperts, TritonExperts, weight_and_reduce  # noqa: E402
 from moetool.verify.reference import swiglu  # noqa: E402
 
@@ -107,14 +107,20 @@ def test_triton_experts_match_torch_experts(fmt):
     assert float((got - want).norm() / want.norm()) < (0.05 if fmt == "fp8-block" else 1e-2)
 
 
-def test_pack_rows_round_trip_including_fp8_and_empty():
+def test_row_layout_round_trip_including_fp8_and_empty():
     x = torch.randn(5, 7)
     q = torch.randn(5, 9).to(torch.float8_e4m3fn)
     ids = torch.randint(-1, 5, (5, 3))
+    layout = RowLayout(((torch.float32, 7), (torch.float8_e4m3fn, 9), (torch.int64, 3)))
+    assert layout.offsets == [0, 32, 48, 80] and layout.row_bytes == 80  # parts start 16-byte aligned
     for rows in (5, 1, 0):
         parts = [x[:rows], q[:rows], ids[:rows]]
-        back = _unpack_rows(_pack_rows(parts), [(p.dtype, p.shape[1]) for p in parts])
+        back = layout.unpack(layout.pack(parts))
         assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(parts, back))
+    # packing casts into the part's dtype (int64 ids into int32, fp32 rows into bf16)
+    narrow = RowLayout(((torch.bfloat16, 7), (torch.int32, 3)))
+    h, i = narrow.unpack(narrow.pack([x, ids]))
+    assert torch.equal(h, x.to(torch.bfloat16)) and torch.equal(i, ids.to(torch.int32))
 
 
 def test_replica_choice_cycles_through_replicas():

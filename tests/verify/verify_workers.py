@@ -71,14 +71,14 @@ class ProbeExperts(ExpertsBackend):
     def bind(self, local, device):
         self.codes = 2.0 ** torch.tensor(local.slot_to_global, dtype=torch.float32, device=device)
 
-    def apply(self, hidden, hidden_scale, local_ids, topk_weights, expert_num_tokens):
+    def apply(self, hidden, hidden_scale, local_ids, topk_weights, expert_num_tokens, out_dtype=torch.float32):
         x = hidden.float()
         out = torch.zeros_like(x)
         for j in range(local_ids.shape[1]):
             ids = local_ids[:, j]
             code = torch.where(ids >= 0, self.codes[ids.clamp(min=0)], torch.zeros_like(x[:, 0]))
             out += x * code[:, None]
-        return out
+        return out.to(out_dtype)
 
 
 def probe_reference(x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,163 @@
+"""The dispatchers alone on GPUs: dispatch + combine time against raw NCCL all-to-alls.
+
+    python bench/dispatch_gpu.py --ep 4 --dp 2            # on a 4-GPU machine
+    python bench/dispatch_gpu.py --ep 2 --dp 1 --backend gloo --tokens 256 --hidden 512   # CPU smoke test
+
+Each rank routes its share of ``--tokens`` per dp group (random top-k of ``--experts``, linear
+placement, fp8 activations as for fp8-block shards), then ``Dispatcher.prepare`` and
+``finalize`` run with a stand-in expert output (random rows, no GEMMs). Each phase is timed
+with CUDA events after a barrier and a synchronize (median of ``--iters`` after warm-up);
+the comparator is ``all_to_all_single`` of the same number of bytes per rank (even splits),
+timed the same way. Rank 0 also writes a torch.profiler table of one dispatch + combine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def _timed(fn, cuda: bool) -> tuple[object, float, float]:
+    """(result, CUDA-event ms, wall ms) of fn() after a barrier and a synchronize."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    if cuda:
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+    t0 = time.perf_counter()
+    out = fn()
+    if cuda:
+        e.record()
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) * 1e3
+    return out, (s.elapsed_time(e) if cuda else wall), wall
+
+
+def worker(rank: int, world: int, opts: dict) -> dict:
+    import torch.distributed as dist
+
+    from moetool.placement import linear_placement
+    from moetool.verify.dispatch import ChunkInfo, CommStats, RouteTable, Topology, get_dispatcher
+
+    topo = Topology.create(opts["dp"])
+    cuda = topo.device.type == "cuda"
+    dev = topo.device
+    H, E, k, T = opts["hidden"], opts["experts"], opts["top_k"], opts["tokens"]
+    placement = linear_placement(E, world)
+    table = RouteTable.build(placement, dev)
+    num_slots = len(placement.slots[rank])
+    gen = torch.Generator(device="cpu").manual_seed(1000 + topo.group_index)  # same tokens in a tp group
+    x_group = torch.randn(T, H, generator=gen).to(dev)
+    logits = torch.randn(T, E, generator=gen).to(dev)
+    w_group, ids_group = torch.topk(torch.softmax(logits, -1), k, dim=-1)
+    info = ChunkInfo(sizes=[T] * topo.dp, starts=[g * T for g in range(topo.dp)])
+    fake_out = torch.randn(T * topo.tp * world, H, device=dev)  # more rows than any rank receives
+    res = {}
+    for name in opts["dispatchers"]:
+        disp = get_dispatcher(name, topo, comm_dtype=torch.bfloat16)
+        rows = disp.token_slice(T)
+        x = x_group[rows]
+        ids, w = ids_group[rows].contiguous(), w_group[rows].contiguous()
+        token_index = info.starts[topo.group_index] + rows.start + torch.arange(x.shape[0], device=dev)
+        d_ms, c_ms, d_wall, c_wall = [], [], [], []
+        stats = CommStats(expert_tokens=[0] * num_slots)
+        for it in range(opts["warmup"] + opts["iters"]):
+            stats = CommStats(expert_tokens=[0] * num_slots)
+            prep, d, dw = _timed(lambda: disp.prepare(x, ids, w, token_index, info, table, num_slots,
+                                                      opts["act_quant"], stats), cuda)
+            out = fake_out[:prep.hidden.shape[0]]
+            _, c, cw = _timed(lambda: disp.finalize(out, prep, True, stats), cuda)
+            if it >= opts["warmup"]:
+                d_ms.append(d), c_ms.append(c), d_wall.append(dw), c_wall.append(cw)
+        if cuda and opts.get("profile_dir"):  # every rank runs it (collectives), rank 0 records
+            import contextlib
+
+            from torch.profiler import ProfilerActivity, profile
+
+            ctx = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) if rank == 0 else contextlib.nullcontext()
+            dist.barrier()
+            with ctx as prof:
+                prep = disp.prepare(x, ids, w, token_index, info, table, num_slots, opts["act_quant"],
+                                    CommStats(expert_tokens=[0] * num_slots))
+                disp.finalize(fake_out[:prep.hidden.shape[0]], prep, True, CommStats(expert_tokens=[0] * num_slots))
+                torch.cuda.synchronize()
+            if rank == 0:
+                table_txt = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+                Path(opts["profile_dir"], f"profile_{name}.txt").write_text(table_txt)
+        sent = torch.tensor([stats.dispatch_bytes_sent, stats.combine_bytes_sent], dtype=torch.float64, device=dev)
+        dist.all_reduce(sent)
+        mean_bytes = [int(v) // world for v in sent.tolist()]
+        raw_ms = []
+        for nbytes in mean_bytes:
+            n = max(world, (nbytes // world) * world)
+            buf = torch.randint(0, 255, (n,), dtype=torch.uint8, device=dev)
+            o = torch.empty_like(buf)
+            times = []
+            for it in range(opts["warmup"] + opts["iters"]):
+                _, t, _ = _timed(lambda: dist.all_to_all_single(o, buf), cuda)
+                if it >= opts["warmup"]:
+                    times.append(t)
+            raw_ms.append(statistics.median(times))
+        res[name] = {"dispatch_ms": statistics.median(d_ms), "combine_ms": statistics.median(c_ms),
+                     "dispatch_wall_ms": statistics.median(d_wall), "combine_wall_ms": statistics.median(c_wall),
+                     "dispatch_bytes": mean_bytes[0], "combine_bytes": mean_bytes[1],
+                     "raw_dispatch_ms": raw_ms[0], "raw_combine_ms": raw_ms[1],
+                     "tokens_received": stats.tokens_received}
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ep", type=int, default=4)
+    ap.add_argument("--dp", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=8192, help="per dp group")
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--no-act-quant", action="store_true", help="send bf16 rows instead of fp8 + scales")
+    ap.add_argument("--dispatchers", default="all2all,allgather")
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--backend", default="nccl")
+    ap.add_argument("--out", type=Path, help="folder for results.json and rank 0's profiler tables")
+    args = ap.parse_args()
+
+    from moetool.verify.launch import spawn_world
+
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+    opts = {"dp": args.dp, "tokens": args.tokens, "hidden": args.hidden, "experts": args.experts,
+            "top_k": args.top_k, "act_quant": not args.no_act_quant, "dispatchers": args.dispatchers.split(","),
+            "warmup": args.warmup, "iters": args.iters, "profile_dir": str(args.out) if args.out else None}
+    per_rank = spawn_world(worker, args.ep, args.backend, args=(opts,), timeout_s=240)
+    print(f"--ep {args.ep} --dp {args.dp}, {args.tokens} tokens per dp group, hidden {args.hidden}, "
+          f"top-{args.top_k} of {args.experts}, {'fp8' if opts['act_quant'] else 'bf16'} rows, {args.backend}; "
+          f"max over ranks of each rank's median (ms)")
+    print(f"{'dispatcher':<10} {'dispatch':>9} {'combine':>8} {'wall d/c':>12} {'MB/rank d':>9} {'MB/rank c':>9} "
+          f"{'raw a2a d':>9} {'raw a2a c':>9} {'ratio':>6}")
+    rows = {}
+    for name in opts["dispatchers"]:
+        r = {key: max(pr[name][key] for pr in per_rank) for key in per_rank[0][name]}
+        ratio = (r["dispatch_ms"] + r["combine_ms"]) / (r["raw_dispatch_ms"] + r["raw_combine_ms"])
+        r["ratio"] = ratio
+        rows[name] = r
+        print(f"{name:<10} {r['dispatch_ms']:>9.3f} {r['combine_ms']:>8.3f} "
+              f"{r['dispatch_wall_ms']:>5.2f}/{r['combine_wall_ms']:<6.2f} {r['dispatch_bytes'] / 1e6:>9.1f} "
+              f"{r['combine_bytes'] / 1e6:>9.1f} {r['raw_dispatch_ms']:>9.3f} {r['raw_combine_ms']:>9.3f} {ratio:>6.2f}")
+    if args.out:
+        (args.out / "dispatch_gpu.json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)},
+                                                                 "max_over_ranks": rows, "per_rank": per_rank},
+                                                                indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
