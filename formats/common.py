@@ -6,7 +6,6 @@ lower case and never name the tensor themselves.
 """
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 
 import torch
@@ -47,23 +46,6 @@ def e4m3_to_float(q: torch.Tensor) -> torch.Tensor:
 #: elements of one band of rows that the fused CPU quantizers process at a time: their
 #: float32 temporaries (a few such bands per thread) stay in the caches and are reused
 BAND_ELEMENTS = 1 << 18
-
-_scratch = threading.local()
-
-
-def scratch(slot: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A 1-D CPU buffer of ``numel`` elements, kept per thread and reused on every call with the
-    same ``slot`` (grown when too small): temporaries that every linear needs again come
-    from memory already mapped and in cache, not from fresh allocations page-faulted in.
-    The caller must be done with it before asking for the same slot again."""
-    bufs = getattr(_scratch, "bufs", None)
-    if bufs is None:
-        bufs = _scratch.bufs = {}
-    buf = bufs.get((slot, dtype))
-    if buf is None or buf.numel() < numel:
-        buf = bufs[(slot, dtype)] = torch.empty(numel, dtype=dtype)
-    return buf[:numel]
-
 
 def band_rows(n: int, k: int, multiple: int = 1) -> int:
     """Rows per band of an [N, K] weight: about ``BAND_ELEMENTS`` elements, a multiple of

@@ -28,9 +28,9 @@ from moetool.formats.common import (
     e4m3_table,
     e4m3_to_float,
     check_weight_shape,
-    scratch,
     split_row_blocked,
 )
+from moetool.memory import scratch
 
 BLOCK = 128
 FP8_E4M3_MAX = 448.0

@@ -26,10 +26,10 @@ from moetool.formats.common import (
     e4m3_to_float,
     check_weight_shape,
     scale_in_dtype,
-    scratch,
     split_row_blocked,
 )
 from moetool.formats.fp8_block import AMAX_FLOOR, FP8_E4M3_MAX
+from moetool.memory import scratch
 
 _ROW_BLOCKS = {"weight": 1, "weight_scale": 1}
 

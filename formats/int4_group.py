@@ -30,10 +30,10 @@ from moetool.formats.common import (
     check_weight,
     check_weight_shape,
     scale_in_dtype,
-    scratch,
     split_row_blocked,
 )
 from moetool.formats.fp8_block import AMAX_FLOOR
+from moetool.memory import scratch
 
 INT4_MIN, INT4_MAX = -8, 7
 LITTLE_ENDIAN = sys.byteorder == "little"

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 from moetool.errors import MoetoolError
+from moetool.memory import scratch as scratch_buffer
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -174,11 +175,15 @@ class Checkpoint:
         except KeyError:
             raise MoetoolError(f"{self.root}: tensor {name} not found in the checkpoint") from None
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, scratch: str | None = None) -> torch.Tensor:
         """Read one tensor into a fresh CPU tensor (plain reads, no memory map, so resident
-        memory holds only the tensors in use, never a shard)."""
+        memory holds only the tensors in use, never a shard).
+
+        ``scratch``: read into this thread's reusable buffer of that name instead
+        (``moetool.memory.scratch``), for a tensor dropped before the thread reads into the
+        same buffer again (an input that is converted, not written as it is)."""
         info = self.info(name)
-        return self._read(info.file, info.begin, info.nbytes).view(info.dtype).reshape(info.shape)
+        return self._read(info.file, info.begin, info.nbytes, scratch).view(info.dtype).reshape(info.shape)
 
     def get_rows(self, name: str, index: int) -> torch.Tensor:
         """``tensor[index]`` along dim 0, reading only that slice (fused expert tensors [E, ...])."""
@@ -188,11 +193,14 @@ class Checkpoint:
         row = info.nbytes // info.shape[0]
         return self._read(info.file, info.begin + index * row, row).view(info.dtype).reshape(info.shape[1:])
 
-    def _read(self, file: str, offset: int, nbytes: int) -> torch.Tensor:
+    def _read(self, file: str, offset: int, nbytes: int, scratch: str | None = None) -> torch.Tensor:
         fd = self._fds.get(file)
         if fd is None:
             fd = self._fds[file] = os.open(self.root / file, os.O_RDONLY)
-        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+        if scratch is not None and not self.pin_memory:
+            buf = scratch_buffer(scratch, nbytes, torch.uint8)
+        else:
+            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
         view = writable_bytes(buf)
         done = 0
         while done < nbytes:

@@ -197,7 +197,10 @@ class Source:
         st = layer.storage
         if st.kind == "per-expert":
             base = st.per_expert_bases(e)[ROLES.index(role)]
-            return self.convert(self.reader.linear(base), f"{base}.{self.in_fmt.suffixes[0]}")
+            # read into reused buffers when the linear is converted into fresh tensors (not
+            # passed through, not to dense, which may return its input): no page faults
+            scratch = not self.passthrough and not isinstance(self.out_fmt, Dense)
+            return self.convert(self.reader.linear(base, scratch=scratch), f"{base}.{self.in_fmt.suffixes[0]}")
         if role == "down":
             return self.convert(self.reader.down(layer, e), where)
         return self.convert(self.reader.gate_up_down(layer, e)[ROLES.index(role)], where)

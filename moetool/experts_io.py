@@ -26,15 +26,18 @@ class ExpertReader:
         self.fmt = fmt or detect_expert_format(ckpt, self.spec)
 
     # -- format tensors ------------------------------------------------------------------
-    def _linear(self, base: str, sep: str = ".") -> Linear:
-        t = {s: self.ckpt.get(f"{base}{sep}{s}") for s in self.fmt.suffixes if f"{base}{sep}{s}" in self.ckpt}
+    def _linear(self, base: str, sep: str = ".", scratch: bool = False) -> Linear:
+        t = {s: self.ckpt.get(f"{base}{sep}{s}", scratch=f"read.{s}" if scratch else None)
+             for s in self.fmt.suffixes if f"{base}{sep}{s}" in self.ckpt}
         if self.fmt.suffixes[0] not in t:
             raise MoetoolError(f"{base}{sep}{self.fmt.suffixes[0]}: not found ({self.fmt.name} weights expected)")
         return t
 
-    def linear(self, base: str) -> Linear:
-        """A plain linear (shared experts, dense MLPs) by its base name."""
-        return self._linear(base)
+    def linear(self, base: str, scratch: bool = False) -> Linear:
+        """A plain linear (shared experts, dense MLPs) by its base name. ``scratch``: read into
+        this thread's reusable buffers (``Checkpoint.get``): for a linear that is converted
+        and dropped before the thread reads the next one."""
+        return self._linear(base, scratch=scratch)
 
     def gate_up_down(self, layer: MoELayerSpec, e: int) -> tuple[Linear, Linear, Linear]:
         """Expert e's (gate [N,H], up [N,H], down [H,N]) linears in the checkpoint's format."""

@@ -44,6 +44,17 @@ def test_good_checkpoint_opens(good, cli):
         assert torch.equal(ck.get_rows("lm_head.weight", 3), ck.get("lm_head.weight")[3])
 
 
+def test_scratch_reads_reuse_one_buffer(good):
+    """get(..., scratch=slot) reads the same values into this thread's reused buffer."""
+    with open_checkpoint(good) as ck:
+        names = ["model.layers.0.mlp.experts.1.up_proj.weight", "model.layers.1.mlp.experts.2.down_proj.weight"]
+        first = ck.get(names[0], scratch="test")
+        assert torch.equal(first, ck.get(names[0]))
+        second = ck.get(names[1], scratch="test")
+        assert torch.equal(second, ck.get(names[1]))
+        assert second.data_ptr() == first.data_ptr()  # the first read was overwritten
+
+
 def test_missing_shard_named_in_index(bad, cli):
     (bad / SHARD2).unlink()
     r = cli("inspect", bad)

@@ -9,6 +9,7 @@ from moetool.errors import MoetoolError
 from moetool.formats import Fp8Block, Fp8Channel, Int4Group
 from moetool.formats import common
 from moetool.formats.common import error_sums
+from moetool.memory import scratch
 
 FORMATS = {
     "fp8-block": Fp8Block(),
@@ -84,8 +85,8 @@ def test_measured_refuses_non_finite(name, bad):
 
 
 def test_scratch_is_reused_per_thread():
-    a = common.scratch("test", 100, torch.float32)
-    b = common.scratch("test", 50, torch.float32)
+    a = scratch("test", 100, torch.float32)
+    b = scratch("test", 50, torch.float32)
     assert a.data_ptr() == b.data_ptr() and b.numel() == 50
-    c = common.scratch("test", 1000, torch.float32)  # grows
+    c = scratch("test", 1000, torch.float32)  # grows
     assert c.numel() == 1000
