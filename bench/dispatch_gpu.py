@@ -60,7 +60,8 @@ def worker(rank: int, world: int, opts: dict) -> dict:
     logits = torch.randn(T, E, generator=gen).to(dev)
     w_group, ids_group = torch.topk(torch.softmax(logits, -1), k, dim=-1)
     info = ChunkInfo(sizes=[T] * topo.dp, starts=[g * T for g in range(topo.dp)])
-    fake_out = torch.randn(T * topo.tp * world, H, device=dev)  # more rows than any rank receives
+    # stand-in expert output, in the dtype the experts would write (bf16 for the all2all combine)
+    fake_out = {dt: torch.randn(T * topo.tp * world, H, device=dev).to(dt) for dt in (torch.float32, torch.bfloat16)}
     res = {}
     for name in opts["dispatchers"]:
         disp = get_dispatcher(name, topo, comm_dtype=torch.bfloat16)
@@ -74,7 +75,7 @@ def worker(rank: int, world: int, opts: dict) -> dict:
             stats = CommStats(expert_tokens=[0] * num_slots)
             prep, d, dw = _timed(lambda: disp.prepare(x, ids, w, token_index, info, table, num_slots,
                                                       opts["act_quant"], stats), cuda)
-            out = fake_out[:prep.hidden.shape[0]]
+            out = fake_out[prep.out_dtype][:prep.hidden.shape[0]]
             _, c, cw = _timed(lambda: disp.finalize(out, prep, True, stats), cuda)
             if it >= opts["warmup"]:
                 d_ms.append(d), c_ms.append(c), d_wall.append(dw), c_wall.append(cw)
@@ -83,16 +84,19 @@ def worker(rank: int, world: int, opts: dict) -> dict:
 
             from torch.profiler import ProfilerActivity, profile
 
-            ctx = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) if rank == 0 else contextlib.nullcontext()
+            ctx = (profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True)
+                   if rank == 0 else contextlib.nullcontext())
             dist.barrier()
             with ctx as prof:
                 prep = disp.prepare(x, ids, w, token_index, info, table, num_slots, opts["act_quant"],
                                     CommStats(expert_tokens=[0] * num_slots))
-                disp.finalize(fake_out[:prep.hidden.shape[0]], prep, True, CommStats(expert_tokens=[0] * num_slots))
+                disp.finalize(fake_out[prep.out_dtype][:prep.hidden.shape[0]], prep, True,
+                              CommStats(expert_tokens=[0] * num_slots))
                 torch.cuda.synchronize()
             if rank == 0:
                 table_txt = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
                 Path(opts["profile_dir"], f"profile_{name}.txt").write_text(table_txt)
+                prof.export_chrome_trace(str(Path(opts["profile_dir"], f"trace_{name}.json")))
         sent = torch.tensor([stats.dispatch_bytes_sent, stats.combine_bytes_sent], dtype=torch.float64, device=dev)
         dist.all_reduce(sent)
         mean_bytes = [int(v) // world for v in sent.tolist()]

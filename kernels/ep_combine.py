@@ -23,7 +23,7 @@ OUT_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @triton.jit
-def _combine_rows_kernel(rows_ptr, pos_ptr, out_ptr, H, stride_rows, stride_pos, stride_out,
+def _combine_rows_kernel(rows_ptr, pos_ptr, out_ptr, H, stride_rows, stride_pos_t, stride_pos_r, stride_out,
                          R: tl.constexpr, BLOCK_H: tl.constexpr, OUT_BF16: tl.constexpr):
     """Program (t, h-block): out[t, cols] = sum_r rows[pos[t, r], cols] over valid r."""
     t = tl.program_id(0)
@@ -31,7 +31,7 @@ def _combine_rows_kernel(rows_ptr, pos_ptr, out_ptr, H, stride_rows, stride_pos,
     in_h = cols < H
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for r in tl.static_range(R):
-        p = tl.load(pos_ptr + t * stride_pos + r).to(tl.int64) + tl.zeros((BLOCK_H,), dtype=tl.int64)
+        p = tl.load(pos_ptr + t * stride_pos_t + r * stride_pos_r).to(tl.int64) + tl.zeros((BLOCK_H,), dtype=tl.int64)
         row = tl.load(rows_ptr + p * stride_rows + cols, mask=in_h & (p >= 0), other=0.0)
         acc += row.to(tl.float32)
     if OUT_BF16:
@@ -54,7 +54,7 @@ def _check_args(rows: torch.Tensor, pos: torch.Tensor, out: torch.Tensor | None)
 
 
 def combine_rows(rows: torch.Tensor, pos: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """rows float [P, H] (contiguous rows), pos int [m, R] (-1 = token not sent to that rank)
+    """rows float [P, H] (contiguous rows), pos int [m, R] (any strides; -1 = token not sent to that rank)
     -> out [m, H]: float32 unless ``out`` (float32 or bfloat16, row stride free) is given.
     Positions must lie in [-1, P); they are not checked on the device."""
     _check_args(rows, pos, out)
@@ -68,7 +68,7 @@ def combine_rows(rows: torch.Tensor, pos: torch.Tensor, out: torch.Tensor | None
             rows = rows.contiguous()
         block_h = min(1024, triton.next_power_of_2(H))
         _combine_rows_kernel[(m, triton.cdiv(H, block_h))](
-            rows, pos, out, H, rows.stride(0), pos.stride(0), out.stride(0),
+            rows, pos, out, H, rows.stride(0), pos.stride(0), pos.stride(1), out.stride(0),
             R=R, BLOCK_H=block_h, OUT_BF16=out.dtype == torch.bfloat16, num_warps=4,
         )
     return out

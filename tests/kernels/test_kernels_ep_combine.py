@@ -23,6 +23,10 @@ def test_combine_rows_bit_exact(device, m, R, H, dtype):
     rows, pos = _case(m, R, H, dtype)
     ref = ec.combine_rows_ref(rows, pos)
     assert torch.equal(ec.combine_rows(rows.to(device), pos.to(device)).cpu(), ref)
+    # pos as the dispatcher keeps it: a transposed view of [R, m]
+    pos_t = pos.t().contiguous().to(device).t()
+    assert not pos_t.is_contiguous() or R == 1
+    assert torch.equal(ec.combine_rows(rows.to(device), pos_t).cpu(), ref)
     # explicit sum in rank order: the reference is what its docstring says
     want = torch.zeros(m, H)
     for t in range(m):
