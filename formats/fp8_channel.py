@@ -22,7 +22,7 @@ from moetool.formats.common import (
     abs_max,
     band_rows,
     check_weight,
-    e4m3_table,
+    e4m3_dequantize_band,
     e4m3_to_float,
     check_weight_shape,
     scale_in_dtype,
@@ -66,7 +66,7 @@ def fp8_channel_quant_measured(
     ref_buf = scratch("ref", rows * k, torch.float32)
     work_buf = scratch("work", rows * k, torch.float32)
     index_buf = scratch("index", rows * k, torch.int32)
-    table = e4m3_table(q.device)
+    codes = scratch("codes", rows * k, torch.uint8)
     sig = noise = 0.0
     for r0 in range(0, n, rows):
         m = min(rows, n - r0)
@@ -79,9 +79,7 @@ def fp8_channel_quant_measured(
         qb.copy_(work.view(m, k))
         scale[r0 : r0 + m] = s
         sig += float(torch.dot(ref, ref))
-        index.copy_(qb.view(torch.uint8).view(-1))
-        torch.index_select(table, 0, index, out=work)  # e4m3 -> float32, exactly q.float()
-        work.view(m, k).mul_(s)
+        e4m3_dequantize_band(qb, s, work.view(m, k), codes[: m * k], index)  # q.float() * s
         work.sub_(ref)
         noise += float(torch.dot(work, work))
     return q, scale, sig, noise
