@@ -72,7 +72,7 @@ def fp8_block_quant_measured(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
     CPU, N and K multiples of 128. Fused: a band of block rows at a time goes through
     per-thread float32 buffers that stay in cache (convert, block maxima, divide, clamp, to
-    e4m3, back through the e4m3 table, error), so no [N, K] float32 temporary is made."""
+    e4m3, back to float32 from the code bits, error), so no [N, K] float32 temporary is made."""
     n, k = w.shape
     col_blocks = k // BLOCK
     rows = band_rows(n, k, BLOCK)
