@@ -243,13 +243,18 @@ def _expert_counts(local_ids: torch.Tensor, num_slots: int) -> torch.Tensor:
     return counts[1:]
 
 
-def _combine(rows: torch.Tensor, pos: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """rows [P, H], pos [m, R] -> sum of each token's rows in rank order (moetool.kernels.ep_combine):
-    the Triton kernel on CUDA, its bit-identical torch reference elsewhere."""
-    from moetool.kernels import ep_combine
+def _kernel_or_ref(module: str, name: str, like: torch.Tensor):
+    """``moetool.kernels.<module>.<name>`` for CUDA tensors, its torch reference ``<name>_ref``
+    (same arguments, same results) elsewhere."""
+    import importlib
 
-    fn = ep_combine.combine_rows if rows.is_cuda else ep_combine.combine_rows_ref
-    return fn(rows, pos, out)
+    mod = importlib.import_module(f"moetool.kernels.{module}")
+    return getattr(mod, name if like.is_cuda else f"{name}_ref")
+
+
+def _combine(rows: torch.Tensor, pos: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """rows [P, H], pos [m, R] -> sum of each token's rows in rank order (moetool.kernels.ep_combine)."""
+    return _kernel_or_ref("ep_combine", "combine_rows", rows)(rows, pos, out)
 
 
 def _row_split(t: int, parts: int) -> list[int]:
@@ -386,27 +391,21 @@ class All2AllDispatcher(Dispatcher):
         topo = self.topo
         R, dev, me = topo.world_size, x.device, topo.rank
         m, k = topk_ids.shape
-        dest_rank, _ = table.destinations(topk_ids, token_index)  # [m, k]
-        sent = torch.zeros(R, m, dtype=torch.bool, device=dev)
-        sent.scatter_(0, dest_rank.t(), True)  # [R, m]: token t goes to rank r
-        send_counts = sent.sum(dim=1)  # [R]
+        route_ranks, send_positions, local_slots = (
+            _kernel_or_ref("ep_dispatch", name, x) for name in ("route_ranks", "send_positions", "local_slots"))
+        dest, send_counts = route_ranks(topk_ids, token_index, table.rank, table.count, R)  # [m, k], [R]
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts)  # counts first
         counts = torch.cat([send_counts, recv_counts]).tolist()  # the one host synchronisation
         send_l, recv_l = counts[:R], counts[R:]
         P = sum(send_l)
-        # row of (r, t) in the send buffer: rank-major, tokens ascending; -1 = not sent.
-        # (a scan along the last, contiguous dim: along dim 0 of [m, R] it is ~10x slower on CUDA)
-        start = torch.cumsum(send_counts, 0) - send_counts  # [R]
-        pos = torch.where(sent, torch.cumsum(sent, 1) + (start - 1)[:, None], -1)  # [R, m]
-        pair_tok = torch.empty(P + 1, dtype=torch.int64, device=dev)
-        pair_tok.scatter_(0, torch.where(pos >= 0, pos, P).flatten(), torch.arange(m, device=dev).repeat(R))
+        pos, pair_tok = send_positions(dest, send_counts, P)  # [R, m] send row of (r, t) or -1; [P]
         # one row per token: its payload, global expert ids, weights and global position; the
         # receiver works out which of the ids are its own (same replica choice as here)
         parts, like = _payload(x, act_quant, self.comm_dtype)
         layout = RowLayout(tuple(like) + ((torch.int32, k), (torch.float32, k), (torch.int64, 1)))
         rows = layout.pack(parts + [topk_ids, topk_weights, token_index[:, None]])  # [m, B]
-        send = rows[pair_tok[:P]]  # [P, B]
+        send = rows[pair_tok]  # [P, B]
         B = layout.row_bytes
         recv = send.new_empty(sum(recv_l), B)
         dist.all_to_all_single(recv, send, output_split_sizes=recv_l, input_split_sizes=send_l)
@@ -414,12 +413,11 @@ class All2AllDispatcher(Dispatcher):
         stats.dispatch_bytes_recv += (sum(recv_l) - recv_l[me]) * B + 8 * (R - 1)
         hidden, *rest = layout.unpack(recv)
         scale = rest[0] if act_quant else None
-        ids, weights, tok = rest[-3].long(), rest[-2].contiguous(), rest[-1][:, 0]  # [M, k] x2, [M]
-        dest_rank, dest_slot = table.destinations(ids, tok)
-        local_ids = torch.where(dest_rank == me, dest_slot, -1)  # [M, k]
+        local_ids, expert_counts = local_slots(rest[-3], rest[-1][:, 0], table.rank, table.slot, table.count,
+                                               me, num_slots)  # [M, k], [L]
         stats.tokens_received += recv.shape[0]
         wire = self.comm_dtype if self.comm_dtype in (torch.float32, torch.bfloat16) else torch.float32
-        return Prepared(hidden, scale, local_ids, weights, _expert_counts(local_ids, num_slots),
+        return Prepared(hidden, scale, local_ids, rest[-2].contiguous(), expert_counts,
                         {"pos": pos, "send": send_l, "recv": recv_l, "t": chunk.sizes[topo.group_index]},
                         out_dtype=wire)
 

@@ -1,0 +1,220 @@
+"""Expert-parallel dispatch bookkeeping: where each token goes, where its row sits in the send
+buffer, and which of a received row's experts are local. Each step is one kernel (the torch
+version of each is a dozen small ops, and at serving sizes the host time of launching them,
+not the GPU, dominated the all2all dispatch), with a pure-torch reference beside it; all
+outputs are integers, so kernel and reference agree exactly.
+
+Letters: m = tokens routed by this rank, M = rows received, k = top-k, E = global experts,
+W = most replicas of an expert, R = ranks, L = local slots. The route table (``RouteTable`` in
+``moetool.verify.dispatch``): rank_tab / slot_tab int64 [E, W] (-1 padded), count_tab int64 [E];
+a token at global position p that chose expert e uses replica ``p % count_tab[e]``.
+
+1. :func:`route_ranks`   topk_ids [m, k], token_index [m] -> dest int32 [m, k], counts int64 [R]
+   (tokens per destination rank, a token counted once per rank however many of its experts
+   live there)
+2. :func:`send_positions` dest, counts -> pos int64 [R, m] (row of (r, t) in the send buffer,
+   rank-major, tokens ascending; -1 = not sent), pair_tok int64 [P] (token of each send row)
+3. :func:`local_slots`   received global ids [M, k], token_index [M], this rank -> local_ids
+   int64 [M, k] (-1 = on another rank), expert_num_tokens int64 [L]
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moetool.errors import MoetoolError
+
+from .common import check_device
+
+_INTS = (torch.int32, torch.int64)
+#: elements of the [tokens, k, ranks or slots] one-hot block a program holds at once
+_ONEHOT_BUDGET = 4096
+
+
+def _block_tokens(k_p2: int, n_p2: int) -> int:
+    return max(1, _ONEHOT_BUDGET // (k_p2 * n_p2))
+
+
+def _check_tables(rank_tab: torch.Tensor, slot_tab: torch.Tensor | None, count_tab: torch.Tensor) -> None:
+    for name, t in (("rank_tab", rank_tab), ("slot_tab", slot_tab)):
+        if t is not None and (t.dim() != 2 or t.dtype != torch.int64 or not t.is_contiguous()):
+            raise MoetoolError(f"{name} must be contiguous int64 [E, W], got {t.dtype} {list(t.shape)}")
+    if count_tab.dim() != 1 or count_tab.dtype != torch.int64 or count_tab.shape[0] != rank_tab.shape[0]:
+        raise MoetoolError(f"count_tab must be int64 [E] = [{rank_tab.shape[0]}], got {count_tab.dtype} "
+                           f"{list(count_tab.shape)}")
+
+
+def _check_ids(ids: torch.Tensor, token_index: torch.Tensor) -> None:
+    if ids.dim() != 2 or ids.dtype not in _INTS or ids.stride(1) != 1:
+        raise MoetoolError(f"topk ids must be int32/int64 [n, k] with contiguous rows, got {ids.dtype} "
+                           f"{list(ids.shape)}")
+    if token_index.dim() != 1 or token_index.dtype != torch.int64 or token_index.shape[0] != ids.shape[0]:
+        raise MoetoolError(f"token_index must be int64 [{ids.shape[0]}], got {token_index.dtype} "
+                           f"{list(token_index.shape)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. destination rank of every (token, k) and tokens per rank
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _route_ranks_kernel(ids_ptr, tok_ptr, rank_ptr, count_ptr, dest_ptr, counts_ptr,
+                        m, k, R, W, stride_ids, stride_tok,
+                        BLOCK_T: tl.constexpr, K_P2: tl.constexpr, R_P2: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    j = tl.arange(0, K_P2)
+    valid = (t[:, None] < m) & (j[None, :] < k)
+    e = tl.load(ids_ptr + t[:, None].to(tl.int64) * stride_ids + j[None, :], mask=valid, other=0).to(tl.int64)
+    tok = tl.load(tok_ptr + t.to(tl.int64) * stride_tok, mask=t < m, other=0)
+    choice = tok[:, None] % tl.load(count_ptr + e, mask=valid, other=1)
+    r = tl.load(rank_ptr + e * W + choice, mask=valid, other=-1)  # [BT, KP2]
+    tl.store(dest_ptr + t[:, None].to(tl.int64) * k + j[None, :], r.to(tl.int32), mask=valid)
+    ranks = tl.arange(0, R_P2)
+    hit = tl.max((r[:, :, None] == ranks[None, None, :]).to(tl.int32), axis=1)  # [BT, RP2]
+    tl.atomic_add(counts_ptr + ranks, tl.sum(hit, axis=0).to(tl.int64), mask=ranks < R)
+
+
+def route_ranks(topk_ids: torch.Tensor, token_index: torch.Tensor, rank_tab: torch.Tensor,
+                count_tab: torch.Tensor, num_ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_ids int [m, k] (global experts), token_index int64 [m] -> (dest int32 [m, k],
+    counts int64 [R]). Ids must lie in [0, E); they are not checked on the device."""
+    _check_ids(topk_ids, token_index)
+    _check_tables(rank_tab, None, count_tab)
+    m, k = topk_ids.shape
+    dev = topk_ids.device
+    dest = torch.empty(m, k, dtype=torch.int32, device=dev)
+    counts = torch.zeros(num_ranks, dtype=torch.int64, device=dev)
+    check_device(_route_ranks_kernel, topk_ids, token_index, rank_tab, count_tab)
+    if m and k:
+        k_p2, r_p2 = triton.next_power_of_2(k), triton.next_power_of_2(num_ranks)
+        bt = _block_tokens(k_p2, r_p2)
+        _route_ranks_kernel[(triton.cdiv(m, bt),)](
+            topk_ids, token_index, rank_tab, count_tab, dest, counts, m, k, num_ranks, rank_tab.shape[1],
+            topk_ids.stride(0), token_index.stride(0), BLOCK_T=bt, K_P2=k_p2, R_P2=r_p2)
+    return dest, counts
+
+
+def route_ranks_ref(topk_ids, token_index, rank_tab, count_tab, num_ranks):
+    """Reference of :func:`route_ranks` (same arguments)."""
+    _check_ids(topk_ids, token_index)
+    _check_tables(rank_tab, None, count_tab)
+    ids = topk_ids.long()
+    choice = token_index[:, None] % count_tab[ids]
+    dest = rank_tab[ids, choice]  # [m, k]
+    sent = torch.zeros(num_ranks, ids.shape[0], dtype=torch.bool, device=ids.device)
+    sent.scatter_(0, dest.t(), True)
+    return dest.to(torch.int32), sent.sum(dim=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. send-buffer row of every (rank, token)
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _send_positions_kernel(dest_ptr, counts_ptr, pos_ptr, pair_ptr, m, k, R,
+                           BLOCK_T: tl.constexpr, K_P2: tl.constexpr, R_P2: tl.constexpr):
+    """Program r: a running scan over the tokens that go to rank r."""
+    r = tl.program_id(0)
+    ranks = tl.arange(0, R_P2)
+    counts = tl.load(counts_ptr + ranks, mask=ranks < R, other=0)
+    running = tl.sum(tl.where(ranks < r, counts, 0), axis=0)  # rows of ranks before r
+    j = tl.arange(0, K_P2)
+    for t0 in range(0, m, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        d = tl.load(dest_ptr + t[:, None].to(tl.int64) * k + j[None, :],
+                    mask=(t[:, None] < m) & (j[None, :] < k), other=-1)
+        hit = tl.max((d == r).to(tl.int32), axis=1)  # [BT]
+        p = running + tl.cumsum(hit, axis=0).to(tl.int64) - 1
+        tl.store(pos_ptr + r.to(tl.int64) * m + t, tl.where(hit > 0, p, -1), mask=t < m)
+        tl.store(pair_ptr + p, t.to(tl.int64), mask=(t < m) & (hit > 0))
+        running += tl.sum(hit, axis=0).to(tl.int64)
+
+
+def send_positions(dest: torch.Tensor, counts: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """dest int32 [m, k] (rank of each (token, k)), counts int64 [R] (from :func:`route_ranks`),
+    num_rows = counts.sum() (known on the host after the count exchange)
+    -> (pos int64 [R, m], pair_tok int64 [num_rows])."""
+    if dest.dim() != 2 or dest.dtype != torch.int32 or not dest.is_contiguous():
+        raise MoetoolError(f"dest must be contiguous int32 [m, k], got {dest.dtype} {list(dest.shape)}")
+    m, k = dest.shape
+    R = counts.shape[0]
+    pos = torch.empty(R, m, dtype=torch.int64, device=dest.device)
+    pair_tok = torch.empty(num_rows, dtype=torch.int64, device=dest.device)
+    check_device(_send_positions_kernel, dest, counts)
+    if m and R:
+        k_p2 = triton.next_power_of_2(max(k, 1))
+        bt = min(1024, max(16, triton.next_power_of_2(_ONEHOT_BUDGET // k_p2)))
+        _send_positions_kernel[(R,)](dest, counts, pos, pair_tok, m, k, R,
+                                     BLOCK_T=bt, K_P2=k_p2, R_P2=triton.next_power_of_2(R))
+    return pos, pair_tok
+
+
+def send_positions_ref(dest, counts, num_rows):
+    """Reference of :func:`send_positions` (same arguments)."""
+    m, _ = dest.shape
+    R = counts.shape[0]
+    sent = (dest.long()[None, :, :] == torch.arange(R, device=dest.device)[:, None, None]).any(dim=2)  # [R, m]
+    start = torch.cumsum(counts, 0) - counts
+    # the scan runs along the last, contiguous dim (along dim 0 of [m, R] it is ~10x slower on CUDA)
+    pos = torch.where(sent, torch.cumsum(sent, 1) + (start - 1)[:, None], -1)
+    pair_tok = torch.empty(num_rows + 1, dtype=torch.int64, device=dest.device)
+    pair_tok.scatter_(0, torch.where(pos >= 0, pos, num_rows).flatten(), torch.arange(m, device=dest.device).repeat(R))
+    return pos, pair_tok[:num_rows]
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. which of a received row's experts this rank computes
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _local_slots_kernel(ids_ptr, tok_ptr, rank_ptr, slot_ptr, count_ptr, out_ptr, counts_ptr,
+                        M, k, L, W, me, stride_ids, stride_tok,
+                        BLOCK_T: tl.constexpr, K_P2: tl.constexpr, L_P2: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    j = tl.arange(0, K_P2)
+    valid = (t[:, None] < M) & (j[None, :] < k)
+    e = tl.load(ids_ptr + t[:, None].to(tl.int64) * stride_ids + j[None, :], mask=valid, other=0).to(tl.int64)
+    tok = tl.load(tok_ptr + t.to(tl.int64) * stride_tok, mask=t < M, other=0)
+    choice = tok[:, None] % tl.load(count_ptr + e, mask=valid, other=1)
+    r = tl.load(rank_ptr + e * W + choice, mask=valid, other=-1)
+    s = tl.load(slot_ptr + e * W + choice, mask=valid, other=-1)
+    local = tl.where(r == me, s, -1)  # [BT, KP2]
+    tl.store(out_ptr + t[:, None].to(tl.int64) * k + j[None, :], local, mask=valid)
+    slots = tl.arange(0, L_P2)
+    hit = (local[:, :, None] == slots[None, None, :]).to(tl.int32)  # [BT, KP2, LP2]
+    tl.atomic_add(counts_ptr + slots, tl.sum(tl.sum(hit, axis=1), axis=0).to(tl.int64), mask=slots < L)
+
+
+def local_slots(ids: torch.Tensor, token_index: torch.Tensor, rank_tab: torch.Tensor, slot_tab: torch.Tensor,
+                count_tab: torch.Tensor, rank: int, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids int [M, k] (global experts; rows may be strided views), token_index int64 [M] (may be
+    strided) -> (local_ids int64 [M, k], expert_num_tokens int64 [L])."""
+    _check_ids(ids, token_index)
+    _check_tables(rank_tab, slot_tab, count_tab)
+    M, k = ids.shape
+    dev = ids.device
+    out = torch.empty(M, k, dtype=torch.int64, device=dev)
+    counts = torch.zeros(num_slots, dtype=torch.int64, device=dev)
+    check_device(_local_slots_kernel, ids, token_index, rank_tab, slot_tab, count_tab)
+    if M and k:
+        k_p2, l_p2 = triton.next_power_of_2(k), triton.next_power_of_2(max(num_slots, 1))
+        bt = _block_tokens(k_p2, l_p2)
+        _local_slots_kernel[(triton.cdiv(M, bt),)](
+            ids, token_index, rank_tab, slot_tab, count_tab, out, counts, M, k, num_slots, rank_tab.shape[1],
+            rank, ids.stride(0), token_index.stride(0), BLOCK_T=bt, K_P2=k_p2, L_P2=l_p2)
+    return out, counts
+
+
+def local_slots_ref(ids, token_index, rank_tab, slot_tab, count_tab, rank, num_slots):
+    """Reference of :func:`local_slots` (same arguments)."""
+    _check_ids(ids, token_index)
+    _check_tables(rank_tab, slot_tab, count_tab)
+    e = ids.long()
+    choice = token_index[:, None] % count_tab[e]
+    local = torch.where(rank_tab[e, choice] == rank, slot_tab[e, choice], -1)  # [M, k]
+    counted = local[(local >= 0) & (local < num_slots)]
+    return local, torch.bincount(counted, minlength=num_slots)
