@@ -396,15 +396,16 @@ class All2AllDispatcher(Dispatcher):
         dest, send_counts = route_ranks(topk_ids, token_index, table.rank, table.count, R)  # [m, k], [R]
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts)  # counts first
+        # one row per token: its payload, global expert ids, weights and global position; the
+        # receiver works out which of the ids are its own (same replica choice as here). Built
+        # before the host waits for the counts, so the GPU does it while the host waits.
+        parts, like = _payload(x, act_quant, self.comm_dtype)
+        layout = RowLayout(tuple(like) + ((torch.int32, k), (torch.float32, k), (torch.int64, 1)))
+        rows = layout.pack(parts + [topk_ids, topk_weights, token_index[:, None]])  # [m, B]
         counts = torch.cat([send_counts, recv_counts]).tolist()  # the one host synchronisation
         send_l, recv_l = counts[:R], counts[R:]
         P = sum(send_l)
         pos, pair_tok = send_positions(dest, send_counts, P)  # [R, m] send row of (r, t) or -1; [P]
-        # one row per token: its payload, global expert ids, weights and global position; the
-        # receiver works out which of the ids are its own (same replica choice as here)
-        parts, like = _payload(x, act_quant, self.comm_dtype)
-        layout = RowLayout(tuple(like) + ((torch.int32, k), (torch.float32, k), (torch.int64, 1)))
-        rows = layout.pack(parts + [topk_ids, topk_weights, token_index[:, None]])  # [m, B]
         send = rows[pair_tok]  # [P, B]
         B = layout.row_bytes
         recv = send.new_empty(sum(recv_l), B)
