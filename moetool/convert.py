@@ -434,6 +434,13 @@ def assign_files(groups: list[Group], homes: list[str], specs: list[list[TensorS
 # ---------------------------------------------------------------------------------- executing
 
 
+#: hand freed heap memory back to the OS after this many bytes of output tensors: often enough
+#: to keep peak RSS flat, rarely enough that small tensors (norms, biases: shard and repack
+#: copy thousands) do not pay a heap walk and a page fault storm each (every 16 tasks cost
+#: shard --ep 8 half its time)
+TRIM_EVERY_BYTES = 256 << 20
+
+
 @dataclass
 class _StackedGroup:
     """The stacked group being written: its main tensor's spec, and the slices of its other
@@ -454,15 +461,19 @@ class Executor:
     def chunks(self, pf: PlannedFile) -> Iterator[tuple[str, torch.Tensor]]:
         specs = iter(pf.specs)
         tasks = self._tasks(pf)
+        since_trim = 0
         with ThreadPoolExecutor(self.workers, thread_name_prefix="moetool-convert") as pool:
             window: deque = deque()
             group = _StackedGroup()
-            for n, (kind, fn) in enumerate(tasks):
+            for kind, fn in tasks:
                 window.append((kind, pool.submit(fn)))
                 if len(window) > self.workers:
-                    yield from self._emit(*window.popleft(), specs, group)
-                if n % 16 == 15:
+                    for name, t in self._emit(*window.popleft(), specs, group):
+                        since_trim += t.numel() * t.element_size()
+                        yield name, t
+                if since_trim >= TRIM_EVERY_BYTES:
                     trim()
+                    since_trim = 0
             while window:
                 yield from self._emit(*window.popleft(), specs, group)
 

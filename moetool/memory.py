@@ -1,9 +1,10 @@
 """Keep resident memory bounded when large tensors come and go on several threads.
 
-glibc raises its mmap threshold after big blocks are freed, so later tensors come from the
-heap, and freed heap memory stays resident; each converting thread may also get an arena of
-its own. ``bound_malloc`` caps the arenas; ``trim`` hands freed heap memory back to the OS and
-is called now and then by the converters. Both are no-ops where glibc is not available.
+Tensors mapped fresh for every allocation are page-faulted in every time (a tensor's worth of
+faults per tensor, most of shard's time once); heap memory is reused without faults but stays
+resident when freed. ``bound_malloc`` caps the arenas and serves tensors up to 256 MiB from
+the heap, never trimming it by itself; ``trim`` hands freed heap memory back to the OS and is
+called by the converters after every 256 MiB of output. Both are no-ops without glibc.
 ``scratch`` gives each thread buffers it reuses for temporaries that every linear needs again.
 (A fixed 1 MiB mmap threshold bounds memory too, but page-faulting every tensor in costs
 more than half the conversion speed.)
@@ -17,6 +18,10 @@ import threading
 import torch
 
 M_ARENA_MAX = -8
+M_MMAP_THRESHOLD = -3
+M_TRIM_THRESHOLD = -1
+#: allocations below this come from the (reused) heap; above it, from their own mapping
+MMAP_THRESHOLD = 256 << 20
 
 try:
     _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
@@ -26,7 +31,13 @@ except (OSError, AttributeError):  # not glibc
 
 
 def bound_malloc(arenas: int = 2) -> bool:
-    return bool(_mallopt and _mallopt(M_ARENA_MAX, arenas))
+    """Process-wide malloc settings for conversion (see the module docstring); True if applied."""
+    if not _mallopt:
+        return False
+    ok = _mallopt(M_ARENA_MAX, arenas)
+    ok &= _mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    ok &= _mallopt(M_TRIM_THRESHOLD, 4 * MMAP_THRESHOLD)  # free() itself never trims: trim() does
+    return bool(ok)
 
 
 def trim() -> None:
