@@ -9,6 +9,9 @@ same files (the I/O floor), `moetool quantize` per format, `moetool shard --ep 8
 scheme when it is installed. Each step runs as its own process; peak RSS is the largest sum
 of RSS over the process tree, sampled every 20 ms. Steps run --repeat times, interleaved; the
 table prints the median seconds, GB/s of input, ratios against cp and llm-compressor, and peak RSS.
+`start-up` is `python -m moetool --help` (interpreter + torch import): the `after start-up`
+columns subtract it from the moetool steps, which shows the conversion itself against cp when
+the input is small enough for the page cache to make cp faster than importing torch.
 """
 from __future__ import annotations
 
@@ -186,6 +189,7 @@ def main() -> None:
 
     # the floor for a durable copy: moetool fsyncs every file it writes, so cp must sync too
     add("cp", ["sh", "-c", f"cp -r '{src}' '{out / 'cp'}' && sync"], out / "cp")
+    add("start-up", moetool + ["--help"], out / "start-up")
     for fmt, flag in MOETOOL_FLAG.items():
         add(fmt, moetool + ["quantize", str(src), str(out / fmt), flag, "-q", "--device", args.device], out / fmt)
     add("shard", moetool + ["shard", str(src), str(out / "shard"), "--ep", "8", "-q"], out / "shard")
@@ -213,22 +217,29 @@ def main() -> None:
                          "peak_rss_mb": max(p for _, p in rs) / 1e6, "runs": [round(s, 2) for s, _ in rs]}
 
     cp = results.get("cp", {}).get("seconds")
+    startup = results.get("start-up", {}).get("seconds")
     rows = []
     for name, r in results.items():
         llmc = results.get(f"llmc-{name}", {}).get("seconds")
+        work = r["seconds"] - startup if startup and name not in ("cp", "start-up") and not name.startswith("llmc") else None
         rows.append({"step": name, **r, "vs_cp": (cp / r["seconds"]) if cp else None,
-                     "vs_llmc": (llmc / r["seconds"]) if llmc and not name.startswith("llmc") else None})
+                     "vs_llmc": (llmc / r["seconds"]) if llmc and not name.startswith("llmc") else None,
+                     "after_startup_s": work, "after_startup_vs_cp": (cp / work) if cp and work else None})
     if args.json:
         print(json.dumps({"input_bytes": in_bytes, "rows": rows}, indent=2))
         return
     print(f"input: {in_bytes / 2**30:.2f} GiB bf16 in {len(list(src.glob('*.safetensors')))} shard(s), "
           f"{os.cpu_count()} cores, device {args.device}")
     print(f"median of {args.repeat} runs per step; peak RSS is the largest seen")
-    print(f"{'step':<20} {'seconds':>8} {'GB/s':>6} {'x cp':>6} {'x llmc':>7} {'peak RSS MB':>12}")
+    print(f"{'step':<20} {'seconds':>8} {'GB/s':>6} {'x cp':>6} {'x llmc':>7} {'peak RSS MB':>12} "
+          f"{'after start-up s':>17} {'x cp':>6}")
+
+    def fmt(v, spec=".2f"):
+        return format(v, spec) if v else "-"
+
     for r in rows:
-        vs_cp = f"{r['vs_cp']:.2f}" if r["vs_cp"] else "-"
-        vs_llmc = f"{r['vs_llmc']:.2f}" if r["vs_llmc"] else "-"
-        print(f"{r['step']:<20} {r['seconds']:>8.2f} {r['gbps']:>6.2f} {vs_cp:>6} {vs_llmc:>7} {r['peak_rss_mb']:>12.0f}")
+        print(f"{r['step']:<20} {r['seconds']:>8.2f} {r['gbps']:>6.2f} {fmt(r['vs_cp']):>6} {fmt(r['vs_llmc']):>7} "
+              f"{r['peak_rss_mb']:>12.0f} {fmt(r['after_startup_s']):>17} {fmt(r['after_startup_vs_cp']):>6}")
 
 
 if __name__ == "__main__":
