@@ -8,7 +8,8 @@ placement, fp8 activations as for fp8-block shards), then ``Dispatcher.prepare``
 ``finalize`` run with a stand-in expert output (random rows, no GEMMs). Each phase is timed
 with CUDA events after a barrier and a synchronize (median of ``--iters`` after warm-up);
 the comparator is ``all_to_all_single`` of the same number of bytes per rank (even splits),
-timed the same way. Rank 0 also writes a torch.profiler table of one dispatch + combine.
+timed the same way. With ``--out`` on GPUs, rank 0 also writes a torch.profiler table and a
+Chrome trace of one dispatch + combine.
 """
 from __future__ import annotations
 

@@ -646,7 +646,7 @@ def fused_experts(
     bfloat16 rounded once from the fp32 sum, e.g. for a bf16 combine).
 
     hidden [T, H] fp16/bf16/fp32, or float8_e4m3fn with hidden_scale fp32 [T, ceil(H/128)]
-    (rows may be strided, e.g. views into a received buffer; columns contiguous)
+    (rows of hidden and hidden_scale may be strided, e.g. views into a received buffer)
     (fp8-block only; float hidden is quantized per 1x128 group here for fp8-block).
     w13 / w2: stacked tensors of ``fmt_name`` (module docstring), logical [E, 2N, H] / [E, H, N].
     topk_ids [T, k] int local expert slots, -1 = not on this rank (never computed, adds 0);

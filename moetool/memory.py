@@ -4,7 +4,7 @@ Tensors mapped fresh for every allocation are page-faulted in every time (a tens
 faults per tensor, most of shard's time once); heap memory is reused without faults but stays
 resident when freed. ``bound_malloc`` caps the arenas and serves tensors up to 256 MiB from
 the heap, never trimming it by itself; ``trim`` hands freed heap memory back to the OS and is
-called by the converters after every 256 MiB of output. Both are no-ops without glibc.
+called by the converters after every 128 MiB of output. Both are no-ops without glibc.
 ``scratch`` gives each thread buffers it reuses for temporaries that every linear needs again.
 (A fixed 1 MiB mmap threshold bounds memory too, but page-faulting every tensor in costs
 more than half the conversion speed.)

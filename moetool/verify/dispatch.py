@@ -144,8 +144,8 @@ class ChunkInfo:
 class Prepared:
     """What ``prepare`` hands the experts backend, plus its own state for ``finalize``."""
 
-    hidden: torch.Tensor  # [M, H] comm dtype, or float8_e4m3fn
-    hidden_scale: torch.Tensor | None  # float32 [M, G] with fp8 hidden
+    hidden: torch.Tensor  # [M, H] comm dtype, or float8_e4m3fn; may be a row-strided view of the receive buffer
+    hidden_scale: torch.Tensor | None  # float32 [M, G] with fp8 hidden (may be row-strided too)
     local_ids: torch.Tensor  # int64 [M, k], -1 = not on this rank
     topk_weights: torch.Tensor  # float32 [M, k]
     expert_num_tokens: torch.Tensor  # int64 [L]
@@ -239,7 +239,8 @@ def _expert_counts(local_ids: torch.Tensor, num_slots: int) -> torch.Tensor:
     if flat.numel() * num_slots <= 1 << 26:  # one-hot sum: atomics would contend on L addresses
         return (flat[:, None] == torch.arange(num_slots, device=flat.device)).sum(dim=0)  # [L]
     counts = torch.zeros(num_slots + 1, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, (flat + 1).clamp(0, num_slots), torch.ones_like(flat))
+    inside = (flat >= 0) & (flat < num_slots)  # out-of-range ids count nowhere, as above
+    counts.scatter_add_(0, torch.where(inside, flat + 1, 0), torch.ones_like(flat))
     return counts[1:]
 
 
@@ -273,8 +274,9 @@ class Dispatcher:
     def __init__(self, topo: Topology, quantize_activations: bool | None = None,
                  comm_dtype: torch.dtype = torch.float32):
         """``quantize_activations``: None = when the format allows (fp8-block), False = never.
-        ``comm_dtype``: dtype of unquantized token rows on the wire; expert outputs always
-        travel back in float32."""
+        ``comm_dtype``: dtype of unquantized token rows on the wire. Expert outputs travel back
+        in float32 (allgather), or in ``comm_dtype`` when that is bfloat16 or float32 and in
+        float32 otherwise (all2all)."""
         self.topo = topo
         self.quantize_activations = quantize_activations
         self.comm_dtype = comm_dtype

@@ -38,12 +38,13 @@ def test_combine_rows_bit_exact(device, m, R, H, dtype):
 
 def test_combine_rows_into_bf16_strided_buffer_rounds_to_nearest_even(device):
     rows, pos = _case(9, 4, 96, torch.float32)
-    buf = torch.full((12, 96), 7.0, dtype=torch.bfloat16, device=device)
-    ec.combine_rows(rows.to(device), pos.to(device), out=buf[:9])
-    assert torch.equal(buf[:9].cpu(), ec.combine_rows_ref(rows, pos).to(torch.bfloat16))
-    assert torch.equal(buf[9:].cpu(), torch.full((3, 96), 7.0, dtype=torch.bfloat16))  # untouched
+    buf = torch.full((12, 128), 7.0, dtype=torch.bfloat16, device=device)
+    ec.combine_rows(rows.to(device), pos.to(device), out=buf[:9, :96])  # row stride 128, not H
+    assert torch.equal(buf[:9, :96].cpu(), ec.combine_rows_ref(rows, pos).to(torch.bfloat16))
+    untouched = torch.full((12, 128), 7.0, dtype=torch.bfloat16)
+    assert torch.equal(buf[9:].cpu(), untouched[9:]) and torch.equal(buf[:, 96:].cpu(), untouched[:, 96:])
     ref_buf = torch.empty(9, 96, dtype=torch.bfloat16)
-    assert torch.equal(ec.combine_rows_ref(rows, pos, out=ref_buf), buf[:9].cpu())
+    assert torch.equal(ec.combine_rows_ref(rows, pos, out=ref_buf), buf[:9, :96].cpu())
 
 
 def test_combine_rows_token_sent_nowhere_is_zero(device):

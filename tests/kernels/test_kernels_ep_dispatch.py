@@ -20,8 +20,9 @@ def _table(E: int, R: int, redundant: dict | None = None) -> RouteTable:
 
 
 # (tokens, experts, ranks, k, redundant copies)
+# (1300, k 8) and (2100, k 3) run send_positions over several token blocks (512 / 1024 per block)
 CASES = [(37, 8, 4, 2, {1: [0, 2], 5: [3]}), (1, 4, 1, 1, None), (300, 64, 4, 8, {3: [1, 2, 3]}),
-         (64, 16, 8, 3, None), (5, 6, 3, 6, {0: [1]})]
+         (64, 16, 8, 3, None), (5, 6, 3, 6, {0: [1]}), (1300, 16, 4, 8, {2: [0]}), (2100, 12, 3, 3, None)]
 
 
 @pytest.mark.parametrize("m,E,R,k,redundant", CASES)

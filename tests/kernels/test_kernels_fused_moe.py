@@ -125,7 +125,7 @@ def test_without_router_weight(case, device):
 
 @pytest.mark.parametrize("case", ["fp8-block-w8a8", "dense-fp16"])
 def test_row_strided_hidden_and_bf16_output(case, device):
-    """Hidden rows viewed inside a wider received buffer give the contiguous result, and
+    """Hidden rows (and fp8 scales) viewed inside wider received buffers give the contiguous result, and
     out_dtype=bfloat16 is that fp32 result rounded once (nearest even)."""
     fmt, hdtype, symmetric, _ = CASES[case]
     T, E, H, N, k, group = SHAPES[0]
@@ -139,8 +139,13 @@ def test_row_strided_hidden_and_bf16_output(case, device):
     wide[:, 16:16 + H] = x
     strided = wide[:, 16:16 + H]
     assert not strided.is_contiguous()
+    strided_scale = None
+    if xs is not None:
+        wide_scale = torch.zeros(T, xs.shape[1] + 5, dtype=xs.dtype, device=device)
+        wide_scale[:, 3:3 + xs.shape[1]] = xs
+        strided_scale = wide_scale[:, 3:3 + xs.shape[1]]
     want = fm.fused_experts(x, w13, w2, fmt, ids, tw, hidden_scale=xs, group_size=group)
-    got = fm.fused_experts(strided, w13, w2, fmt, ids, tw, hidden_scale=xs, group_size=group,
+    got = fm.fused_experts(strided, w13, w2, fmt, ids, tw, hidden_scale=strided_scale, group_size=group,
                            out_dtype=torch.bfloat16)
     assert got.dtype == torch.bfloat16
     assert torch.equal(got.cpu(), want.cpu().to(torch.bfloat16))
