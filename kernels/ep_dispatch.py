@@ -60,16 +60,23 @@ def _check_ids(ids: torch.Tensor, token_index: torch.Tensor) -> None:
 
 
 @triton.jit
+def _replica(ids_ptr, tok_ptr, count_ptr, t, j, valid, n, W, stride_ids, stride_tok):
+    """Index into the [E, W] route tables of the replica each (token t, choice j) uses:
+    e * W + position % count[e] ([BT, KP2] int64; 0 where not ``valid``)."""
+    e = tl.load(ids_ptr + t[:, None].to(tl.int64) * stride_ids + j[None, :], mask=valid, other=0).to(tl.int64)
+    tok = tl.load(tok_ptr + t.to(tl.int64) * stride_tok, mask=t < n, other=0)
+    return e * W + tok[:, None] % tl.load(count_ptr + e, mask=valid, other=1)
+
+
+@triton.jit
 def _route_ranks_kernel(ids_ptr, tok_ptr, rank_ptr, count_ptr, dest_ptr, counts_ptr,
                         m, k, R, W, stride_ids, stride_tok,
                         BLOCK_T: tl.constexpr, K_P2: tl.constexpr, R_P2: tl.constexpr):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     j = tl.arange(0, K_P2)
     valid = (t[:, None] < m) & (j[None, :] < k)
-    e = tl.load(ids_ptr + t[:, None].to(tl.int64) * stride_ids + j[None, :], mask=valid, other=0).to(tl.int64)
-    tok = tl.load(tok_ptr + t.to(tl.int64) * stride_tok, mask=t < m, other=0)
-    choice = tok[:, None] % tl.load(count_ptr + e, mask=valid, other=1)
-    r = tl.load(rank_ptr + e * W + choice, mask=valid, other=-1)  # [BT, KP2]
+    at = _replica(ids_ptr, tok_ptr, count_ptr, t, j, valid, m, W, stride_ids, stride_tok)
+    r = tl.load(rank_ptr + at, mask=valid, other=-1)  # [BT, KP2]
     tl.store(dest_ptr + t[:, None].to(tl.int64) * k + j[None, :], r.to(tl.int32), mask=valid)
     ranks = tl.arange(0, R_P2)
     hit = tl.max((r[:, :, None] == ranks[None, None, :]).to(tl.int32), axis=1)  # [BT, RP2]
@@ -177,11 +184,9 @@ def _local_slots_kernel(ids_ptr, tok_ptr, rank_ptr, slot_ptr, count_ptr, out_ptr
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     j = tl.arange(0, K_P2)
     valid = (t[:, None] < M) & (j[None, :] < k)
-    e = tl.load(ids_ptr + t[:, None].to(tl.int64) * stride_ids + j[None, :], mask=valid, other=0).to(tl.int64)
-    tok = tl.load(tok_ptr + t.to(tl.int64) * stride_tok, mask=t < M, other=0)
-    choice = tok[:, None] % tl.load(count_ptr + e, mask=valid, other=1)
-    r = tl.load(rank_ptr + e * W + choice, mask=valid, other=-1)
-    s = tl.load(slot_ptr + e * W + choice, mask=valid, other=-1)
+    at = _replica(ids_ptr, tok_ptr, count_ptr, t, j, valid, M, W, stride_ids, stride_tok)
+    r = tl.load(rank_ptr + at, mask=valid, other=-1)
+    s = tl.load(slot_ptr + at, mask=valid, other=-1)
     local = tl.where(r == me, s, -1)  # [BT, KP2]
     tl.store(out_ptr + t[:, None].to(tl.int64) * k + j[None, :], local, mask=valid)
     slots = tl.arange(0, L_P2)
