@@ -34,7 +34,7 @@ from moetool.experts_io import ExpertReader, Linear
 from moetool.formats.base import WeightFormat
 from moetool.formats.common import error_sums
 from moetool.formats.dense import Dense
-from moetool.memory import trim
+from moetool.memory import trim_in_background
 from moetool.writer import JOURNAL_NAME, OutputDir, TensorSpec
 
 ROLES = ("gate", "up", "down")
@@ -472,7 +472,7 @@ class Executor:
                         since_trim += t.numel() * t.element_size()
                         yield name, t
                 if since_trim >= TRIM_EVERY_BYTES:
-                    trim()
+                    trim_in_background()
                     since_trim = 0
             while window:
                 yield from self._emit(*window.popleft(), specs, group)

@@ -3,7 +3,8 @@
 Tensors mapped fresh for every allocation are page-faulted in every time (a tensor's worth of
 faults per tensor, most of shard's time once); heap memory is reused without faults but stays
 resident when freed. ``bound_malloc`` caps the arenas and serves tensors up to 256 MiB from
-the heap, never trimming it by itself; ``trim`` hands freed heap memory back to the OS and is
+the heap, never trimming it by itself; ``trim`` hands freed heap memory back to the OS (the
+converters run it on a background thread, ``trim_in_background``) and is
 called by the converters after every 128 MiB of output. Both are no-ops without glibc.
 ``scratch`` gives each thread buffers it reuses for temporaries that every linear needs again.
 (A fixed 1 MiB mmap threshold bounds memory too, but page-faulting every tensor in costs
@@ -43,6 +44,25 @@ def bound_malloc(arenas: int = 2) -> bool:
 def trim() -> None:
     if _malloc_trim is not None:
         _malloc_trim(0)
+
+
+_trimming = threading.Lock()
+
+
+def trim_in_background() -> None:
+    """``trim`` on a short-lived thread, unless one is still running: a trim walks every arena
+    (a few tens of ms once much memory is free), which on the thread feeding the writer stalled
+    the whole pipeline (0.3 s of shard --ep 8 on the bench input)."""
+    if _malloc_trim is None or not _trimming.acquire(blocking=False):
+        return
+
+    def run() -> None:
+        try:
+            trim()
+        finally:
+            _trimming.release()
+
+    threading.Thread(target=run, name="moetool-trim", daemon=True).start()
 
 
 _scratch = threading.local()
