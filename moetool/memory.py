@@ -3,9 +3,9 @@
 Tensors mapped fresh for every allocation are page-faulted in every time (a tensor's worth of
 faults per tensor, most of shard's time once); heap memory is reused without faults but stays
 resident when freed. ``bound_malloc`` caps the arenas and serves tensors up to 256 MiB from
-the heap, never trimming it by itself; ``trim`` hands freed heap memory back to the OS (the
-converters run it on a background thread, ``trim_in_background``) and is
-called by the converters after every 128 MiB of output. Both are no-ops without glibc.
+the heap, never trimming it by itself; ``trim`` hands freed heap memory back to the OS. The
+converters call ``trim_in_background`` after every 128 MiB of output: a trim on another
+thread, only while resident memory is above ``RSS_KEEP``. All are no-ops without glibc.
 ``scratch`` gives each thread buffers it reuses for temporaries that every linear needs again.
 (A fixed 1 MiB mmap threshold bounds memory too, but page-faulting every tensor in costs
 more than half the conversion speed.)
@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import threading
 
 import torch
 
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 M_ARENA_MAX = -8
 M_MMAP_THRESHOLD = -3
 M_TRIM_THRESHOLD = -1
@@ -47,13 +49,25 @@ def trim() -> None:
 
 
 _trimming = threading.Lock()
+#: resident memory under which freed heap memory is kept for reuse rather than trimmed
+RSS_KEEP = 448 << 20
+
+
+def resident_bytes() -> int:
+    """This process's resident set size (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def trim_in_background() -> None:
-    """``trim`` on a short-lived thread, unless one is still running: a trim walks every arena
-    (a few tens of ms once much memory is free), which on the thread feeding the writer stalled
-    the whole pipeline (0.3 s of shard --ep 8 on the bench input)."""
-    if _malloc_trim is None or not _trimming.acquire(blocking=False):
+    """``trim`` on a short-lived thread, when resident memory is above ``RSS_KEEP`` and no trim
+    is still running. Below it, freed memory stays for reuse (memory handed back is faulted in
+    again on the next allocation: trimming every 128 MiB tripled shard's page faults); on the
+    thread feeding the writer a trim stalled the whole pipeline (0.3 s of shard --ep 8)."""
+    if _malloc_trim is None or resident_bytes() < RSS_KEEP or not _trimming.acquire(blocking=False):
         return
 
     def run() -> None:
