@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# What the lead ran on the device machine (one call): GPU tests, then the verify benchmark.
+# What the lead runs on the device machine (one call, ~10 min of device time on 4 GPUs): GPU
+# tests, the dispatchers alone against raw NCCL, then the verify benchmark.
 # Usage: bash bench/gpu_run.sh EP DP   (results under $OUT when set)
 set -uo pipefail
 EP=${1:-4}; DP=${2:-2}; OUT=${OUT:-/tmp/moetool-gpu-out}; mkdir -p "$OUT"
@@ -12,4 +13,7 @@ export PYTHONPATH="$PWD"
 nvidia-smi -L
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 timeout 240 python -m pytest -q -p no:cacheprovider -m gpu tests/verify tests/test_quantize.py tests/kernels 2>&1 | tail -15 | tee "$OUT/pytest_gpu.txt"
-timeout 330 python bench/verify_gpu.py --ep "$EP" --dp "$DP" ${BACKENDS:+--backends "$BACKENDS"} --json "$OUT/verify_gpu.json" 2>&1 | grep -v -i -E "warn|return func" | tee "$OUT/verify_gpu.txt"
+# the expert-parallel kernels and the dispatchers (not marked gpu: they run on CUDA when present)
+timeout 120 python -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_ep_dispatch.py tests/kernels/test_kernels_ep_combine.py tests/verify/test_verify_dispatch.py 2>&1 | tail -5 | tee -a "$OUT/pytest_gpu.txt"
+timeout 120 python bench/dispatch_gpu.py --ep "$EP" --dp "$DP" --out "$OUT/dispatch" 2>&1 | grep -v -i warn | tee "$OUT/dispatch_gpu.txt"
+timeout 330 python bench/verify_gpu.py --ep "$EP" --dp "$DP" --skip-cpu ${BACKENDS:+--backends "$BACKENDS"} --json "$OUT/verify_gpu.json" 2>&1 | grep -v -i -E "warn|return func" | tee "$OUT/verify_gpu.txt"
