@@ -137,3 +137,24 @@ def test_inspect_ep_rank_folder(tiny, cli, tmp_path):
     r = cli("inspect", tmp_path / "s" / "rank-00000-of-00003")
     assert "EP rank         0 of 3 (stacked): stores 2 of the 8 experts per layer" in r.out
     assert json.loads(cli("inspect", src, "--json").out)["ep_rank"] is None
+
+
+def test_entry_point_flushes_output_and_keeps_the_exit_status(tiny, tmp_path):
+    """``python -m moetool`` ends with os._exit once the command is done: stdout must still
+    arrive whole, a written output must be complete, and the status must be the command's."""
+    import subprocess
+    import sys
+
+    src = tiny("mixtral")
+    p = subprocess.run([sys.executable, "-m", "moetool", "inspect", str(src), "--json"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["experts"] == 4
+    out = tmp_path / "q"
+    p = subprocess.run([sys.executable, "-m", "moetool", "quantize", str(src), str(out), "--int4", "-q"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert (out / "manifest.json").exists() and not list(out.rglob("*.incomplete"))
+    p = subprocess.run([sys.executable, "-m", "moetool", "quantize", str(src), str(tmp_path / "x")],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--fp8-block" in p.stderr
