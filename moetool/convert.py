@@ -438,7 +438,7 @@ def assign_files(groups: list[Group], homes: list[str], specs: list[list[TensorS
 #: to keep peak RSS flat, rarely enough that small tensors (norms, biases: shard and repack
 #: copy thousands) do not pay a heap walk and a page fault storm each (every 16 tasks cost
 #: shard --ep 8 half its time)
-TRIM_EVERY_BYTES = 128 << 20
+TRIM_EVERY_BYTES = 64 << 20
 
 
 @dataclass

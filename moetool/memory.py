@@ -4,7 +4,7 @@ Tensors mapped fresh for every allocation are page-faulted in every time (a tens
 faults per tensor, most of shard's time once); heap memory is reused without faults but stays
 resident when freed. ``bound_malloc`` caps the arenas and serves tensors up to 256 MiB from
 the heap, never trimming it by itself; ``trim`` hands freed heap memory back to the OS. The
-converters call ``trim_in_background`` after every 128 MiB of output: a trim on another
+converters call ``trim_in_background`` after every 64 MiB of output: a trim on another
 thread, only while resident memory is above ``RSS_KEEP``. All are no-ops without glibc.
 ``scratch`` gives each thread buffers it reuses for temporaries that every linear needs again.
 (A fixed 1 MiB mmap threshold bounds memory too, but page-faulting every tensor in costs
@@ -50,7 +50,7 @@ def trim() -> None:
 
 _trimming = threading.Lock()
 #: resident memory under which freed heap memory is kept for reuse rather than trimmed
-RSS_KEEP = 448 << 20
+RSS_KEEP = 384 << 20
 
 
 def resident_bytes() -> int:
@@ -65,7 +65,7 @@ def resident_bytes() -> int:
 def trim_in_background() -> None:
     """``trim`` on a short-lived thread, when resident memory is above ``RSS_KEEP`` and no trim
     is still running. Below it, freed memory stays for reuse (memory handed back is faulted in
-    again on the next allocation: trimming every 128 MiB tripled shard's page faults); on the
+    again on the next allocation: unconditional trims tripled shard's page faults); on the
     thread feeding the writer a trim stalled the whole pipeline (0.3 s of shard --ep 8)."""
     if _malloc_trim is None or resident_bytes() < RSS_KEEP or not _trimming.acquire(blocking=False):
         return
