@@ -1,0 +1,32 @@
+"""The benchmark scripts still run (tiny sizes, CPU): a newcomer's one command must not rot."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_convert_bench_runs_and_reports_every_step(tmp_path):
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "convert.py"), "--workdir", str(tmp_path), "--size-gib",
+                        "0.004", "--shard-gib", "0.002", "--hidden", "128", "--intermediate", "128", "--repeat", "1",
+                        "--only", "cp,start-up,fp8-block,int4-group,shard,repack", "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = {r["step"]: r for r in json.loads(p.stdout)["rows"]}
+    assert set(rows) == {"cp", "start-up", "fp8-block", "int4-group", "shard", "repack"}
+    assert all(r["seconds"] > 0 and r["peak_rss_mb"] > 0 for r in rows.values())
+    assert rows["fp8-block"]["after_startup_s"] is not None and rows["cp"]["after_startup_s"] is None
+
+
+def test_dispatch_bench_runs_on_gloo(tmp_path):
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "dispatch_gpu.py"), "--backend", "gloo", "--ep", "2",
+                        "--dp", "2", "--tokens", "32", "--hidden", "256", "--experts", "8", "--warmup", "1",
+                        "--iters", "2", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    result = json.loads((tmp_path / "dispatch_gpu.json").read_text())
+    for name in ("all2all", "allgather"):
+        row = result["max_over_ranks"][name]
+        assert row["dispatch_bytes"] > 0 and row["ratio"] > 0
+    assert "all2all" in p.stdout and "ratio" in p.stdout
