@@ -30,3 +30,16 @@ def test_dispatch_bench_runs_on_gloo(tmp_path):
         row = result["max_over_ranks"][name]
         assert row["dispatch_bytes"] > 0 and row["ratio"] > 0
     assert "all2all" in p.stdout and "ratio" in p.stdout
+
+
+def test_verify_bench_runs_on_gloo(tmp_path):
+    out = tmp_path / "verify_gpu.json"
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "verify_gpu.py"), "--backend", "gloo", "--ep", "2", "--dp",
+                        "1", "--experts", "8", "--hidden", "256", "--intermediate", "128", "--top-k", "2", "--tokens",
+                        "64", "--warmup", "0", "--backends", "all2all:torch,allgather:torch", "--workdir",
+                        str(tmp_path / "w"), "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert [v["options"]["dispatch"] for v in result["verify"]] == ["all2all", "allgather"]
+    assert "PASS" in p.stdout and "FAIL" not in p.stdout
