@@ -36,6 +36,9 @@ class WeightFormat:
     name: ClassVar[str]
     #: tensor suffixes of one linear; the first is the main (quantized) weight
     suffixes: ClassVar[tuple[str, ...]]
+    #: logical rows per stored row of each tensor cut along N (1 for a weight, 128 for fp8
+    #: block scales): what the default ``cat_rows`` / ``split_rows`` need
+    row_blocks: ClassVar[dict[str, int]] = {}
 
     def quantize(self, w: torch.Tensor, orig_dtype: torch.dtype) -> Tensors:
         """w [N, K] (any float dtype, already fp32 or not) -> the format's tensors.
@@ -65,11 +68,17 @@ class WeightFormat:
 
     def cat_rows(self, parts: list[Tensors]) -> Tensors:
         """Concatenate linears along N (w13 = gate rows then up rows); exact inverse of split_rows."""
-        raise NotImplementedError
+        from moetool.formats.common import cat_row_blocked
+
+        rows = [self.logical_shape(part)[0] for part in parts]
+        return cat_row_blocked(self.name, parts, rows, self.row_blocks)
 
     def split_rows(self, t: Tensors, sizes: list[int]) -> list[Tensors]:
         """Split one linear along N into parts of ``sizes`` rows each."""
-        raise NotImplementedError
+        from moetool.formats.common import split_row_blocked
+
+        n, _ = self.logical_shape(t)
+        return split_row_blocked(self.name, t, n, sizes, self.row_blocks)
 
     def quantization_config(self, ignore: list[str]) -> dict | None:
         """The config.json ``quantization_config`` for a checkpoint whose quantized linears are

@@ -9,14 +9,9 @@ import torch
 from moetool.errors import MoetoolError
 from moetool.formats.base import Tensors, WeightFormat, register
 from moetool.formats.common import (
-    cat_row_blocked,
     check_suffixes,
     check_weight,
-    split_row_blocked,
 )
-
-_ROW_BLOCKS = {"weight": 1}
-
 
 @register
 @dataclass(frozen=True)
@@ -25,6 +20,7 @@ class Dense(WeightFormat):
 
     name: ClassVar[str] = "dense"
     suffixes: ClassVar[tuple[str, ...]] = ("weight",)
+    row_blocks: ClassVar[dict[str, int]] = {"weight": 1}
 
     def quantize(self, w: torch.Tensor, orig_dtype: torch.dtype) -> Tensors:
         check_weight(w)
@@ -45,14 +41,6 @@ class Dense(WeightFormat):
             )
         n, k = weight.shape
         return n, k
-
-    def cat_rows(self, parts: list[Tensors]) -> Tensors:
-        rows = [self.logical_shape(part)[0] for part in parts]
-        return cat_row_blocked(self.name, parts, rows, _ROW_BLOCKS)
-
-    def split_rows(self, t: Tensors, sizes: list[int]) -> list[Tensors]:
-        n, _ = self.logical_shape(t)
-        return split_row_blocked(self.name, t, n, sizes, _ROW_BLOCKS)
 
     def quantization_config(self, ignore: list[str]) -> dict | None:
         return None

@@ -18,7 +18,6 @@ import torch
 from moetool.errors import MoetoolError
 from moetool.formats.base import Tensors, WeightFormat, register
 from moetool.formats.common import (
-    cat_row_blocked,
     ceil_div,
     check_suffixes,
     check_tensor,
@@ -28,7 +27,6 @@ from moetool.formats.common import (
     e4m3_dequantize_band,
     e4m3_to_float,
     check_weight_shape,
-    split_row_blocked,
 )
 from moetool.memory import scratch
 
@@ -36,8 +34,6 @@ BLOCK = 128
 FP8_E4M3_MAX = 448.0
 #: amax floor: an all-zero block gets a tiny finite scale and q = 0
 AMAX_FLOOR = 1e-12
-
-_ROW_BLOCKS = {"weight": 1, "weight_scale_inv": BLOCK}
 
 
 def fp8_block_quant_ref(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,6 +121,7 @@ def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 class Fp8Block(WeightFormat):
     name: ClassVar[str] = "fp8-block"
     suffixes: ClassVar[tuple[str, ...]] = ("weight", "weight_scale_inv")
+    row_blocks: ClassVar[dict[str, int]] = {"weight": 1, "weight_scale_inv": BLOCK}
 
     def quantize(self, w: torch.Tensor, orig_dtype: torch.dtype) -> Tensors:
         """w [N, K] -> {weight: e4m3 [N, K], weight_scale_inv: fp32 [ceil(N/128), ceil(K/128)]}.
@@ -176,7 +173,7 @@ class Fp8Block(WeightFormat):
         rows = [self.logical_shape(part)[0] for part in parts]
         if len(parts) == 2 and rows[0] == rows[1] and rows[0] % BLOCK:
             return {s: torch.cat([p[s] for p in parts]) for s in self.suffixes}
-        return cat_row_blocked(self.name, parts, rows, _ROW_BLOCKS)
+        return super().cat_rows(parts)
 
     def split_rows(self, t: Tensors, sizes: list[int]) -> list[Tensors]:
         """Two equal parts of N % 128 != 0 rows can only be a w13 made by ``cat_rows``: each
@@ -191,7 +188,7 @@ class Fp8Block(WeightFormat):
                                    f"got {scale.shape[0]}")
             return [{"weight": t["weight"][:h].clone(), "weight_scale_inv": scale[:r].clone()},
                     {"weight": t["weight"][h:].clone(), "weight_scale_inv": scale[r:].clone()}]
-        return split_row_blocked(self.name, t, n, sizes, _ROW_BLOCKS)
+        return super().split_rows(t, sizes)
 
     def quantization_config(self, ignore: list[str]) -> dict | None:
         """DeepSeek-V3's config plus the unquantized linears.

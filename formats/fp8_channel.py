@@ -16,7 +16,6 @@ import torch
 from moetool.errors import MoetoolError
 from moetool.formats.base import Tensors, WeightFormat, register
 from moetool.formats.common import (
-    cat_row_blocked,
     check_suffixes,
     check_tensor,
     abs_max,
@@ -26,13 +25,9 @@ from moetool.formats.common import (
     e4m3_to_float,
     check_weight_shape,
     scale_in_dtype,
-    split_row_blocked,
 )
 from moetool.formats.fp8_block import AMAX_FLOOR, FP8_E4M3_MAX
 from moetool.memory import scratch
-
-_ROW_BLOCKS = {"weight": 1, "weight_scale": 1}
-
 
 def fp8_channel_quant_ref(
     w: torch.Tensor, orig_dtype: torch.dtype
@@ -90,6 +85,7 @@ def fp8_channel_quant_measured(
 class Fp8Channel(WeightFormat):
     name: ClassVar[str] = "fp8-channel"
     suffixes: ClassVar[tuple[str, ...]] = ("weight", "weight_scale")
+    row_blocks: ClassVar[dict[str, int]] = {"weight": 1, "weight_scale": 1}
 
     def quantize(self, w: torch.Tensor, orig_dtype: torch.dtype) -> Tensors:
         """w [N, K] -> {weight: e4m3 [N, K], weight_scale: orig_dtype [N, 1]}."""
@@ -128,14 +124,6 @@ class Fp8Channel(WeightFormat):
         check_tensor(t, "weight", (n, k), [torch.float8_e4m3fn])
         check_tensor(t, "weight_scale", (n, 1), floating=True)
         return n, k
-
-    def cat_rows(self, parts: list[Tensors]) -> Tensors:
-        rows = [self.logical_shape(part)[0] for part in parts]
-        return cat_row_blocked(self.name, parts, rows, _ROW_BLOCKS)
-
-    def split_rows(self, t: Tensors, sizes: list[int]) -> list[Tensors]:
-        n, _ = self.logical_shape(t)
-        return split_row_blocked(self.name, t, n, sizes, _ROW_BLOCKS)
 
     def quantization_config(self, ignore: list[str]) -> dict | None:
         """compressed-tensors: fp8 weights per output channel, fp8 activations per token,
