@@ -391,8 +391,8 @@ class All2AllDispatcher(Dispatcher):
 
     def prepare(self, x, topk_ids, topk_weights, token_index, chunk, table, num_slots, act_quant, stats):
         topo = self.topo
-        R, dev, me = topo.world_size, x.device, topo.rank
-        m, k = topk_ids.shape
+        R, me = topo.world_size, topo.rank
+        k = topk_ids.shape[1]
         route_ranks, send_positions, local_slots = (
             _kernel_or_ref("ep_dispatch", name, x) for name in ("route_ranks", "send_positions", "local_slots"))
         dest, send_counts = route_ranks(topk_ids, token_index, table.rank, table.count, R)  # [m, k], [R]
