@@ -8,8 +8,9 @@ placement, fp8 activations as for fp8-block shards), then ``Dispatcher.prepare``
 ``finalize`` run with a stand-in expert output (random rows, no GEMMs). Each phase is timed
 with CUDA events after a barrier and a synchronize (median of ``--iters`` after warm-up);
 the comparator is ``all_to_all_single`` of the same number of bytes per rank (even splits),
-timed the same way. With ``--out`` on GPUs, rank 0 also writes a torch.profiler table and a
-Chrome trace of one dispatch + combine.
+timed the same way; "raw tp gather" is the all-gather the all2all combine ends with, alone.
+With ``--out`` on GPUs, every rank writes a Chrome trace of one dispatch + combine and rank 0 a
+torch.profiler table.
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def worker(rank: int, world: int, opts: dict) -> dict:
     import torch.distributed as dist
 
     from moetool.placement import linear_placement
-    from moetool.verify.dispatch import ChunkInfo, CommStats, RouteTable, Topology, get_dispatcher
+    from moetool.verify.dispatch import ChunkInfo, CommStats, RouteTable, Topology, all_gather_tensor, get_dispatcher
 
     topo = Topology.create(opts["dp"])
     cuda = topo.device.type == "cuda"
@@ -80,15 +81,12 @@ def worker(rank: int, world: int, opts: dict) -> dict:
             _, c, cw = _timed(lambda: disp.finalize(out, prep, True, stats), cuda)
             if it >= opts["warmup"]:
                 d_ms.append(d), c_ms.append(c), d_wall.append(dw), c_wall.append(cw)
-        if cuda and opts.get("profile_dir"):  # every rank runs it (collectives), rank 0 records
-            import contextlib
-
+        if cuda and opts.get("profile_dir"):  # every rank records its own trace (rank skew shows)
             from torch.profiler import ProfilerActivity, profile
 
-            ctx = (profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True)
-                   if rank == 0 else contextlib.nullcontext())
             dist.barrier()
-            with ctx as prof:
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
                 prep = disp.prepare(x, ids, w, token_index, info, table, num_slots, opts["act_quant"],
                                     CommStats(expert_tokens=[0] * num_slots))
                 disp.finalize(fake_out[prep.out_dtype][:prep.hidden.shape[0]], prep, True,
@@ -97,7 +95,7 @@ def worker(rank: int, world: int, opts: dict) -> dict:
             if rank == 0:
                 table_txt = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
                 Path(opts["profile_dir"], f"profile_{name}.txt").write_text(table_txt)
-                prof.export_chrome_trace(str(Path(opts["profile_dir"], f"trace_{name}.json")))
+            prof.export_chrome_trace(str(Path(opts["profile_dir"], f"trace_{name}_rank{rank}.json")))
         sent = torch.tensor([stats.dispatch_bytes_sent, stats.combine_bytes_sent], dtype=torch.float64, device=dev)
         dist.all_reduce(sent)
         mean_bytes = [int(v) // world for v in sent.tolist()]
@@ -112,7 +110,17 @@ def worker(rank: int, world: int, opts: dict) -> dict:
                 if it >= opts["warmup"]:
                     times.append(t)
             raw_ms.append(statistics.median(times))
-        res[name] = {"dispatch_ms": statistics.median(d_ms), "combine_ms": statistics.median(c_ms),
+        gather_ms = 0.0
+        if topo.tp > 1:  # the all2all combine ends with an all-gather of [ceil(T/tp), H] bf16 in the tp group
+            part = torch.randn((T + topo.tp - 1) // topo.tp, H, device=dev).to(torch.bfloat16)
+            full = part.new_empty(topo.tp * part.shape[0], H)
+            times = []
+            for it in range(opts["warmup"] + opts["iters"]):
+                _, t, _ = _timed(lambda: all_gather_tensor(full, part, group=topo.tp_group), cuda)
+                if it >= opts["warmup"]:
+                    times.append(t)
+            gather_ms = statistics.median(times)
+        res[name] = {"raw_tp_gather_ms": gather_ms, "dispatch_ms": statistics.median(d_ms), "combine_ms": statistics.median(c_ms),
                      "dispatch_wall_ms": statistics.median(d_wall), "combine_wall_ms": statistics.median(c_wall),
                      "dispatch_bytes": mean_bytes[0], "combine_bytes": mean_bytes[1],
                      "raw_dispatch_ms": raw_ms[0], "raw_combine_ms": raw_ms[1],
@@ -148,7 +156,7 @@ def main() -> None:
           f"top-{args.top_k} of {args.experts}, {'fp8' if opts['act_quant'] else 'bf16'} rows, {args.backend}; "
           f"max over ranks of each rank's median (ms)")
     print(f"{'dispatcher':<10} {'dispatch':>9} {'combine':>8} {'wall d/c':>12} {'MB/rank d':>9} {'MB/rank c':>9} "
-          f"{'raw a2a d':>9} {'raw a2a c':>9} {'ratio':>6}")
+          f"{'raw a2a d':>9} {'raw a2a c':>9} {'ratio':>6} {'raw tp gather':>13}")
     rows = {}
     for name in opts["dispatchers"]:
         r = {key: max(pr[name][key] for pr in per_rank) for key in per_rank[0][name]}
@@ -157,7 +165,8 @@ def main() -> None:
         rows[name] = r
         print(f"{name:<10} {r['dispatch_ms']:>9.3f} {r['combine_ms']:>8.3f} "
               f"{r['dispatch_wall_ms']:>5.2f}/{r['combine_wall_ms']:<6.2f} {r['dispatch_bytes'] / 1e6:>9.1f} "
-              f"{r['combine_bytes'] / 1e6:>9.1f} {r['raw_dispatch_ms']:>9.3f} {r['raw_combine_ms']:>9.3f} {ratio:>6.2f}")
+              f"{r['combine_bytes'] / 1e6:>9.1f} {r['raw_dispatch_ms']:>9.3f} {r['raw_combine_ms']:>9.3f} {ratio:>6.2f} "
+              f"{r['raw_tp_gather_ms']:>13.3f}")
     if args.out:
         (args.out / "dispatch_gpu.json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)},
                                                                  "max_over_ranks": rows, "per_rank": per_rank},

@@ -13,11 +13,16 @@ a token at global position p that chose expert e uses replica ``p % count_tab[e]
    (tokens per destination rank, a token counted once per rank however many of its experts
    live there)
 2. :func:`send_positions` dest, counts -> pos int64 [R, m] (row of (r, t) in the send buffer,
-   rank-major, tokens ascending; -1 = not sent), pair_tok int64 [P] (token of each send row)
-3. :func:`local_slots`   received global ids [M, k], token_index [M], this rank -> local_ids
+   rank-major, tokens ascending; -1 = not sent)
+3. :func:`pack_rows`     x [m, H], ids, weights, token_index, pos -> the send rows (uint8 [P, B]):
+   each token quantized once (fp8 per-token groups) or cast, stored in the row of every
+   destination together with its ids, weights and global position
+4. :func:`local_slots`   received global ids [M, k], token_index [M], this rank -> local_ids
    int64 [M, k] (-1 = on another rank), expert_num_tokens int64 [L]
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -25,7 +30,7 @@ import triton.language as tl
 
 from moetool.errors import MoetoolError
 
-from .common import check_device
+from .common import check_device, e4m3_rne, is_interpreted, round_to_bf16
 
 _INTS = (torch.int32, torch.int64)
 #: elements of the [tokens, k, ranks or slots] one-hot block a program holds at once
@@ -121,7 +126,7 @@ def route_ranks_ref(topk_ids, token_index, rank_tab, count_tab, num_ranks):
 
 
 @triton.jit
-def _send_positions_kernel(dest_ptr, counts_ptr, pos_ptr, pair_ptr, m, k, R,
+def _send_positions_kernel(dest_ptr, counts_ptr, pos_ptr, m, k, R,
                            BLOCK_T: tl.constexpr, K_P2: tl.constexpr, R_P2: tl.constexpr):
     """Program r: a running scan over the tokens that go to rank r."""
     r = tl.program_id(0)
@@ -136,44 +141,185 @@ def _send_positions_kernel(dest_ptr, counts_ptr, pos_ptr, pair_ptr, m, k, R,
         hit = tl.max((d == r).to(tl.int32), axis=1)  # [BT]
         p = running + tl.cumsum(hit, axis=0).to(tl.int64) - 1
         tl.store(pos_ptr + r.to(tl.int64) * m + t, tl.where(hit > 0, p, -1), mask=t < m)
-        tl.store(pair_ptr + p, t.to(tl.int64), mask=(t < m) & (hit > 0))
         running += tl.sum(hit, axis=0).to(tl.int64)
 
 
-def send_positions(dest: torch.Tensor, counts: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """dest int32 [m, k] (rank of each (token, k)), counts int64 [R] (from :func:`route_ranks`),
-    num_rows = counts.sum() (known on the host after the count exchange)
-    -> (pos int64 [R, m], pair_tok int64 [num_rows])."""
+def _check_dest(dest: torch.Tensor) -> None:
     if dest.dim() != 2 or dest.dtype != torch.int32 or not dest.is_contiguous():
         raise MoetoolError(f"dest must be contiguous int32 [m, k], got {dest.dtype} {list(dest.shape)}")
+
+
+def send_positions(dest: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """dest int32 [m, k] (rank of each (token, k)), counts int64 [R] (from :func:`route_ranks`)
+    -> pos int64 [R, m]. Only this rank's own counts are needed, so the send rows can be
+    filled while the count exchange is still in flight."""
+    _check_dest(dest)
     m, k = dest.shape
     R = counts.shape[0]
     pos = torch.empty(R, m, dtype=torch.int64, device=dest.device)
-    pair_tok = torch.empty(num_rows, dtype=torch.int64, device=dest.device)
     check_device(_send_positions_kernel, dest, counts)
     if m and R:
         k_p2 = triton.next_power_of_2(max(k, 1))
         bt = min(1024, max(16, triton.next_power_of_2(_ONEHOT_BUDGET // k_p2)))
-        _send_positions_kernel[(R,)](dest, counts, pos, pair_tok, m, k, R,
+        _send_positions_kernel[(R,)](dest, counts, pos, m, k, R,
                                      BLOCK_T=bt, K_P2=k_p2, R_P2=triton.next_power_of_2(R))
-    return pos, pair_tok
+    return pos
 
 
-def send_positions_ref(dest, counts, num_rows):
+def send_positions_ref(dest, counts):
     """Reference of :func:`send_positions` (same arguments)."""
-    m, _ = dest.shape
+    _check_dest(dest)
     R = counts.shape[0]
     sent = (dest.long()[None, :, :] == torch.arange(R, device=dest.device)[:, None, None]).any(dim=2)  # [R, m]
     start = torch.cumsum(counts, 0) - counts
     # the scan runs along the last, contiguous dim (along dim 0 of [m, R] it is ~10x slower on CUDA)
-    pos = torch.where(sent, torch.cumsum(sent, 1) + (start - 1)[:, None], -1)
-    pair_tok = torch.empty(num_rows + 1, dtype=torch.int64, device=dest.device)
-    pair_tok.scatter_(0, torch.where(pos >= 0, pos, num_rows).flatten(), torch.arange(m, device=dest.device).repeat(R))
-    return pos, pair_tok[:num_rows]
+    return torch.where(sent, torch.cumsum(sent, 1) + (start - 1)[:, None], -1)
 
 
 # ---------------------------------------------------------------------------------------------
-# 3. which of a received row's experts this rank computes
+# 3. the send rows: payload (fp8 codes + scales, or the wire dtype), ids, weights, position
+# ---------------------------------------------------------------------------------------------
+
+
+class RowOffsets(NamedTuple):
+    """Byte offsets of the parts of a send row (hidden always starts at byte 0); each part
+    starts at a multiple of its element size. ``scale`` is None when rows are not quantized.
+    Any 4-tuple in this order is accepted."""
+
+    scale: int | None  # float32 [G]
+    ids: int  # int32 [k]
+    weights: int  # float32 [k]
+    token: int  # int64 [1]
+
+
+PACK_DTYPES = (torch.float8_e4m3fn, torch.bfloat16, torch.float16, torch.float32)
+
+
+@triton.jit
+def _pack_rows_kernel(x_ptr, ids_ptr, w_ptr, tok_ptr, pos_ptr, hid_ptr, f32_ptr, i32_ptr, i64_ptr,
+                      H, k, R, stride_x, stride_ids, stride_w, stride_tok, stride_pos_r, stride_pos_t,
+                      row_hid, row_f32, row_i32, row_i64, scale_off, ids_off, w_off, tok_off,
+                      QUANT: tl.constexpr, SOFT_FP8: tl.constexpr, OUT_BF16: tl.constexpr,
+                      GROUP: tl.constexpr, NG: tl.constexpr, K_P2: tl.constexpr):
+    """Program (t, h-block of NG groups): quantize (or cast) x[t, block] once, store it into
+    the send row of every rank t goes to; the h-block 0 program also stores the metadata."""
+    t = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    g = pid_h * NG + tl.arange(0, NG)  # [NG] group index
+    cols = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [NG, GROUP]
+    in_h = cols < H
+    x = tl.load(x_ptr + t.to(tl.int64) * stride_x + cols, mask=in_h, other=0.0).to(tl.float32)
+    s = tl.zeros((NG,), dtype=tl.float32)
+    if QUANT:  # same formula as quant._fp8_quant_kernel (ROW_WISE)
+        s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12), 448.0)
+        v = e4m3_rne(tl.clamp(tl.math.div_rn(x, s[:, None]), -448.0, 448.0), SOFT_FP8)
+    elif OUT_BF16:  # the interpreter's fp32 -> bf16 cast truncates; round first
+        v = round_to_bf16(x)
+    else:
+        v = x
+    j = tl.arange(0, K_P2)
+    ids = tl.load(ids_ptr + t.to(tl.int64) * stride_ids + j, mask=j < k, other=0).to(tl.int32)
+    w = tl.load(w_ptr + t.to(tl.int64) * stride_w + j, mask=j < k, other=0.0).to(tl.float32)
+    tok = tl.load(tok_ptr + t.to(tl.int64) * stride_tok)
+    for r in range(R):
+        p = tl.load(pos_ptr + r * stride_pos_r + t.to(tl.int64) * stride_pos_t)
+        if p >= 0:
+            tl.store(hid_ptr + p * row_hid + cols, v.to(hid_ptr.dtype.element_ty), mask=in_h)
+            if QUANT:
+                tl.store(f32_ptr + p * row_f32 + scale_off + g, s, mask=g * GROUP < H)
+            if pid_h == 0:
+                tl.store(i32_ptr + p * row_i32 + ids_off + j, ids, mask=j < k)
+                tl.store(f32_ptr + p * row_f32 + w_off + j, w, mask=j < k)
+                tl.store(i64_ptr + p * row_i64 + tok_off, tok)
+
+
+def _check_pack(x, topk_ids, topk_weights, token_index, pos, out, hidden_dtype, offsets, group):
+    offsets = RowOffsets(*offsets)
+    m, H = x.shape if x.dim() == 2 else (-1, -1)
+    if x.dim() != 2 or not x.is_floating_point() or x.stride(1) != 1:
+        raise MoetoolError(f"pack_rows: x must be a float [m, H] with contiguous rows, got {x.dtype} {list(x.shape)}")
+    _check_ids(topk_ids, token_index)
+    k = topk_ids.shape[1]
+    if topk_ids.shape[0] != m or tuple(topk_weights.shape) != (m, k) or topk_weights.stride(1) != 1:
+        raise MoetoolError(f"pack_rows: topk ids / weights must be [{m}, k] with contiguous rows, got "
+                           f"{list(topk_ids.shape)} / {list(topk_weights.shape)}")
+    if pos.dim() != 2 or pos.dtype != torch.int64 or pos.shape[1] != m:
+        raise MoetoolError(f"pack_rows: pos must be int64 [R, {m}], got {pos.dtype} {list(pos.shape)}")
+    if out.dim() != 2 or out.dtype != torch.uint8 or not out.is_contiguous() or out.shape[1] % 16:
+        raise MoetoolError(f"pack_rows: out must be contiguous uint8 [rows, B] with B a multiple of 16, got "
+                           f"{out.dtype} {list(out.shape)}")
+    if hidden_dtype not in PACK_DTYPES:
+        raise MoetoolError(f"pack_rows: hidden dtype must be one of {PACK_DTYPES}, got {hidden_dtype}")
+    quant = hidden_dtype == torch.float8_e4m3fn
+    if quant != (offsets.scale is not None):
+        raise MoetoolError("pack_rows: fp8 rows need a scale offset, other rows none")
+    G = -(-H // group)
+    spans = [(0, H * hidden_dtype.itemsize, 1), (offsets.ids, 4 * k, 4), (offsets.weights, 4 * k, 4),
+             (offsets.token, 8, 8)] + ([(offsets.scale, 4 * G, 4)] if quant else [])
+    if any(off % align or off + size > out.shape[1] for off, size, align in spans):
+        raise MoetoolError(f"pack_rows: offsets {tuple(offsets)} do not fit rows of {out.shape[1]} bytes "
+                           f"(H {H}, k {k}, dtype {hidden_dtype})")
+
+
+def pack_rows(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, token_index: torch.Tensor,
+              pos: torch.Tensor, out: torch.Tensor, hidden_dtype: torch.dtype, offsets: RowOffsets,
+              group: int = 128) -> torch.Tensor:
+    """Fill the send rows: out[pos[r, t]] for every (r, t) with pos >= 0 gets token t's row.
+
+    x float [m, H] (row stride free), topk_ids int [m, k], topk_weights [m, k], token_index
+    int64 [m], pos int64 [R, m] (from :func:`send_positions`), out uint8 [rows, B]. The row
+    holds x as ``hidden_dtype`` at byte 0 (float8_e4m3fn: per-token 1 x ``group`` codes, the
+    fp32 scales at ``offsets.scale``, bit-identical to ``quant.fp8_act_quant``), ids as int32,
+    weights as fp32 and the token index as int64. Other bytes of out are left as they were."""
+    _check_pack(x, topk_ids, topk_weights, token_index, pos, out, hidden_dtype, offsets, group)
+    offsets = RowOffsets(*offsets)
+    check_device(_pack_rows_kernel, x, topk_ids, topk_weights, token_index, pos, out)
+    m, H = x.shape
+    R, k = pos.shape[0], topk_ids.shape[1]
+    if not (m and R and out.shape[0]):
+        return out
+    quant = hidden_dtype == torch.float8_e4m3fn
+    soft = quant and is_interpreted(_pack_rows_kernel)
+    hid = out.view(torch.uint8 if soft else hidden_dtype)
+    B = out.shape[1]
+    ng = max(1, min(8, triton.next_power_of_2(-(-H // group))))
+    _pack_rows_kernel[(m, triton.cdiv(H, group * ng))](
+        x, topk_ids, topk_weights, token_index, pos, hid, out.view(torch.float32), out.view(torch.int32),
+        out.view(torch.int64), H, k, R, x.stride(0), topk_ids.stride(0), topk_weights.stride(0),
+        token_index.stride(0), pos.stride(0), pos.stride(1), B // hid.element_size(), B // 4, B // 4, B // 8,
+        (offsets.scale or 0) // 4, offsets.ids // 4, offsets.weights // 4, offsets.token // 8,
+        QUANT=quant, SOFT_FP8=soft, OUT_BF16=hidden_dtype == torch.bfloat16, GROUP=group, NG=ng,
+        K_P2=triton.next_power_of_2(max(k, 1)), num_warps=4)
+    return out
+
+
+def pack_rows_ref(x, topk_ids, topk_weights, token_index, pos, out, hidden_dtype, offsets, group=128):
+    """Reference of :func:`pack_rows` (same arguments)."""
+    from .quant import fp8_act_quant_ref
+
+    _check_pack(x, topk_ids, topk_weights, token_index, pos, out, hidden_dtype, offsets, group)
+    offsets = RowOffsets(*offsets)
+    m, H = x.shape
+    k = topk_ids.shape[1]
+    parts = [(0, hidden_dtype, H)]
+    if hidden_dtype == torch.float8_e4m3fn:
+        q, s = fp8_act_quant_ref(x, group)
+        values = [q, s]
+        parts.append((offsets.scale, torch.float32, s.shape[1]))
+    else:
+        values = [x.to(hidden_dtype)]
+    values += [topk_ids.to(torch.int32), topk_weights.float(), token_index[:, None]]
+    parts += [(offsets.ids, torch.int32, k), (offsets.weights, torch.float32, k), (offsets.token, torch.int64, 1)]
+    for r in range(pos.shape[0]):
+        sel = pos[r] >= 0
+        rows = pos[r, sel]
+        for (off, dtype, cols), v in zip(parts, values):
+            out[rows, off:off + cols * dtype.itemsize] = v[sel].contiguous().view(torch.uint8)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. which of a received row's experts this rank computes
 # ---------------------------------------------------------------------------------------------
 
 

@@ -245,12 +245,18 @@ def _expert_counts(local_ids: torch.Tensor, num_slots: int) -> torch.Tensor:
 
 
 def _kernel_or_ref(module: str, name: str, like: torch.Tensor):
-    """``moetool.kernels.<module>.<name>`` for CUDA tensors, its torch reference ``<name>_ref``
-    (same arguments, same results) elsewhere."""
+    """``moetool.kernels.<module>.<name>`` for CUDA tensors and under the Triton interpreter
+    (TRITON_INTERPRET=1, how the tests run them on CPU), else its torch reference ``<name>_ref``
+    (same arguments, same results)."""
     import importlib
 
+    from moetool.kernels.common import is_interpreted
+
     mod = importlib.import_module(f"moetool.kernels.{module}")
-    return getattr(mod, name if like.is_cuda else f"{name}_ref")
+    kernel = getattr(mod, name)
+    if like.is_cuda or is_interpreted(getattr(mod, f"_{name}_kernel")):
+        return kernel
+    return getattr(mod, f"{name}_ref")
 
 
 def _combine(rows: torch.Tensor, pos: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -393,25 +399,28 @@ class All2AllDispatcher(Dispatcher):
         topo = self.topo
         R, me = topo.world_size, topo.rank
         k = topk_ids.shape[1]
-        route_ranks, send_positions, local_slots = (
-            _kernel_or_ref("ep_dispatch", name, x) for name in ("route_ranks", "send_positions", "local_slots"))
+        route_ranks, send_positions, pack_rows, local_slots = (
+            _kernel_or_ref("ep_dispatch", name, x)
+            for name in ("route_ranks", "send_positions", "pack_rows", "local_slots"))
         dest, send_counts = route_ranks(topk_ids, token_index, table.rank, table.count, R)  # [m, k], [R]
         recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts)  # counts first
-        # one row per token: its payload, global expert ids, weights and global position; the
-        # receiver works out which of the ids are its own (same replica choice as here). Built
-        # before the host waits for the counts, so the GPU does it while the host waits.
-        parts, like = _payload(x, act_quant, self.comm_dtype)
-        layout = RowLayout(tuple(like) + ((torch.int32, k), (torch.float32, k), (torch.int64, 1)))
-        rows = layout.pack(parts + [topk_ids, topk_weights, token_index[:, None]])  # [m, B]
+        counts_sent = dist.all_to_all_single(recv_counts, send_counts, async_op=True)  # counts first
+        # While the counts travel, the GPU fills the send rows: the positions need only this
+        # rank's own counts, and the buffer is sized for the worst case (every token to
+        # min(k, R) ranks), so nothing here waits for the host.
+        pos = send_positions(dest, send_counts)  # [R, m] send row of (r, t) or -1
+        layout = self._row_layout(x.shape[1], k, act_quant)
+        send = torch.empty(x.shape[0] * min(k, R), layout.row_bytes, dtype=torch.uint8, device=x.device)
+        hidden_dtype = torch.float8_e4m3fn if act_quant else self.comm_dtype
+        offsets = ([layout.offsets[1]] if act_quant else [None]) + layout.offsets[-4:-1]  # scale, ids, weights, token
+        pack_rows(x, topk_ids, topk_weights, token_index, pos, send, hidden_dtype, tuple(offsets), ACT_GROUP)
+        counts_sent.wait()
         counts = torch.cat([send_counts, recv_counts]).tolist()  # the one host synchronisation
         send_l, recv_l = counts[:R], counts[R:]
         P = sum(send_l)
-        pos, pair_tok = send_positions(dest, send_counts, P)  # [R, m] send row of (r, t) or -1; [P]
-        send = rows[pair_tok]  # [P, B]
         B = layout.row_bytes
         recv = send.new_empty(sum(recv_l), B)
-        dist.all_to_all_single(recv, send, output_split_sizes=recv_l, input_split_sizes=send_l)
+        dist.all_to_all_single(recv, send[:P], output_split_sizes=recv_l, input_split_sizes=send_l)
         stats.dispatch_bytes_sent += (P - send_l[me]) * B + 8 * (R - 1)
         stats.dispatch_bytes_recv += (sum(recv_l) - recv_l[me]) * B + 8 * (R - 1)
         hidden, *rest = layout.unpack(recv)
@@ -423,6 +432,12 @@ class All2AllDispatcher(Dispatcher):
         return Prepared(hidden, scale, local_ids, rest[-2].contiguous(), expert_counts,
                         {"pos": pos, "send": send_l, "recv": recv_l, "t": chunk.sizes[topo.group_index]},
                         out_dtype=wire)
+
+    def _row_layout(self, H: int, k: int, act_quant: bool) -> RowLayout:
+        """payload (fp8 codes + fp32 scales, or the wire dtype), int32 ids, fp32 weights, int64 position."""
+        payload = (((torch.float8_e4m3fn, H), (torch.float32, math.ceil(H / ACT_GROUP))) if act_quant
+                   else ((self.comm_dtype, H),))
+        return RowLayout(payload + ((torch.int32, k), (torch.float32, k), (torch.int64, 1)))
 
     def finalize(self, expert_out, prep, reduced, stats):
         topo = self.topo

@@ -35,13 +35,11 @@ def test_route_and_positions_match_reference(device, m, E, R, k, redundant):
     dest, counts = ed.route_ranks(ids.to(device), tok.to(device), *(a.to(device) if torch.is_tensor(a) else a for a in args))
     assert torch.equal(dest.cpu(), dest_ref) and torch.equal(counts.cpu(), counts_ref)
     assert counts_ref.tolist() == [int((dest_ref == r).any(dim=1).sum()) for r in range(R)]
-    P = int(counts_ref.sum())
-    pos_ref, pair_ref = ed.send_positions_ref(dest_ref, counts_ref, P)
-    pos, pair = ed.send_positions(dest, counts, P)
-    assert torch.equal(pos.cpu(), pos_ref) and torch.equal(pair.cpu(), pair_ref)
+    pos_ref = ed.send_positions_ref(dest_ref, counts_ref)
+    pos = ed.send_positions(dest, counts)
+    assert torch.equal(pos.cpu(), pos_ref)
     # rank-major, tokens ascending, every sent (rank, token) once
     want = [t for r in range(R) for t in range(m) if (dest_ref[t] == r).any()]
-    assert pair_ref.tolist() == want
     for r in range(R):
         for t in range(m):
             p = int(pos_ref[r, t])
@@ -74,8 +72,11 @@ def test_empty_inputs(device):
     tok = torch.zeros(0, dtype=torch.int64, device=device)
     dest, counts = ed.route_ranks(ids, tok, table.rank.to(device), table.count.to(device), 2)
     assert dest.shape == (0, 2) and counts.tolist() == [0, 0]
-    pos, pair = ed.send_positions(dest, counts, 0)
-    assert pos.shape == (2, 0) and pair.shape == (0,)
+    pos = ed.send_positions(dest, counts)
+    assert pos.shape == (2, 0)
+    out = torch.full((0, 32), 7, dtype=torch.uint8, device=device)
+    x = torch.zeros(0, 8, device=device)
+    ed.pack_rows(x, ids, torch.zeros(0, 2, device=device), tok, pos, out, torch.float32, (None, 0, 16, 24), 128)
 
 
 def test_bad_arguments_are_named(device):
@@ -85,4 +86,69 @@ def test_bad_arguments_are_named(device):
     with pytest.raises(MoetoolError, match="topk ids must be int32/int64"):
         ed.local_slots(torch.zeros(3, 2), torch.zeros(3, dtype=torch.int64), table.rank, table.slot, table.count, 0, 2)
     with pytest.raises(MoetoolError, match="dest must be contiguous int32"):
-        ed.send_positions(torch.zeros(3, 2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), 0)
+        ed.send_positions(torch.zeros(3, 2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64))
+    x, ids, w, tok = torch.zeros(3, 8), torch.zeros(3, 2, dtype=torch.int64), torch.zeros(3, 2), torch.arange(3)
+    pos = torch.zeros(2, 3, dtype=torch.int64)
+    with pytest.raises(MoetoolError, match="do not fit rows of 48 bytes"):
+        ed.pack_rows(x, ids, w, tok, pos, torch.zeros(4, 48, dtype=torch.uint8), torch.float32, (None, 32, 40, 48))
+    with pytest.raises(MoetoolError, match="fp8 rows need a scale offset"):
+        ed.pack_rows(x, ids, w, tok, pos, torch.zeros(4, 64, dtype=torch.uint8), torch.float8_e4m3fn, (None, 16, 32, 48))
+    with pytest.raises(MoetoolError, match="out must be contiguous uint8"):
+        ed.pack_rows(x, ids, w, tok, pos, torch.zeros(4, 40, dtype=torch.uint8), torch.float32, (None, 16, 24, 32))
+
+
+def _offsets(H: int, k: int, dtype: torch.dtype, group: int) -> tuple[tuple, int]:
+    """Parts 16-byte aligned as RowLayout lays them out: (scale, ids, weights, token), row bytes."""
+    from moetool.verify.dispatch import RowLayout
+
+    payload = ((dtype, H),) + (((torch.float32, -(-H // group)),) if dtype == torch.float8_e4m3fn else ())
+    layout = RowLayout(payload + ((torch.int32, k), (torch.float32, k), (torch.int64, 1)))
+    offs = layout.offsets
+    return ((offs[1] if len(payload) == 2 else None, *offs[-4:-1]), layout.row_bytes)
+
+
+# (tokens, hidden, ranks, k, wire dtype, group): H not a multiple of the group, one group,
+# several h-blocks (H 2304 = 18 groups of 128 -> 3 blocks of 8), bf16 / fp32 rows
+PACK_CASES = [(37, 384, 4, 3, torch.float8_e4m3fn, 128), (5, 200, 3, 2, torch.float8_e4m3fn, 128),
+              (9, 2304, 2, 8, torch.float8_e4m3fn, 128), (16, 96, 4, 4, torch.float8_e4m3fn, 32),
+              (23, 272, 4, 2, torch.bfloat16, 128), (11, 64, 3, 3, torch.float32, 128)]
+
+
+@pytest.mark.parametrize("m,H,R,k,dtype,group", PACK_CASES)
+def test_pack_rows_matches_reference_byte_for_byte(device, m, H, R, k, dtype, group):
+    E = max(2 * R, k + 2)
+    table = _table(E, R, {0: [R - 1]})
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(m)])
+    tok = 50 + torch.arange(m)
+    wide = torch.randn(m, H + 16) * torch.logspace(-3, 2, m)[:, None]  # rows of a wider buffer, scaled unevenly
+    wide[0, :group] = 0.0  # an all-zero group gets the clamped scale
+    x = wide[:, 8:8 + H]
+    weights = torch.rand(m, k)
+    dest, counts = ed.route_ranks_ref(ids, tok, table.rank, table.count, R)
+    pos = ed.send_positions_ref(dest, counts)
+    offsets, B = _offsets(H, k, dtype, group)
+    P = int(counts.sum())
+    ref = ed.pack_rows_ref(x, ids, weights, tok, pos, torch.zeros(P + 2, B, dtype=torch.uint8), dtype, offsets, group)
+    got = torch.zeros(P + 2, B, dtype=torch.uint8, device=device)
+    ed.pack_rows(x.to(device), ids.to(device), weights.to(device), tok.to(device), pos.to(device), got, dtype,
+                 offsets, group)
+    assert torch.equal(got.cpu(), ref)
+    # the reference's rows hold what the pieces say: the fp8 codes of quant.fp8_act_quant_ref
+    from moetool.kernels.quant import fp8_act_quant_ref
+
+    for r in range(R):
+        for t in range(m):
+            p = int(pos[r, t])
+            if p < 0:
+                continue
+            row = ref[p]
+            if dtype == torch.float8_e4m3fn:
+                q, s = fp8_act_quant_ref(x[t:t + 1], group)
+                assert torch.equal(row[:H], q.view(torch.uint8)[0])
+                assert torch.equal(row[offsets[0]:offsets[0] + 4 * s.shape[1]].view(torch.float32), s[0])
+            else:
+                assert torch.equal(row[:H * dtype.itemsize].view(dtype), x[t].to(dtype))
+            assert row[offsets[1]:offsets[1] + 4 * k].view(torch.int32).tolist() == ids[t].tolist()
+            assert torch.equal(row[offsets[2]:offsets[2] + 4 * k].view(torch.float32), weights[t])
+            assert int(row[offsets[3]:offsets[3] + 8].view(torch.int64)) == 50 + t
+    assert (ref[P:] == 0).all()  # rows past the last sent one are not touched
