@@ -6,9 +6,10 @@ E = experts in a layer, k = experts chosen per token (top-k), R = EP ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a tensor is made: planning and copying run without it
+    import torch
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,8 @@ class ExpertPlacement:
     def expert_map(self, rank: int) -> torch.Tensor:
         """int64 [E]: global id -> local slot on ``rank`` (first replica there), -1 elsewhere
         (vLLM ``determine_expert_map`` convention)."""
+        import torch
+
         m = torch.full((self.num_experts,), -1, dtype=torch.int64)
         for e, places in self.replicas.items():
             for r, slot in places:
