@@ -44,6 +44,49 @@ def _timed(fn, cuda: bool) -> tuple[object, float, float]:
     return out, (s.elapsed_time(e) if cuda else wall), wall
 
 
+def host_costs(disp, x, ids, w, token_index, table, num_slots, world: int) -> dict[str, float]:
+    """Host microseconds per call of each step the all2all dispatcher launches (CUDA only: the
+    calls queue without waiting, so the loop measures the launch path, not the GPU)."""
+    import torch.distributed as dist
+
+    from moetool.kernels import ep_combine, ep_dispatch
+    from moetool.verify.experts import ACT_GROUP
+
+    m, k = ids.shape
+    H = x.shape[1]
+    counts = torch.empty(world, dtype=torch.int64, device=x.device)
+    recv = torch.empty_like(counts)
+    order = ep_dispatch.route_tokens(ids, token_index, table.rank, table.count, counts)
+    layout = disp._row_layout(H, k, True)  # fp8 rows, as the timed dispatch sends
+    offs = (layout.offsets[1], *layout.offsets[-4:-1])
+    send = torch.empty(m * min(k, world), layout.row_bytes, dtype=torch.uint8, device=x.device)
+    rows = torch.randn(m * 2, H, device=x.device).to(torch.bfloat16)
+    pos = torch.full((m, world), -1, dtype=torch.int64, device=x.device)
+    pos[:, 0] = torch.arange(m, device=x.device)
+    steps = {
+        "route_tokens": lambda: ep_dispatch.route_tokens(ids, token_index, table.rank, table.count, counts),
+        "pack_rows": lambda: ep_dispatch.pack_rows(x, ids, w, token_index, order, counts, send,
+                                                   torch.float8_e4m3fn, offs, ACT_GROUP),
+        "local_slots": lambda: ep_dispatch.local_slots(ids, token_index, table.rank, table.slot, table.count,
+                                                       0, num_slots),
+        "combine_rows": lambda: ep_combine.combine_rows(rows, pos),
+        "counts all_to_all_single": lambda: dist.all_to_all_single(recv, counts),
+        "torch add (one aten op)": lambda: counts.add(1),
+    }
+    out = {}
+    for name, fn in steps.items():
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(50):
+            fn()
+        out[name] = (time.perf_counter() - t0) / 50 * 1e6
+        torch.cuda.synchronize()
+    return out
+
+
 def worker(rank: int, world: int, opts: dict) -> dict:
     import torch.distributed as dist
 
@@ -120,6 +163,8 @@ def worker(rank: int, world: int, opts: dict) -> dict:
                 if it >= opts["warmup"]:
                     times.append(t)
             gather_ms = statistics.median(times)
+        if cuda and name == "all2all":
+            res["host_us"] = host_costs(disp, x, ids, w, token_index, table, num_slots, world)
         res[name] = {"raw_tp_gather_ms": gather_ms, "dispatch_ms": statistics.median(d_ms), "combine_ms": statistics.median(c_ms),
                      "dispatch_wall_ms": statistics.median(d_wall), "combine_wall_ms": statistics.median(c_wall),
                      "dispatch_bytes": mean_bytes[0], "combine_bytes": mean_bytes[1],
@@ -167,6 +212,9 @@ def main() -> None:
               f"{r['dispatch_wall_ms']:>5.2f}/{r['combine_wall_ms']:<6.2f} {r['dispatch_bytes'] / 1e6:>9.1f} "
               f"{r['combine_bytes'] / 1e6:>9.1f} {r['raw_dispatch_ms']:>9.3f} {r['raw_combine_ms']:>9.3f} {ratio:>6.2f} "
               f"{r['raw_tp_gather_ms']:>13.3f}")
+    if "host_us" in per_rank[0]:
+        print("host time per call, microseconds (max over ranks): " + ", ".join(
+            f"{key} {max(pr['host_us'][key] for pr in per_rank):.0f}" for key in per_rank[0]["host_us"]))
     if args.out:
         (args.out / "dispatch_gpu.json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)},
                                                                  "max_over_ranks": rows, "per_rank": per_rank},

@@ -9,15 +9,14 @@ W = most replicas of an expert, R = ranks, L = local slots. The route table (``R
 ``moetool.verify.dispatch``): rank_tab / slot_tab int64 [E, W] (-1 padded), count_tab int64 [E];
 a token at global position p that chose expert e uses replica ``p % count_tab[e]``.
 
-1. :func:`route_ranks`   topk_ids [m, k], token_index [m] -> dest int32 [m, k], counts int64 [R]
-   (tokens per destination rank, a token counted once per rank however many of its experts
-   live there)
-2. :func:`send_positions` dest, counts -> pos int64 [R, m] (row of (r, t) in the send buffer,
-   rank-major, tokens ascending; -1 = not sent)
-3. :func:`pack_rows`     x [m, H], ids, weights, token_index, pos -> the send rows (uint8 [P, B]):
-   each token quantized once (fp8 per-token groups) or cast, stored in the row of every
-   destination together with its ids, weights and global position
-4. :func:`local_slots`   received global ids [M, k], token_index [M], this rank -> local_ids
+1. :func:`route_tokens` topk_ids [m, k], token_index [m] -> order int64 [R, m] (index of token
+   t among those sent to rank r, -1 = not sent), counts int64 [R] (tokens per destination rank,
+   a token counted once per rank however many of its experts live there)
+2. :func:`pack_rows`    x [m, H], ids, weights, token_index, order, counts -> the send rows
+   (uint8 [P, B], rank-major, tokens ascending): each token quantized once (fp8 per-token
+   groups) or cast, stored in the row of every destination with its ids, weights and global
+   position; returns pos int64 [R, m] (row of (r, t), -1 = not sent)
+3. :func:`local_slots`   received global ids [M, k], token_index [M], this rank -> local_ids
    int64 [M, k] (-1 = on another rank), expert_num_tokens int64 [L]
 """
 from __future__ import annotations
@@ -60,7 +59,7 @@ def _check_ids(ids: torch.Tensor, token_index: torch.Tensor) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# 1. destination rank of every (token, k) and tokens per rank
+# 1. tokens per destination rank, and each token's place among them
 # ---------------------------------------------------------------------------------------------
 
 
@@ -74,110 +73,70 @@ def _replica(ids_ptr, tok_ptr, count_ptr, t, j, valid, n, W, stride_ids, stride_
 
 
 @triton.jit
-def _route_ranks_kernel(ids_ptr, tok_ptr, rank_ptr, count_ptr, dest_ptr, counts_ptr,
-                        m, k, R, W, stride_ids, stride_tok,
-                        BLOCK_T: tl.constexpr, K_P2: tl.constexpr, R_P2: tl.constexpr):
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    j = tl.arange(0, K_P2)
-    valid = (t[:, None] < m) & (j[None, :] < k)
-    at = _replica(ids_ptr, tok_ptr, count_ptr, t, j, valid, m, W, stride_ids, stride_tok)
-    r = tl.load(rank_ptr + at, mask=valid, other=-1)  # [BT, KP2]
-    tl.store(dest_ptr + t[:, None].to(tl.int64) * k + j[None, :], r.to(tl.int32), mask=valid)
-    ranks = tl.arange(0, R_P2)
-    hit = tl.max((r[:, :, None] == ranks[None, None, :]).to(tl.int32), axis=1)  # [BT, RP2]
-    tl.atomic_add(counts_ptr + ranks, tl.sum(hit, axis=0).to(tl.int64), mask=ranks < R)
-
-
-def route_ranks(topk_ids: torch.Tensor, token_index: torch.Tensor, rank_tab: torch.Tensor,
-                count_tab: torch.Tensor, num_ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """topk_ids int [m, k] (global experts), token_index int64 [m] -> (dest int32 [m, k],
-    counts int64 [R]). Ids must lie in [0, E); they are not checked on the device."""
-    _check_ids(topk_ids, token_index)
-    _check_tables(rank_tab, None, count_tab)
-    m, k = topk_ids.shape
-    dev = topk_ids.device
-    dest = torch.empty(m, k, dtype=torch.int32, device=dev)
-    counts = torch.zeros(num_ranks, dtype=torch.int64, device=dev)
-    check_device(_route_ranks_kernel, topk_ids, token_index, rank_tab, count_tab)
-    if m and k:
-        k_p2, r_p2 = triton.next_power_of_2(k), triton.next_power_of_2(num_ranks)
-        bt = _block_tokens(k_p2, r_p2)
-        _route_ranks_kernel[(triton.cdiv(m, bt),)](
-            topk_ids, token_index, rank_tab, count_tab, dest, counts, m, k, num_ranks, rank_tab.shape[1],
-            topk_ids.stride(0), token_index.stride(0), BLOCK_T=bt, K_P2=k_p2, R_P2=r_p2)
-    return dest, counts
-
-
-def route_ranks_ref(topk_ids, token_index, rank_tab, count_tab, num_ranks):
-    """Reference of :func:`route_ranks` (same arguments)."""
-    _check_ids(topk_ids, token_index)
-    _check_tables(rank_tab, None, count_tab)
-    ids = topk_ids.long()
-    choice = token_index[:, None] % count_tab[ids]
-    dest = rank_tab[ids, choice]  # [m, k]
-    sent = torch.zeros(num_ranks, ids.shape[0], dtype=torch.bool, device=ids.device)
-    sent.scatter_(0, dest.t(), True)
-    return dest.to(torch.int32), sent.sum(dim=1)
-
-
-# ---------------------------------------------------------------------------------------------
-# 2. send-buffer row of every (rank, token)
-# ---------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _send_positions_kernel(dest_ptr, counts_ptr, pos_ptr, m, k, R,
-                           BLOCK_T: tl.constexpr, K_P2: tl.constexpr, R_P2: tl.constexpr):
-    """Program r: a running scan over the tokens that go to rank r."""
+def _route_tokens_kernel(ids_ptr, tok_ptr, rank_ptr, count_ptr, order_ptr, counts_ptr,
+                         m, k, W, stride_ids, stride_tok,
+                         BLOCK_T: tl.constexpr, K_P2: tl.constexpr):
+    """Program r: one pass over the tokens, a running count of those that go to rank r."""
     r = tl.program_id(0)
-    ranks = tl.arange(0, R_P2)
-    counts = tl.load(counts_ptr + ranks, mask=ranks < R, other=0)
-    running = tl.sum(tl.where(ranks < r, counts, 0), axis=0)  # rows of ranks before r
     j = tl.arange(0, K_P2)
+    running = tl.zeros((), dtype=tl.int64)
     for t0 in range(0, m, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
-        d = tl.load(dest_ptr + t[:, None].to(tl.int64) * k + j[None, :],
-                    mask=(t[:, None] < m) & (j[None, :] < k), other=-1)
-        hit = tl.max((d == r).to(tl.int32), axis=1)  # [BT]
-        p = running + tl.cumsum(hit, axis=0).to(tl.int64) - 1
-        tl.store(pos_ptr + r.to(tl.int64) * m + t, tl.where(hit > 0, p, -1), mask=t < m)
+        valid = (t[:, None] < m) & (j[None, :] < k)
+        at = _replica(ids_ptr, tok_ptr, count_ptr, t, j, valid, m, W, stride_ids, stride_tok)
+        dest = tl.load(rank_ptr + at, mask=valid, other=-1)  # [BT, KP2]
+        hit = tl.max((dest == r).to(tl.int32), axis=1)  # [BT]
+        order = running + tl.cumsum(hit, axis=0).to(tl.int64) - 1
+        tl.store(order_ptr + r.to(tl.int64) * m + t, tl.where(hit > 0, order, -1), mask=t < m)
         running += tl.sum(hit, axis=0).to(tl.int64)
+    tl.store(counts_ptr + r, running)
 
 
-def _check_dest(dest: torch.Tensor) -> None:
-    if dest.dim() != 2 or dest.dtype != torch.int32 or not dest.is_contiguous():
-        raise MoetoolError(f"dest must be contiguous int32 [m, k], got {dest.dtype} {list(dest.shape)}")
-
-
-def send_positions(dest: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """dest int32 [m, k] (rank of each (token, k)), counts int64 [R] (from :func:`route_ranks`)
-    -> pos int64 [R, m]. Only this rank's own counts are needed, so the send rows can be
-    filled while the count exchange is still in flight."""
-    _check_dest(dest)
-    m, k = dest.shape
+def route_tokens(topk_ids: torch.Tensor, token_index: torch.Tensor, rank_tab: torch.Tensor,
+                 count_tab: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """topk_ids int [m, k] (global experts), token_index int64 [m] -> order int64 [R, m]: the
+    index of token t among the tokens sent to rank r (ascending), -1 = none of its experts'
+    replicas is on r. Writes the tokens per rank into ``counts`` (int64 [R], contiguous; a
+    token counts once per rank however many of its experts live there). Only this rank's
+    data is needed, so the send rows can be filled while the counts travel. Ids must lie in
+    [0, E); they are not checked on the device."""
+    _check_ids(topk_ids, token_index)
+    _check_tables(rank_tab, None, count_tab)
+    _check_counts(counts)
+    m, k = topk_ids.shape
     R = counts.shape[0]
-    pos = torch.empty(R, m, dtype=torch.int64, device=dest.device)
-    check_device(_send_positions_kernel, dest, counts)
-    if m and R:
+    order = torch.empty(R, m, dtype=torch.int64, device=topk_ids.device)
+    check_device(_route_tokens_kernel, topk_ids, token_index, rank_tab, count_tab, counts)
+    if R:
         k_p2 = triton.next_power_of_2(max(k, 1))
         bt = min(1024, max(16, triton.next_power_of_2(_ONEHOT_BUDGET // k_p2)))
-        _send_positions_kernel[(R,)](dest, counts, pos, m, k, R,
-                                     BLOCK_T=bt, K_P2=k_p2, R_P2=triton.next_power_of_2(R))
-    return pos
+        _route_tokens_kernel[(R,)](topk_ids, token_index, rank_tab, count_tab, order, counts, m, k,
+                                   rank_tab.shape[1], topk_ids.stride(0), token_index.stride(0),
+                                   BLOCK_T=bt, K_P2=k_p2)
+    return order
 
 
-def send_positions_ref(dest, counts):
-    """Reference of :func:`send_positions` (same arguments)."""
-    _check_dest(dest)
+def route_tokens_ref(topk_ids, token_index, rank_tab, count_tab, counts):
+    """Reference of :func:`route_tokens` (same arguments)."""
+    _check_ids(topk_ids, token_index)
+    _check_tables(rank_tab, None, count_tab)
+    _check_counts(counts)
+    ids = topk_ids.long()
+    dest = rank_tab[ids, token_index[:, None] % count_tab[ids]]  # [m, k]
     R = counts.shape[0]
-    sent = (dest.long()[None, :, :] == torch.arange(R, device=dest.device)[:, None, None]).any(dim=2)  # [R, m]
-    start = torch.cumsum(counts, 0) - counts
+    sent = (dest[None, :, :] == torch.arange(R, device=ids.device)[:, None, None]).any(dim=2)  # [R, m]
+    counts.copy_(sent.sum(dim=1))
     # the scan runs along the last, contiguous dim (along dim 0 of [m, R] it is ~10x slower on CUDA)
-    return torch.where(sent, torch.cumsum(sent, 1) + (start - 1)[:, None], -1)
+    return torch.where(sent, torch.cumsum(sent, 1) - 1, -1)
+
+
+def _check_counts(counts: torch.Tensor) -> None:
+    if counts.dim() != 1 or counts.dtype != torch.int64 or not counts.is_contiguous():
+        raise MoetoolError(f"counts must be contiguous int64 [R], got {counts.dtype} {list(counts.shape)}")
 
 
 # ---------------------------------------------------------------------------------------------
-# 3. the send rows: payload (fp8 codes + scales, or the wire dtype), ids, weights, position
+# 2. the send rows: payload (fp8 codes + scales, or the wire dtype), ids, weights, position
 # ---------------------------------------------------------------------------------------------
 
 
@@ -196,13 +155,15 @@ PACK_DTYPES = (torch.float8_e4m3fn, torch.bfloat16, torch.float16, torch.float32
 
 
 @triton.jit
-def _pack_rows_kernel(x_ptr, ids_ptr, w_ptr, tok_ptr, pos_ptr, hid_ptr, f32_ptr, i32_ptr, i64_ptr,
-                      H, k, R, stride_x, stride_ids, stride_w, stride_tok, stride_pos_r, stride_pos_t,
+def _pack_rows_kernel(x_ptr, ids_ptr, w_ptr, tok_ptr, order_ptr, counts_ptr, pos_ptr,
+                      hid_ptr, f32_ptr, i32_ptr, i64_ptr,
+                      H, k, R, m, stride_x, stride_ids, stride_w, stride_tok,
                       row_hid, row_f32, row_i32, row_i64, scale_off, ids_off, w_off, tok_off,
                       QUANT: tl.constexpr, SOFT_FP8: tl.constexpr, OUT_BF16: tl.constexpr,
                       GROUP: tl.constexpr, NG: tl.constexpr, K_P2: tl.constexpr):
     """Program (t, h-block of NG groups): quantize (or cast) x[t, block] once, store it into
-    the send row of every rank t goes to; the h-block 0 program also stores the metadata."""
+    the send row of every rank t goes to (row = rows of the ranks before + order); the h-block 0
+    program also stores the metadata and the row numbers (pos)."""
     t = tl.program_id(0)
     pid_h = tl.program_id(1)
     g = pid_h * NG + tl.arange(0, NG)  # [NG] group index
@@ -221,8 +182,13 @@ def _pack_rows_kernel(x_ptr, ids_ptr, w_ptr, tok_ptr, pos_ptr, hid_ptr, f32_ptr,
     ids = tl.load(ids_ptr + t.to(tl.int64) * stride_ids + j, mask=j < k, other=0).to(tl.int32)
     w = tl.load(w_ptr + t.to(tl.int64) * stride_w + j, mask=j < k, other=0.0).to(tl.float32)
     tok = tl.load(tok_ptr + t.to(tl.int64) * stride_tok)
+    start = tl.zeros((), dtype=tl.int64)
     for r in range(R):
-        p = tl.load(pos_ptr + r * stride_pos_r + t.to(tl.int64) * stride_pos_t)
+        o = tl.load(order_ptr + r * m + t)
+        p = tl.where(o >= 0, start + o, -1)
+        start += tl.load(counts_ptr + r)
+        if pid_h == 0:
+            tl.store(pos_ptr + r * m + t, p)
         if p >= 0:
             tl.store(hid_ptr + p * row_hid + cols, v.to(hid_ptr.dtype.element_ty), mask=in_h)
             if QUANT:
@@ -233,18 +199,21 @@ def _pack_rows_kernel(x_ptr, ids_ptr, w_ptr, tok_ptr, pos_ptr, hid_ptr, f32_ptr,
                 tl.store(i64_ptr + p * row_i64 + tok_off, tok)
 
 
-def _check_pack(x, topk_ids, topk_weights, token_index, pos, out, hidden_dtype, offsets, group):
+def _check_pack(x, topk_ids, topk_weights, token_index, order, counts, out, hidden_dtype, offsets, group):
     offsets = RowOffsets(*offsets)
     m, H = x.shape if x.dim() == 2 else (-1, -1)
-    if x.dim() != 2 or not x.is_floating_point() or x.stride(1) != 1:
+    if x.dim() != 2 or not x.is_floating_point() or x.stride(1) != 1 or H == 0:
         raise MoetoolError(f"pack_rows: x must be a float [m, H] with contiguous rows, got {x.dtype} {list(x.shape)}")
     _check_ids(topk_ids, token_index)
     k = topk_ids.shape[1]
     if topk_ids.shape[0] != m or tuple(topk_weights.shape) != (m, k) or topk_weights.stride(1) != 1:
         raise MoetoolError(f"pack_rows: topk ids / weights must be [{m}, k] with contiguous rows, got "
                            f"{list(topk_ids.shape)} / {list(topk_weights.shape)}")
-    if pos.dim() != 2 or pos.dtype != torch.int64 or pos.shape[1] != m:
-        raise MoetoolError(f"pack_rows: pos must be int64 [R, {m}], got {pos.dtype} {list(pos.shape)}")
+    if order.dim() != 2 or order.dtype != torch.int64 or order.shape[1] != m or not order.is_contiguous():
+        raise MoetoolError(f"pack_rows: order must be contiguous int64 [R, {m}], got {order.dtype} {list(order.shape)}")
+    _check_counts(counts)
+    if counts.shape[0] != order.shape[0]:
+        raise MoetoolError(f"pack_rows: counts [{counts.shape[0]}] and order [{order.shape[0]}, m] disagree on R")
     if out.dim() != 2 or out.dtype != torch.uint8 or not out.is_contiguous() or out.shape[1] % 16:
         raise MoetoolError(f"pack_rows: out must be contiguous uint8 [rows, B] with B a multiple of 16, got "
                            f"{out.dtype} {list(out.shape)}")
@@ -262,42 +231,47 @@ def _check_pack(x, topk_ids, topk_weights, token_index, pos, out, hidden_dtype, 
 
 
 def pack_rows(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, token_index: torch.Tensor,
-              pos: torch.Tensor, out: torch.Tensor, hidden_dtype: torch.dtype, offsets: RowOffsets,
-              group: int = 128) -> torch.Tensor:
-    """Fill the send rows: out[pos[r, t]] for every (r, t) with pos >= 0 gets token t's row.
+              order: torch.Tensor, counts: torch.Tensor, out: torch.Tensor, hidden_dtype: torch.dtype,
+              offsets: RowOffsets, group: int = 128) -> torch.Tensor:
+    """Fill the send rows, rank-major, tokens ascending -> pos int64 [R, m]: the row of out
+    that holds token t for rank r (-1 = not sent), what the combine reads back by.
 
     x float [m, H] (row stride free), topk_ids int [m, k], topk_weights [m, k], token_index
-    int64 [m], pos int64 [R, m] (from :func:`send_positions`), out uint8 [rows, B]. The row
+    int64 [m], order int64 [R, m] and counts int64 [R] (from :func:`route_tokens`), out uint8
+    [rows, B] with rows >= counts.sum() (known on the device only, so size it for the worst
+    case: m * min(k, R)). The row
     holds x as ``hidden_dtype`` at byte 0 (float8_e4m3fn: per-token 1 x ``group`` codes, the
     fp32 scales at ``offsets.scale``, bit-identical to ``quant.fp8_act_quant``), ids as int32,
     weights as fp32 and the token index as int64. Other bytes of out are left as they were."""
-    _check_pack(x, topk_ids, topk_weights, token_index, pos, out, hidden_dtype, offsets, group)
+    _check_pack(x, topk_ids, topk_weights, token_index, order, counts, out, hidden_dtype, offsets, group)
     offsets = RowOffsets(*offsets)
-    check_device(_pack_rows_kernel, x, topk_ids, topk_weights, token_index, pos, out)
+    check_device(_pack_rows_kernel, x, topk_ids, topk_weights, token_index, order, counts, out)
     m, H = x.shape
-    R, k = pos.shape[0], topk_ids.shape[1]
-    if not (m and R and out.shape[0]):
-        return out
+    R, k = order.shape[0], topk_ids.shape[1]
+    pos = torch.empty(R, m, dtype=torch.int64, device=x.device)
+    if not (m and R):
+        return pos
     quant = hidden_dtype == torch.float8_e4m3fn
     soft = quant and is_interpreted(_pack_rows_kernel)
     hid = out.view(torch.uint8 if soft else hidden_dtype)
     B = out.shape[1]
     ng = max(1, min(8, triton.next_power_of_2(-(-H // group))))
     _pack_rows_kernel[(m, triton.cdiv(H, group * ng))](
-        x, topk_ids, topk_weights, token_index, pos, hid, out.view(torch.float32), out.view(torch.int32),
-        out.view(torch.int64), H, k, R, x.stride(0), topk_ids.stride(0), topk_weights.stride(0),
-        token_index.stride(0), pos.stride(0), pos.stride(1), B // hid.element_size(), B // 4, B // 4, B // 8,
+        x, topk_ids, topk_weights, token_index, order, counts, pos, hid, out.view(torch.float32),
+        out.view(torch.int32), out.view(torch.int64), H, k, R, m, x.stride(0), topk_ids.stride(0),
+        topk_weights.stride(0), token_index.stride(0), B // hid.element_size(), B // 4, B // 4, B // 8,
         (offsets.scale or 0) // 4, offsets.ids // 4, offsets.weights // 4, offsets.token // 8,
         QUANT=quant, SOFT_FP8=soft, OUT_BF16=hidden_dtype == torch.bfloat16, GROUP=group, NG=ng,
         K_P2=triton.next_power_of_2(max(k, 1)), num_warps=4)
-    return out
+    return pos
 
 
-def pack_rows_ref(x, topk_ids, topk_weights, token_index, pos, out, hidden_dtype, offsets, group=128):
+def pack_rows_ref(x, topk_ids, topk_weights, token_index, order, counts, out, hidden_dtype, offsets, group=128):
     """Reference of :func:`pack_rows` (same arguments)."""
     from .quant import fp8_act_quant_ref
 
-    _check_pack(x, topk_ids, topk_weights, token_index, pos, out, hidden_dtype, offsets, group)
+    _check_pack(x, topk_ids, topk_weights, token_index, order, counts, out, hidden_dtype, offsets, group)
+    pos = torch.where(order >= 0, order + (torch.cumsum(counts, 0) - counts)[:, None], -1)
     offsets = RowOffsets(*offsets)
     m, H = x.shape
     k = topk_ids.shape[1]
@@ -315,11 +289,11 @@ def pack_rows_ref(x, topk_ids, topk_weights, token_index, pos, out, hidden_dtype
         rows = pos[r, sel]
         for (off, dtype, cols), v in zip(parts, values):
             out[rows, off:off + cols * dtype.itemsize] = v[sel].contiguous().view(torch.uint8)
-    return out
+    return pos
 
 
 # ---------------------------------------------------------------------------------------------
-# 4. which of a received row's experts this rank computes
+# 3. which of a received row's experts this rank computes
 # ---------------------------------------------------------------------------------------------
 
 

@@ -18,6 +18,7 @@ sent, M = rows received, H = hidden, k = top-k, L = local slots, G = ceil(H/128)
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -399,23 +400,26 @@ class All2AllDispatcher(Dispatcher):
         topo = self.topo
         R, me = topo.world_size, topo.rank
         k = topk_ids.shape[1]
-        route_ranks, send_positions, pack_rows, local_slots = (
-            _kernel_or_ref("ep_dispatch", name, x)
-            for name in ("route_ranks", "send_positions", "pack_rows", "local_slots"))
-        dest, send_counts = route_ranks(topk_ids, token_index, table.rank, table.count, R)  # [m, k], [R]
-        recv_counts = torch.empty_like(send_counts)
+        route_tokens, pack_rows, local_slots = (_kernel_or_ref("ep_dispatch", name, x)
+                                                for name in ("route_tokens", "pack_rows", "local_slots"))
+        counts_buf = torch.empty(2, R, dtype=torch.int64, device=x.device)  # [sent to, received from] per rank
+        send_counts, recv_counts = counts_buf[0], counts_buf[1]
+        order = route_tokens(topk_ids, token_index, table.rank, table.count, send_counts)  # [R, m]
         counts_sent = dist.all_to_all_single(recv_counts, send_counts, async_op=True)  # counts first
-        # While the counts travel, the GPU fills the send rows: the positions need only this
+        # While the counts travel, the GPU fills the send rows: their places need only this
         # rank's own counts, and the buffer is sized for the worst case (every token to
         # min(k, R) ranks), so nothing here waits for the host.
-        pos = send_positions(dest, send_counts)  # [R, m] send row of (r, t) or -1
         layout = self._row_layout(x.shape[1], k, act_quant)
         send = torch.empty(x.shape[0] * min(k, R), layout.row_bytes, dtype=torch.uint8, device=x.device)
         hidden_dtype = torch.float8_e4m3fn if act_quant else self.comm_dtype
         offsets = ([layout.offsets[1]] if act_quant else [None]) + layout.offsets[-4:-1]  # scale, ids, weights, token
-        pack_rows(x, topk_ids, topk_weights, token_index, pos, send, hidden_dtype, tuple(offsets), ACT_GROUP)
-        counts_sent.wait()
-        counts = torch.cat([send_counts, recv_counts]).tolist()  # the one host synchronisation
+        pos = pack_rows(x, topk_ids, topk_weights, token_index, order, send_counts, send, hidden_dtype,
+                        tuple(offsets), ACT_GROUP)  # [R, m] send row of (r, t) or -1
+        # the one host synchronisation: on a side stream on CUDA, so the host learns the counts
+        # as soon as they arrive while the packing may still run on the compute stream
+        with self._counts_stream(x.device):
+            counts_sent.wait()
+            counts = counts_buf.flatten().tolist()
         send_l, recv_l = counts[:R], counts[R:]
         P = sum(send_l)
         B = layout.row_bytes
@@ -432,6 +436,14 @@ class All2AllDispatcher(Dispatcher):
         return Prepared(hidden, scale, local_ids, rest[-2].contiguous(), expert_counts,
                         {"pos": pos, "send": send_l, "recv": recv_l, "t": chunk.sizes[topo.group_index]},
                         out_dtype=wire)
+
+    def _counts_stream(self, device: torch.device):
+        """Context for reading the counts back: a side stream of this dispatcher on CUDA."""
+        if device.type != "cuda":
+            return contextlib.nullcontext()
+        if getattr(self, "_side_stream", None) is None:
+            self._side_stream = torch.cuda.Stream(device)
+        return torch.cuda.stream(self._side_stream)
 
     def _row_layout(self, H: int, k: int, act_quant: bool) -> RowLayout:
         """payload (fp8 codes + fp32 scales, or the wire dtype), int32 ids, fp32 weights, int64 position."""

@@ -20,30 +20,28 @@ def _table(E: int, R: int, redundant: dict | None = None) -> RouteTable:
 
 
 # (tokens, experts, ranks, k, redundant copies)
-# (1300, k 8) and (2100, k 3) run send_positions over several token blocks (512 / 1024 per block)
+# (1300, k 8) and (2100, k 3) run route_tokens over several token blocks (512 / 1024 per block)
 CASES = [(37, 8, 4, 2, {1: [0, 2], 5: [3]}), (1, 4, 1, 1, None), (300, 64, 4, 8, {3: [1, 2, 3]}),
          (64, 16, 8, 3, None), (5, 6, 3, 6, {0: [1]}), (1300, 16, 4, 8, {2: [0]}), (2100, 12, 3, 3, None)]
 
 
 @pytest.mark.parametrize("m,E,R,k,redundant", CASES)
-def test_route_and_positions_match_reference(device, m, E, R, k, redundant):
+def test_route_tokens_matches_reference(device, m, E, R, k, redundant):
     table = _table(E, R, redundant)
     ids = torch.stack([torch.randperm(E)[:k] for _ in range(m)])  # distinct experts per token
     tok = 1000 + torch.arange(m)
-    args = (table.rank, table.count, R)
-    dest_ref, counts_ref = ed.route_ranks_ref(ids, tok, *args)
-    dest, counts = ed.route_ranks(ids.to(device), tok.to(device), *(a.to(device) if torch.is_tensor(a) else a for a in args))
-    assert torch.equal(dest.cpu(), dest_ref) and torch.equal(counts.cpu(), counts_ref)
-    assert counts_ref.tolist() == [int((dest_ref == r).any(dim=1).sum()) for r in range(R)]
-    pos_ref = ed.send_positions_ref(dest_ref, counts_ref)
-    pos = ed.send_positions(dest, counts)
-    assert torch.equal(pos.cpu(), pos_ref)
-    # rank-major, tokens ascending, every sent (rank, token) once
-    want = [t for r in range(R) for t in range(m) if (dest_ref[t] == r).any()]
+    counts_ref = torch.full((R,), -7, dtype=torch.int64)
+    order_ref = ed.route_tokens_ref(ids, tok, table.rank, table.count, counts_ref)
+    counts = torch.full((R,), -7, dtype=torch.int64, device=device)
+    order = ed.route_tokens(ids.to(device), tok.to(device), table.rank.to(device), table.count.to(device), counts)
+    assert torch.equal(order.cpu(), order_ref) and torch.equal(counts.cpu(), counts_ref)
+    # the same choice as RouteTable.destinations; tokens ascending per rank, each counted once
+    dest, _ = table.destinations(ids, tok)
     for r in range(R):
-        for t in range(m):
-            p = int(pos_ref[r, t])
-            assert (p >= 0) == bool((dest_ref[t] == r).any()) and (p < 0 or want[p] == t)
+        sent = [t for t in range(m) if (dest[t] == r).any()]
+        assert counts_ref[r] == len(sent)
+        assert [t for t in range(m) if order_ref[r, t] >= 0] == sent
+        assert order_ref[r, sent].tolist() == list(range(len(sent)))
 
 
 @pytest.mark.parametrize("m,E,R,k,redundant", CASES)
@@ -70,31 +68,41 @@ def test_empty_inputs(device):
     table = _table(4, 2)
     ids = torch.zeros(0, 2, dtype=torch.int64, device=device)
     tok = torch.zeros(0, dtype=torch.int64, device=device)
-    dest, counts = ed.route_ranks(ids, tok, table.rank.to(device), table.count.to(device), 2)
-    assert dest.shape == (0, 2) and counts.tolist() == [0, 0]
-    pos = ed.send_positions(dest, counts)
-    assert pos.shape == (2, 0)
-    out = torch.full((0, 32), 7, dtype=torch.uint8, device=device)
+    counts = torch.full((2,), 5, dtype=torch.int64, device=device)
+    order = ed.route_tokens(ids, tok, table.rank.to(device), table.count.to(device), counts)
+    assert order.shape == (2, 0) and counts.tolist() == [0, 0]
+    out = torch.full((0, 48), 7, dtype=torch.uint8, device=device)
     x = torch.zeros(0, 8, device=device)
-    ed.pack_rows(x, ids, torch.zeros(0, 2, device=device), tok, pos, out, torch.float32, (None, 0, 16, 24), 128)
+    pos = ed.pack_rows(x, ids, torch.zeros(0, 2, device=device), tok, order, counts, out, torch.float32,
+                       (None, 32, 40, 16), 128)
+    assert pos.shape == (2, 0)
 
 
 def test_bad_arguments_are_named(device):
     table = _table(4, 2)
+    counts = torch.zeros(2, dtype=torch.int64)
     with pytest.raises(MoetoolError, match="token_index must be int64"):
-        ed.route_ranks(torch.zeros(3, 2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), table.rank, table.count, 2)
+        ed.route_tokens(torch.zeros(3, 2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), table.rank,
+                        table.count, counts)
+    with pytest.raises(MoetoolError, match="counts must be contiguous int64"):
+        ed.route_tokens(torch.zeros(3, 2, dtype=torch.int64), torch.zeros(3, dtype=torch.int64), table.rank,
+                        table.count, torch.zeros(2))
     with pytest.raises(MoetoolError, match="topk ids must be int32/int64"):
         ed.local_slots(torch.zeros(3, 2), torch.zeros(3, dtype=torch.int64), table.rank, table.slot, table.count, 0, 2)
-    with pytest.raises(MoetoolError, match="dest must be contiguous int32"):
-        ed.send_positions(torch.zeros(3, 2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64))
     x, ids, w, tok = torch.zeros(3, 8), torch.zeros(3, 2, dtype=torch.int64), torch.zeros(3, 2), torch.arange(3)
-    pos = torch.zeros(2, 3, dtype=torch.int64)
+    order = torch.zeros(2, 3, dtype=torch.int64)
     with pytest.raises(MoetoolError, match="do not fit rows of 48 bytes"):
-        ed.pack_rows(x, ids, w, tok, pos, torch.zeros(4, 48, dtype=torch.uint8), torch.float32, (None, 32, 40, 48))
+        ed.pack_rows(x, ids, w, tok, order, counts, torch.zeros(4, 48, dtype=torch.uint8), torch.float32,
+                     (None, 32, 40, 48))
     with pytest.raises(MoetoolError, match="fp8 rows need a scale offset"):
-        ed.pack_rows(x, ids, w, tok, pos, torch.zeros(4, 64, dtype=torch.uint8), torch.float8_e4m3fn, (None, 16, 32, 48))
+        ed.pack_rows(x, ids, w, tok, order, counts, torch.zeros(4, 64, dtype=torch.uint8), torch.float8_e4m3fn,
+                     (None, 16, 32, 48))
     with pytest.raises(MoetoolError, match="out must be contiguous uint8"):
-        ed.pack_rows(x, ids, w, tok, pos, torch.zeros(4, 40, dtype=torch.uint8), torch.float32, (None, 16, 24, 32))
+        ed.pack_rows(x, ids, w, tok, order, counts, torch.zeros(4, 40, dtype=torch.uint8), torch.float32,
+                     (None, 16, 24, 32))
+    with pytest.raises(MoetoolError, match="disagree on R"):
+        ed.pack_rows(x, ids, w, tok, order, torch.zeros(3, dtype=torch.int64), torch.zeros(4, 48, dtype=torch.uint8),
+                     torch.float32, (None, 32, 40, 16))
 
 
 def _offsets(H: int, k: int, dtype: torch.dtype, group: int) -> tuple[tuple, int]:
@@ -124,15 +132,19 @@ def test_pack_rows_matches_reference_byte_for_byte(device, m, H, R, k, dtype, gr
     wide[0, :group] = 0.0  # an all-zero group gets the clamped scale
     x = wide[:, 8:8 + H]
     weights = torch.rand(m, k)
-    dest, counts = ed.route_ranks_ref(ids, tok, table.rank, table.count, R)
-    pos = ed.send_positions_ref(dest, counts)
+    counts = torch.empty(R, dtype=torch.int64)
+    order = ed.route_tokens_ref(ids, tok, table.rank, table.count, counts)
     offsets, B = _offsets(H, k, dtype, group)
     P = int(counts.sum())
-    ref = ed.pack_rows_ref(x, ids, weights, tok, pos, torch.zeros(P + 2, B, dtype=torch.uint8), dtype, offsets, group)
+    ref = torch.zeros(P + 2, B, dtype=torch.uint8)
+    pos = ed.pack_rows_ref(x, ids, weights, tok, order, counts, ref, dtype, offsets, group)
     got = torch.zeros(P + 2, B, dtype=torch.uint8, device=device)
-    ed.pack_rows(x.to(device), ids.to(device), weights.to(device), tok.to(device), pos.to(device), got, dtype,
-                 offsets, group)
-    assert torch.equal(got.cpu(), ref)
+    got_pos = ed.pack_rows(x.to(device), ids.to(device), weights.to(device), tok.to(device), order.to(device),
+                           counts.to(device), got, dtype, offsets, group)
+    assert torch.equal(got.cpu(), ref) and torch.equal(got_pos.cpu(), pos)
+    # rank-major, tokens ascending: rank r's rows follow those of the ranks before it
+    sent = [(r, t) for r in range(R) for t in range(m) if order[r, t] >= 0]
+    assert [int(pos[r, t]) for r, t in sent] == list(range(P)) and int((pos >= 0).sum()) == P
     # the reference's rows hold what the pieces say: the fp8 codes of quant.fp8_act_quant_ref
     from moetool.kernels.quant import fp8_act_quant_ref
 
