@@ -163,6 +163,13 @@ def worker(rank: int, world: int, opts: dict) -> dict:
                 if it >= opts["warmup"]:
                     times.append(t)
             gather_ms = statistics.median(times)
+            rep = part.repeat(topo.tp, 1)  # the same exchange as an all-to-all (each rank's part to every rank)
+            times = []
+            for it in range(opts["warmup"] + opts["iters"]):
+                _, t, _ = _timed(lambda: dist.all_to_all_single(full, rep, group=topo.tp_group), cuda)
+                if it >= opts["warmup"]:
+                    times.append(t)
+            res.setdefault("raw_tp_exchange_as_a2a_ms", statistics.median(times))
         if cuda and name == "all2all":
             res["host_us"] = host_costs(disp, x, ids, w, token_index, table, num_slots, world)
         res[name] = {"raw_tp_gather_ms": gather_ms, "dispatch_ms": statistics.median(d_ms), "combine_ms": statistics.median(c_ms),
@@ -212,6 +219,9 @@ def main() -> None:
               f"{r['dispatch_wall_ms']:>5.2f}/{r['combine_wall_ms']:<6.2f} {r['dispatch_bytes'] / 1e6:>9.1f} "
               f"{r['combine_bytes'] / 1e6:>9.1f} {r['raw_dispatch_ms']:>9.3f} {r['raw_combine_ms']:>9.3f} {ratio:>6.2f} "
               f"{r['raw_tp_gather_ms']:>13.3f}")
+    if "raw_tp_exchange_as_a2a_ms" in per_rank[0]:
+        print(f"the tp all-gather's bytes as an all_to_all_single in the tp group: "
+              f"{max(pr['raw_tp_exchange_as_a2a_ms'] for pr in per_rank):.3f} ms")
     if "host_us" in per_rank[0]:
         print("host time per call, microseconds (max over ranks): " + ", ".join(
             f"{key} {max(pr['host_us'][key] for pr in per_rank):.0f}" for key in per_rank[0]["host_us"]))
