@@ -13,32 +13,44 @@ import struct
 import ctypes
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from moetool.errors import MoetoolError
-from moetool.memory import scratch as scratch_buffer
+
+if TYPE_CHECKING:
+    import torch
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
-#: safetensors dtype string -> torch dtype. Anything else is refused.
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
+#: safetensors dtype string -> bytes per element. Anything else is refused. Headers are parsed
+#: and checked with this table alone: opening a checkpoint needs no torch (a byte-copy
+#: shard or repack never imports it); ``DTYPES`` maps the names to torch dtypes when data is read.
+DTYPE_SIZES: dict[str, int] = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
 }
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+_TORCH_DTYPE_ATTRS = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+    "BOOL": "bool",
+}
+_torch_tables: dict[str, dict] = {}
+
+
+def __getattr__(name: str):
+    """``DTYPES`` (safetensors name -> torch dtype) and ``DTYPE_NAMES`` (the inverse), built on
+    first use so that importing this module does not import torch."""
+    if name in ("DTYPES", "DTYPE_NAMES"):
+        if not _torch_tables:
+            import torch
+
+            dtypes = {k: getattr(torch, v) for k, v in _TORCH_DTYPE_ATTRS.items()}
+            _torch_tables.update(DTYPES=dtypes, DTYPE_NAMES={v: k for k, v in dtypes.items()})
+        return _torch_tables[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def writable_bytes(t: torch.Tensor) -> memoryview:
@@ -58,10 +70,14 @@ class TensorInfo:
 
     name: str
     file: str
-    dtype: torch.dtype
+    dtype_name: str  # safetensors dtype name: "BF16", "F8_E4M3"...
     shape: tuple[int, ...]
     begin: int
     end: int
+
+    @property
+    def dtype(self) -> "torch.dtype":
+        return __getattr__("DTYPES")[self.dtype_name]
 
     @property
     def nbytes(self) -> int:
@@ -103,17 +119,16 @@ def read_safetensors_header(path: Path) -> tuple[int, dict[str, TensorInfo], dic
                 raise TypeError
         except (KeyError, TypeError, ValueError):
             raise MoetoolError(f"{path}: corrupt safetensors header entry for tensor {name}") from None
-        if dtype_name not in DTYPES:
+        if dtype_name not in DTYPE_SIZES:
             raise MoetoolError(
-                f"{path}: tensor {name} has dtype {dtype_name}, not one of {', '.join(DTYPES)}"
+                f"{path}: tensor {name} has dtype {dtype_name}, not one of {', '.join(DTYPE_SIZES)}"
             )
-        dtype = DTYPES[dtype_name]
         numel = 1
         for d in shape:
             numel *= int(d)
-        if end - begin != numel * dtype.itemsize or begin < 0:
+        if end - begin != numel * DTYPE_SIZES[dtype_name] or begin < 0:
             raise MoetoolError(f"{path}: tensor {name} byte range {begin}..{end} does not match shape {shape} {dtype_name}")
-        infos[name] = TensorInfo(name, path.name, dtype, tuple(int(d) for d in shape), data_start + begin, data_start + end)
+        infos[name] = TensorInfo(name, path.name, dtype_name, tuple(int(d) for d in shape), data_start + begin, data_start + end)
         data_end = max(data_end, end)
     ordered = sorted(infos.values(), key=lambda i: (i.begin, i.end))
     for prev, cur in zip(ordered, ordered[1:]):
@@ -194,6 +209,9 @@ class Checkpoint:
         return self._read(info.file, info.begin + index * row, row).view(info.dtype).reshape(info.shape[1:])
 
     def _read(self, file: str, offset: int, nbytes: int, scratch: str | None = None) -> torch.Tensor:
+        import torch
+        from moetool.memory import scratch as scratch_buffer
+
         fd = self._fds.get(file)
         if fd is None:
             fd = self._fds[file] = os.open(self.root / file, os.O_RDONLY)

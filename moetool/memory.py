@@ -16,8 +16,10 @@ import ctypes
 import ctypes.util
 import os
 import threading
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 M_ARENA_MAX = -8
@@ -87,6 +89,8 @@ def scratch(slot: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
     same ``slot`` (grown when too small): temporaries that every linear needs again come
     from memory already mapped and in cache, not from fresh allocations page-faulted in.
     The caller must be done with it before asking for the same slot again."""
+    import torch
+
     bufs = getattr(_scratch, "bufs", None)
     if bufs is None:
         bufs = _scratch.bufs = {}

@@ -55,6 +55,19 @@ def test_every_allowed_dtype_round_trips(tmp_path):
     assert set(infos) == set(tensors)
 
 
+def test_tensors_larger_than_one_write(tmp_path):
+    """A tensor of several ``WRITE_SLICE`` writes (and a ragged tail) lands byte for byte."""
+    from moetool.writer import WRITE_SLICE
+
+    big = torch.randn(WRITE_SLICE // 4 * 3 + 37, generator=torch.Generator().manual_seed(1))  # float32
+    tensors = {"big": big, "after": torch.arange(5, dtype=torch.int64)}
+    out = OutputDir(tmp_path / "o")
+    rec = out.write_safetensors("m.safetensors", specs_of(tensors), iter(tensors.items()))
+    loaded = load_file(str(tmp_path / "o" / "m.safetensors"))
+    assert bit_equal(loaded["big"], big) and bit_equal(loaded["after"], tensors["after"])
+    assert rec.sha256 == sha256_file(tmp_path / "o" / "m.safetensors")
+
+
 def test_streams_a_tensor_in_several_chunks(tmp_path):
     big = torch.arange(1000, dtype=torch.float32).reshape(10, 100)
     small = torch.ones(7, dtype=torch.bfloat16)
