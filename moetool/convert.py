@@ -1,17 +1,12 @@
-"""Conversion plans (pure values) and the streaming executor shared by quantize, repack and shard.
+"""The torch executor of conversion plans, shared by quantize, repack and shard.
 
-A :class:`Plan` lists output files; each file lists *groups*, and each group knows the exact
-output tensors (name, dtype, shape) it produces before any data is read:
-
-- :class:`Copy`          a tensor passed through bit-identical,
-- :class:`Dequant`       a quantized non-expert linear written back in the model dtype,
-- :class:`ExpertLinear`  one expert's gate, up or down linear in the output format (per-expert layout),
-- :class:`SharedLinear`  a shared-expert linear requantized (``--include-shared-experts``),
-- :class:`Stacked`       a layer's ``w13_*`` or ``w2_*`` tensors for a list of experts (stacked layout).
-
-The executor streams each file through :meth:`OutputDir.write_safetensors`: one expert at a
+The plans themselves (groups, files, indexes) are pure values in ``moetool.plan`` (re-exported
+here); this module adds what needs torch: each :class:`Source` reads and converts linears,
+the :class:`Planner` learns the output tensor specs (probing one expert per layer shape), and
+the executor streams each file through :meth:`OutputDir.write_safetensors`: one expert at a
 time is read, converted and handed to the writer thread, so memory holds a few experts (plus
-the small scale tensors of one stacked group), never a shard.
+the small scale tensors of one stacked group), never a shard. Outputs that are only byte
+ranges of the input are copied by ``moetool.bytecopy`` instead, without torch.
 """
 from __future__ import annotations
 
@@ -21,9 +16,8 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from functools import partial
-from typing import Iterator, Union
+from typing import Iterator
 
 import torch
 
@@ -35,91 +29,28 @@ from moetool.formats.base import WeightFormat
 from moetool.formats.common import error_sums
 from moetool.formats.dense import Dense
 from moetool.memory import trim_in_background
-from moetool.writer import JOURNAL_NAME, OutputDir, TensorSpec
+from moetool.plan import (  # noqa: F401  (re-exported: the plan values predate moetool.plan)
+    OTHER_FILE_SUFFIXES,
+    ROLES,
+    SKIP_FILES,
+    Copy,
+    Dequant,
+    ExpertLinear,
+    Group,
+    Plan,
+    PlannedFile,
+    SharedLinear,
+    Stacked,
+    Summary,
+    assign_files,
+    expert_tensor_names,
+    finish_plan,
+    other_files,
+    write_indexes,
+)
+from moetool.writer import OutputDir, TensorSpec
 
-ROLES = ("gate", "up", "down")
 DTYPE_BY_NAME = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-OTHER_FILE_SUFFIXES = (".json", ".txt", ".model", ".tiktoken", ".jinja")
-SKIP_FILES = {"config.json", "model.safetensors.index.json", "manifest.json", JOURNAL_NAME}
-
-
-@dataclass(frozen=True)
-class Copy:
-    src: str
-    dst: str
-    source: int = 0
-
-
-@dataclass(frozen=True)
-class Dequant:
-    src_base: str
-    dst: str
-    source: int = 0
-
-
-@dataclass(frozen=True)
-class ExpertLinear:
-    layer: int
-    expert: int
-    role: str  # gate | up | down
-    dst_base: str
-    source: int = 0
-
-
-@dataclass(frozen=True)
-class SharedLinear:
-    src_base: str
-    dst_base: str
-    source: int = 0
-
-
-@dataclass(frozen=True)
-class Stacked:
-    layer: int
-    which: str  # w13 | w2
-    experts: tuple[int, ...]
-    dst_base: str
-    #: per-entry source index (merge reads each expert from its rank); empty = all from 0
-    sources: tuple[int, ...] = ()
-
-
-Group = Union[Copy, Dequant, ExpertLinear, SharedLinear, Stacked]
-
-
-@dataclass
-class PlannedFile:
-    name: str
-    groups: list[Group]
-    specs: list[TensorSpec] = field(default_factory=list)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(s.nbytes for s in self.specs)
-
-
-@dataclass
-class Plan:
-    files: list[PlannedFile]
-    config: dict
-    out_format: str
-    layout: str
-    other_files: list[tuple[Path, str]] = field(default_factory=list)  # (source path, output name)
-    manifest_extra: dict = field(default_factory=dict)
-    write_index: bool = True
-    #: extra JSON files written with the config (e.g. per-rank config.json): name -> obj
-    json_files: dict[str, dict] = field(default_factory=dict)
-
-    def describe(self) -> str:
-        lines = [f"plan: {len(self.files)} file(s), format {self.out_format}, layout {self.layout}"]
-        for f in self.files:
-            kinds: dict[str, int] = {}
-            for g in f.groups:
-                kinds[type(g).__name__] = kinds.get(type(g).__name__, 0) + 1
-            what = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
-            lines.append(f"  {f.name}: {len(f.specs)} tensors, {f.nbytes / 1e6:.1f} MB ({what})")
-        for src, name in self.other_files:
-            lines.append(f"  {name}: copied")
-        return "\n".join(lines)
 
 
 def model_dtype(config: dict) -> torch.dtype:
@@ -299,20 +230,7 @@ class Planner:
         self._probe_cache: dict[tuple, dict[str, tuple[torch.dtype, tuple[int, ...]]]] = {}
 
     # -- expert tensors in the input, for "what is not an expert" and up-front validation ---
-    @staticmethod
-    def expert_tensor_names(ckpt: Checkpoint, layer: MoELayerSpec) -> set[str]:
-        st = layer.storage
-        names: set[str] = set()
-        if st.kind == "per-expert":
-            for e in range(layer.n_stored):
-                for base in st.per_expert_bases(e):
-                    names |= {f"{base}.{s}" for s in ckpt.suffixes(base)}
-        elif st.kind == "stacked":
-            names |= {n for n in ckpt.tensors if n.startswith(st.gate_up + "_") or n.startswith(st.down + "_")}
-        else:
-            names |= {st.gate_up, st.down}
-            names |= {b for b in (st.gate_up_bias, st.down_bias) if b}
-        return names
+    expert_tensor_names = staticmethod(expert_tensor_names)
 
     def validate_experts(self, src: Source) -> None:
         """Every expert of a layer must store the same tensors with the same dtypes and shapes."""
@@ -399,36 +317,6 @@ def _storage_sig(ckpt: Checkpoint, layer: MoELayerSpec) -> tuple:
         return (str(ckpt.tensors[st.gate_up].dtype),)
     base, sep = (st.per_expert_bases(0)[0], ".") if st.kind == "per-expert" else (st.gate_up, "_")
     return tuple(sorted((s, str(ckpt.tensors[f"{base}{sep}{s}"].dtype)) for s in ckpt.suffixes(base, sep)))
-
-
-def assign_files(groups: list[Group], homes: list[str], specs: list[list[TensorSpec]],
-                 max_shard_size: int | None, prefix: str = "") -> list[PlannedFile]:
-    """Put groups into output files: by their home input file, or greedily by size."""
-    buckets: list[tuple[list[Group], list[TensorSpec]]] = []
-    if max_shard_size:
-        size = 0
-        for g, sp in zip(groups, specs):
-            nb = sum(s.nbytes for s in sp)
-            if not buckets or (size + nb > max_shard_size and size > 0):
-                buckets.append(([], []))
-                size = 0
-            buckets[-1][0].append(g)
-            buckets[-1][1].extend(sp)
-            size += nb
-    else:
-        order: dict[str, int] = {}
-        for g, sp, home in zip(groups, specs, homes):
-            if home not in order:
-                order[home] = len(buckets)
-                buckets.append(([], []))
-            buckets[order[home]][0].append(g)
-            buckets[order[home]][1].extend(sp)
-    n = len(buckets)
-    files = []
-    for i, (gs, sp) in enumerate(buckets):
-        name = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-        files.append(PlannedFile(prefix + name, gs, sp))
-    return files
 
 
 # ---------------------------------------------------------------------------------- executing
@@ -527,37 +415,6 @@ class Executor:
 # ---------------------------------------------------------------------------------- running
 
 
-@dataclass
-class Summary:
-    tensors: int
-    bytes_in: int
-    bytes_out: int
-    seconds: float
-    files_written: int
-    files_skipped: int
-    errors: dict
-    out_format: str
-    layout: str
-
-    @property
-    def gbps(self) -> float:
-        return self.bytes_in / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-    def render(self) -> str:
-        lines = [
-            f"{self.tensors} tensors, {self.bytes_in / 1e9:.3f} GB in -> {self.bytes_out / 1e9:.3f} GB out "
-            f"in {self.seconds:.2f} s ({self.gbps:.2f} GB/s); {self.files_written} file(s) written, "
-            f"{self.files_skipped} resumed"
-        ]
-        if self.errors:
-            e = self.errors
-            lines.append(
-                f"{self.out_format} error over {e['linears']} linears: mean rel {e['mean_rel_err']:.4f}, "
-                f"max rel {e['max_rel_err']:.4f}, SQNR {e['sqnr_db']:.1f} dB (min {e['min_sqnr_db']:.1f} dB)"
-            )
-        return "\n".join(lines)
-
-
 def run_plan(plan: Plan, sources: list[Source], out: OutputDir, *, bytes_in: int, progress: bool = True,
              stats: ErrorStats | None = None) -> Summary:
     """Write every file of ``plan`` (skipping ones a previous run finished), then the JSON files,
@@ -584,13 +441,7 @@ def run_plan(plan: Plan, sources: list[Source], out: OutputDir, *, bytes_in: int
     finally:
         bar.close()
         torch.set_num_threads(torch_threads)
-    for src_path, name in plan.other_files:
-        out.copy_file(src_path, name)
-    for name, obj in plan.json_files.items():
-        out.write_json(name, obj)
-    if plan.write_index:
-        write_indexes(plan, out)
-    out.finish(plan.manifest_extra)
+    finish_plan(plan, out)
     seconds = time.perf_counter() - t0
     return Summary(
         tensors=sum(len(f.specs) for f in plan.files),
@@ -605,22 +456,3 @@ def run_plan(plan: Plan, sources: list[Source], out: OutputDir, *, bytes_in: int
     )
 
 
-def write_indexes(plan: Plan, out: OutputDir) -> None:
-    """One model.safetensors.index.json per output folder holding several safetensors files."""
-    folders: dict[str, list[PlannedFile]] = {}
-    for f in plan.files:
-        folder = f.name.rsplit("/", 1)[0] + "/" if "/" in f.name else ""
-        folders.setdefault(folder, []).append(f)
-    for folder, files in folders.items():
-        if len(files) == 1 and files[0].name.endswith("/model.safetensors" if folder else "model.safetensors"):
-            continue
-        weight_map = {s.name: f.name[len(folder):] for f in files for s in f.specs}
-        total = sum(f.nbytes for f in files)
-        out.write_json(f"{folder}model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
-
-
-def other_files(root: Path) -> list[tuple[Path, str]]:
-    """Small side files (tokenizer, generation config) copied as they are; never pickles."""
-    return [(p, p.name) for p in sorted(root.iterdir())
-            if p.is_file() and p.suffix in OTHER_FILE_SUFFIXES and p.name not in SKIP_FILES
-            and not p.name.endswith(".incomplete")]

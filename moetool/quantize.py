@@ -6,80 +6,32 @@ written back in the model dtype). repack: same format, per-expert <-> stacked la
 """
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
-from typing import Literal
 
 import torch
 
 from moetool.arch import ModelSpec, describe
-from moetool.checkpoint import Checkpoint, open_checkpoint
+from moetool.checkpoint import open_checkpoint
 from moetool.convert import (
-    ROLES,
     Copy,
     Dequant,
     ErrorStats,
-    ExpertLinear,
     Group,
     Plan,
     Planner,
     SharedLinear,
     Source,
-    Stacked,
     Summary,
-    assign_files,
-    other_files,
     run_plan,
 )
 from moetool.errors import MoetoolError
 from moetool.formats import get_format
 from moetool.formats.base import WeightFormat
+from moetool.plan import QUANTIZED_ONLY_SUFFIXES, Layout, checkpoint_files, checkpoint_plan, expert_tensor_names, \
+    plan_id
 from moetool.writer import OutputDir, TensorSpec
 
-Layout = Literal["per-expert", "stacked"]
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-QUANTIZED_ONLY_SUFFIXES = {"weight_scale_inv", "weight_scale", "weight_packed", "weight_shape", "weight_zero_point",
-                           "input_scale", "weight_global_scale"}
-
-
-def expert_groups(src: Source, layout: Layout, *, slots: dict[int, list[int]] | None = None,
-                  slot_names: bool = False) -> tuple[list[Group], list[str]]:
-    """Groups writing the routed experts, with each group's home input file.
-
-    ``slots``: per layer index, the global experts to write (default all, in order);
-    ``slot_names``: name per-expert outputs by local slot (EP shards) instead of global id.
-    """
-    groups: list[Group] = []
-    homes: list[str] = []
-    for layer in src.spec.moe_layers:
-        experts = slots[layer.index] if slots is not None else list(range(layer.n_stored))
-        lin_names = src.spec.family.expert_linears
-        home = _home_of_layer(src.ckpt, layer)
-        if layout == "stacked":
-            for which in ("w13", "w2"):
-                groups.append(Stacked(layer.index, which, tuple(experts), f"{layer.prefix}.experts.{which}"))
-                homes.append(home(experts[0]) if experts else home(0))
-            continue
-        for slot, e in enumerate(experts):
-            for r, role in enumerate(ROLES):
-                name_index = slot if slot_names else e
-                dst = f"{layer.prefix}.experts.{name_index}.{lin_names[r]}"
-                groups.append(ExpertLinear(layer.index, e, role, dst))
-                homes.append(home(e))
-    return groups, homes
-
-
-def _home_of_layer(ckpt: Checkpoint, layer):
-    st = layer.storage
-    if st.kind == "per-expert":
-        def home(e: int) -> str:
-            base = st.per_expert_bases(e)[0]
-            info = ckpt.tensors.get(f"{base}.weight") or ckpt.tensors.get(f"{base}.weight_packed")
-            return info.file
-        return home
-    first = next(n for n in ckpt.tensors if n.startswith(st.gate_up))
-    return lambda e: ckpt.tensors[first].file
 
 
 def non_expert_groups(src: Source, *, include_shared: bool) -> tuple[list[Group], list[str]]:
@@ -88,7 +40,7 @@ def non_expert_groups(src: Source, *, include_shared: bool) -> tuple[list[Group]
     ckpt = src.ckpt
     expert_names: set[str] = set()
     for layer in src.spec.moe_layers:
-        expert_names |= Planner.expert_tensor_names(ckpt, layer)
+        expert_names |= expert_tensor_names(ckpt, layer)
     shared = {b for layer in src.spec.moe_layers for b in (layer.shared_bases or ())} if include_shared else set()
     bases_done: set[str] = set()
     groups: list[Group] = []
@@ -138,36 +90,14 @@ def output_config(config: dict, out_fmt: WeightFormat, changed: bool, specs: lis
     return cfg
 
 
-def plan_id(ckpt: Checkpoint, **options) -> str:
-    """Fingerprint of inputs (names, sizes, mtimes) and options: a journal from another plan is ignored."""
-    h = hashlib.sha256()
-    for f in ckpt.files:
-        st = (ckpt.root / f).stat()
-        h.update(f"{f}:{st.st_size}:{st.st_mtime_ns};".encode())
-    h.update(json.dumps(options, sort_keys=True, default=str).encode())
-    return h.hexdigest()[:16]
-
-
 def build_plan(src: Source, *, layout: Layout, include_shared: bool, max_shard_size: int | None,
                changed_format: bool) -> Plan:
     planner = Planner([src])
     planner.validate_experts(src)
-    eg, eh = expert_groups(src, layout)
-    ng, nh = non_expert_groups(src, include_shared=include_shared)
-    groups, homes = _merge_in_file_order(src.ckpt, ng + eg, nh + eh)
-    specs = [planner.specs(g) for g in groups]
-    files = assign_files(groups, homes, specs, max_shard_size)
-    flat = [s for sp in specs for s in sp]
-    config = output_config(src.ckpt.config, src.out_fmt, changed_format, flat)
-    return Plan(files, config, src.out_fmt.name, layout, other_files=other_files(src.ckpt.root),
-                json_files={"config.json": config},
-                manifest_extra={"kind": "checkpoint", "format": src.out_fmt.name, "layout": layout})
-
-
-def _merge_in_file_order(ckpt: Checkpoint, groups: list[Group], homes: list[str]):
-    order = {f: i for i, f in enumerate(ckpt.files)}
-    idx = sorted(range(len(groups)), key=lambda i: order.get(homes[i], 0))  # stable: keeps order within a file
-    return [groups[i] for i in idx], [homes[i] for i in idx]
+    files = checkpoint_files(src.ckpt, src.spec, layout, non_expert_groups(src, include_shared=include_shared),
+                             planner.specs, max_shard_size)
+    config = output_config(src.ckpt.config, src.out_fmt, changed_format, [s for f in files for s in f.specs])
+    return checkpoint_plan(src.ckpt, files, config, src.out_fmt.name, layout)
 
 
 def convert_checkpoint(
@@ -217,4 +147,7 @@ def quantize(source, out, fmt_name: str, *, group_size: int = 128, symmetric: bo
 
 
 def repack(source, out, layout: Layout, **kw) -> Summary | Plan:
-    return convert_checkpoint(source, out, fmt=None, layout=layout, **kw)
+    """``moetool.repack.repack``: a byte copy where the checkpoint allows it, else ``convert_checkpoint``."""
+    from moetool.repack import repack as repack_
+
+    return repack_(source, out, layout, **kw)

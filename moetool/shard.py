@@ -17,92 +17,59 @@ from pathlib import Path
 
 from moetool.arch import describe
 from moetool.checkpoint import Checkpoint, open_checkpoint
-from moetool.convert import ROLES, Copy, ErrorStats, ExpertLinear, Plan, Planner, Source, Stacked, Summary, \
-    assign_files, other_files, run_plan
 from moetool.errors import MoetoolError
-from moetool.placement import add_redundant, make_placement, placement_from_json, placement_to_json, \
-    read_expert_load
-from moetool.quantize import Layout, expert_groups, non_expert_groups, plan_id
+from moetool.placement import placement_from_json
+from moetool.plan import ROLES, ExpertLinear, Layout, Plan, Stacked, Summary, assign_files, other_files, plan_id, \
+    plan_placements, rank_dir, shard_plan  # noqa: F401
 from moetool.spec import ExpertPlacement
 from moetool.writer import MANIFEST_NAME, OutputDir, verify_manifest
 
-
-def rank_dir(rank: int, ep: int) -> str:
-    return f"rank-{rank:05d}-of-{ep:05d}"
-
-
-def plan_placements(spec, ep: int, placement: str, redundant: int, load_file: Path | None) -> dict[int, ExpertPlacement]:
-    if redundant and load_file is None:
-        raise MoetoolError("--redundant-experts needs --expert-load FILE (per-layer token counts per expert)")
-    if load_file is not None and not redundant:
-        raise MoetoolError("--expert-load is only used with --redundant-experts R (R > 0)")
-    loads = read_expert_load(load_file, {m.index: m.num_experts for m in spec.moe_layers}) if load_file else {}
-    out = {}
-    for layer in spec.moe_layers:
-        p = make_placement(placement, layer.num_experts, ep)
-        if redundant:
-            p = add_redundant(p, loads[layer.index], redundant)
-        out[layer.index] = p
-    return out
+# torch is imported only where tensors are converted (moetool.convert, moetool.quantize): a
+# shard that is a byte copy of its input (moetool.bytecopy) runs without it
 
 
-def build_shard_plan(src: Source, ep: int, placements: dict[int, ExpertPlacement], layout: Layout,
+def build_shard_plan(src, ep: int, placements: dict[int, ExpertPlacement], layout: Layout,
                      max_shard_size: int | None, placement_name: str, redundant: int) -> Plan:
-    spec = src.spec
+    """The plan of ``shard`` through the torch executor (``src``: a ``moetool.convert.Source``)."""
+    from moetool.convert import Planner
+    from moetool.quantize import non_expert_groups
+
     planner = Planner([src])
     planner.validate_experts(src)
-    ng, nh = non_expert_groups(src, include_shared=False)
-    n_specs = [planner.specs(g) for g in ng]
-    files = []
-    json_files = {}
-    for r in range(ep):
-        slots = {i: p.slots[r] for i, p in placements.items()}
-        eg, eh = expert_groups(src, layout, slots=slots, slot_names=True)
-        e_specs = [planner.specs(g) for g in eg]
-        d = rank_dir(r, ep)
-        files += assign_files(ng + eg, nh + eh, n_specs + e_specs, max_shard_size, prefix=f"{d}/")
-        cfg = dict(src.ckpt.config)
-        cfg["moetool_ep"] = {"rank": r, "ep": ep, "layout": layout,
-                             "stored_experts": {str(i): len(s) for i, s in slots.items()}}
-        json_files[f"{d}/config.json"] = cfg
-    manifest = {
-        "kind": "ep-shards",
-        "ep": ep,
-        "format": src.out_fmt.name,
-        "format_params": {k: v for k, v in vars(src.out_fmt).items() if k != "suffixes"},
-        "layout": layout,
-        "placement": placement_name,
-        "redundant_experts": redundant,
-        "ranks": [rank_dir(r, ep) for r in range(ep)],
-        "source": {
-            "layout": spec.moe_layers[0].storage.kind,
-            "tensor_files": {n: i.file for n, i in src.ckpt.tensors.items()},
-        },
-        "layers": [
-            {"layer": m.index, "prefix": m.prefix, "num_experts": m.num_experts, "hidden": m.hidden,
-             "intermediate": m.intermediate, **placement_to_json(placements[m.index])}
-            for m in spec.moe_layers
-        ],
-    }
-    return Plan(files, src.ckpt.config, src.out_fmt.name, layout, json_files=json_files, manifest_extra=manifest)
+    return shard_plan(src.ckpt, src.spec, ep, placements, layout, max_shard_size, placement_name, redundant,
+                      non_expert_groups(src, include_shared=False), planner.specs, src.out_fmt.name,
+                      {k: v for k, v in vars(src.out_fmt).items() if k != "suffixes"})
 
 
 def shard(source, out, ep: int, *, placement: str = "linear", redundant: int = 0, expert_load: Path | None = None,
           layout: Layout = "stacked", max_shard_size: int | None = None, dry_run: bool = False, force: bool = False,
-          progress: bool = True, revision: str | None = None) -> Summary | Plan:
+          progress: bool = True, revision: str | None = None, byte_copy: bool = True) -> Summary | Plan:
+    """Write one folder per EP rank and the manifest. An unquantized checkpoint whose experts
+    are stored per expert or stacked is copied byte range by byte range (``moetool.bytecopy``,
+    no torch; ``byte_copy=False`` forces the torch executor, same output bytes)."""
     ckpt = open_checkpoint(source, revision)
     try:
         spec = describe(ckpt.config, ckpt.tensors)
         if "moetool_ep" in ckpt.config:
             raise MoetoolError(f"{ckpt.root}: is one rank of EP shards; merge them first (moetool shard --merge)")
         placements = plan_placements(spec, ep, placement, redundant, expert_load)
+        pid = plan_id(ckpt, ep=ep, placement=placement, redundant=redundant, layout=layout, load=str(expert_load),
+                      max=max_shard_size)
+        if byte_copy and not dry_run:
+            from moetool.bytecopy import shard_by_copy
+
+            done = shard_by_copy(ckpt, spec, out, ep, placements, layout=layout, placement_name=placement,
+                                 redundant=redundant, max_shard_size=max_shard_size, force=force,
+                                 progress=progress, plan_id=pid)
+            if done is not None:
+                return done
+        from moetool.convert import ErrorStats, Source, run_plan
+
         src = Source(ckpt, spec, None, ErrorStats())
         plan = build_shard_plan(src, ep, placements, layout, max_shard_size, placement, redundant)
         if dry_run:
             return plan
-        outdir = OutputDir(Path(out), inputs=[ckpt.root], force=force,
-                           plan_id=plan_id(ckpt, ep=ep, placement=placement, redundant=redundant, layout=layout,
-                                           load=str(expert_load), max=max_shard_size))
+        outdir = OutputDir(Path(out), inputs=[ckpt.root], force=force, plan_id=pid)
         return run_plan(plan, [src], outdir, bytes_in=ckpt.files_bytes(), progress=progress)
     finally:
         ckpt.close()
@@ -152,6 +119,9 @@ def merge(shards_dir, out, *, layout: Layout | None = None, max_shard_size: int 
           dry_run: bool = False, force: bool = False, progress: bool = True) -> Summary | Plan:
     """Rebuild the unsharded checkpoint: every expert from its primary copy, names and file
     assignment of the source (recorded in the manifest); non-expert tensors from rank 0."""
+    from moetool.convert import ErrorStats, Planner, Source, run_plan
+    from moetool.quantize import non_expert_groups
+
     shards = EPShards(Path(shards_dir))
     man = shards.manifest
     opened = [shards.open_rank(r, check=False) for r in range(shards.ep)]

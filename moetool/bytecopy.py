@@ -1,0 +1,317 @@
+"""``shard`` and ``repack`` of an unquantized checkpoint as byte copies, without torch.
+
+The plan is the torch executor's (``moetool.plan``), its files turned into header + input
+byte spans by ``moetool.byteplan``. Each output file is copied by one worker (two files at a
+time on two cores):
+
+    input (page cache) --pread--> one of 8 reused 256 KiB buffers --write--> FILE.incomplete
+                                        \\--> sha256 on a second thread (hashlib releases the GIL)
+
+then fsync'd, renamed and journaled by :class:`OutputDir` exactly as the torch executor does
+(a re-run resumes either one's files; the manifest is written last). Writeback is started every
+16 MiB so the final fsync waits only for the tail. A file that begins with the same header and
+spans as an earlier one (every EP rank's copy of the non-expert tensors) continues that file's
+sha256 state instead of hashing the same bytes again (if the earlier file is not written in
+this run, it hashes its prefix itself).
+
+Nothing is converted, so nothing needs a value check that the torch path does not do either:
+every header, dtype, shape and byte range was validated when the checkpoint was opened, and
+``why_not_byte_copy`` leaves everything it does not fully understand to the torch executor.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+from moetool.arch import ModelSpec
+from moetool.byteplan import ByteFile, ByteSource, Span, byte_files, coalesce, copy_groups, why_not_byte_copy
+from moetool.checkpoint import Checkpoint
+from moetool.errors import MoetoolError
+from moetool.plan import Layout, Plan, Summary, checkpoint_files, checkpoint_plan, finish_plan, shard_plan
+from moetool.spec import ExpertPlacement
+from moetool.writer import WRITE_SLICE, WRITEBACK_STEP, OutputDir, start_writeback
+
+#: bytes per read / write (larger writes are slower on this kernel: see ``writer.WRITE_SLICE``)
+CHUNK = WRITE_SLICE
+#: buffers in flight per file between the copy loop and its hasher
+BUFFERS = 8
+#: the output format of a byte copy: the input's, which ``why_not_byte_copy`` requires to be dense
+FORMAT = "dense"
+
+
+def repack_by_copy(ckpt: Checkpoint, spec: ModelSpec, out, layout: Layout, *, max_shard_size: int | None,
+                   force: bool, progress: bool, plan_id: str) -> Summary | None:
+    """``repack`` as a byte copy; None when the checkpoint does not qualify (``why_not_byte_copy``)."""
+    if why_not_byte_copy(ckpt, spec) is not None:
+        return None
+    source = ByteSource(ckpt, spec)
+    files = checkpoint_files(ckpt, spec, layout, copy_groups(ckpt, spec), source.specs, max_shard_size)
+    plan = checkpoint_plan(ckpt, files, dict(ckpt.config), FORMAT, layout)
+    outdir = OutputDir(Path(out), inputs=[ckpt.root], force=force, plan_id=plan_id)
+    return run_byte_plan(plan, byte_files(plan, source), ckpt, outdir, progress=progress)
+
+
+def shard_by_copy(ckpt: Checkpoint, spec: ModelSpec, out, ep: int, placements: dict[int, ExpertPlacement], *,
+                  layout: Layout, placement_name: str, redundant: int, max_shard_size: int | None, force: bool,
+                  progress: bool, plan_id: str) -> Summary | None:
+    """``shard`` as a byte copy; None when the checkpoint does not qualify (``why_not_byte_copy``)."""
+    if why_not_byte_copy(ckpt, spec) is not None:
+        return None
+    source = ByteSource(ckpt, spec)
+    plan = shard_plan(ckpt, spec, ep, placements, layout, max_shard_size, placement_name, redundant,
+                      copy_groups(ckpt, spec), source.specs, FORMAT, {})
+    outdir = OutputDir(Path(out), inputs=[ckpt.root], force=force, plan_id=plan_id)
+    return run_byte_plan(plan, byte_files(plan, source), ckpt, outdir, progress=progress)
+
+
+def run_byte_plan(plan: Plan, files: list[ByteFile], ckpt: Checkpoint, out: OutputDir, *, progress: bool = True,
+                  workers: int | None = None) -> Summary:
+    """Write ``files`` (skipping those a previous run finished), then what ``finish_plan`` writes."""
+    t0 = time.perf_counter()
+    total = sum(f.nbytes for f in plan.files)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="writing", leave=False)
+    lock = threading.Lock()
+
+    def on_bytes(n: int) -> None:
+        with lock:
+            bar.update(n)
+
+    written = copy_files(files, ckpt.root, out, workers=workers, on_bytes=on_bytes if bar else None)
+    if bar is not None:
+        bar.close()
+    finish_plan(plan, out)
+    return Summary(tensors=sum(len(f.specs) for f in plan.files), bytes_in=ckpt.files_bytes(), bytes_out=total,
+                   seconds=time.perf_counter() - t0, files_written=written, files_skipped=len(files) - written,
+                   errors={}, out_format=plan.out_format, layout=plan.layout)
+
+
+def copy_files(files: list[ByteFile], root: Path, out: OutputDir, *, workers: int | None = None,
+               on_bytes: Callable[[int], None] | None = None) -> int:
+    """Copy each file (in order, ``workers`` at a time) unless ``out`` already has it; the count written."""
+    workers = workers or default_workers()
+    inputs = _Inputs(root)
+    hashes = _PrefixHashes()
+
+    failed = threading.Event()  # after a failure no further file is started
+
+    def one(f: ByteFile) -> int:
+        try:
+            if failed.is_set():
+                return 0
+            if out.already_done(f.name):
+                if on_bytes is not None:
+                    on_bytes(f.nbytes)
+                return 0
+            _copy_file(f, inputs, out, hashes, on_bytes)
+            return 1
+        except BaseException:
+            failed.set()
+            raise
+        finally:
+            hashes.close(f.name)
+
+    try:
+        with ThreadPoolExecutor(workers, thread_name_prefix="moetool-copy") as pool:
+            futures = [pool.submit(one, f) for f in files]  # started in order: a file's hash_from is earlier
+            return sum(fut.result() for fut in futures)
+    finally:
+        inputs.close()
+
+
+def default_workers() -> int:
+    """Files copied at once: one per core (each has a copy loop and a hashing thread), at most 4."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+# ---------------------------------------------------------------------------------- one file
+
+
+class _Inputs:
+    """Read-only descriptors of the input files, opened once and shared by the copying threads."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def read_into(self, file: str, offset: int, view: memoryview) -> None:
+        with self._lock:
+            fd = self._fds.get(file)
+            if fd is None:
+                fd = self._fds[file] = os.open(self.root / file, os.O_RDONLY)
+        done = 0
+        while done < len(view):
+            n = os.preadv(fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise MoetoolError(f"{self.root / file}: unexpected end of file at byte {offset + done} "
+                                   f"(file changed while reading?)")
+            done += n
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+class _PrefixHashes:
+    """sha256 states after the first k spans of a file, for later files that start alike."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._states: dict[tuple[str, int], "hashlib._Hash"] = {}
+        self._closed: set[str] = set()
+
+    def put(self, name: str, k: int, h) -> None:
+        with self._cond:
+            self._states[(name, k)] = h.copy()
+            self._cond.notify_all()
+
+    def close(self, name: str) -> None:
+        """``name`` saves no further states (finished, skipped or failed)."""
+        with self._cond:
+            self._closed.add(name)
+            self._cond.notify_all()
+
+    def get(self, name: str, k: int):
+        """A copy of the state, waiting while ``name`` may still save it; None if it never will."""
+        with self._cond:
+            self._cond.wait_for(lambda: (name, k) in self._states or name in self._closed)
+            state = self._states.get((name, k))
+            return state.copy() if state is not None else None
+
+
+class _Hasher:
+    """sha256 of one output file on its own thread, fed buffers in file order by the copy loop.
+
+    Until ``resume`` the data belongs to a prefix shared with an earlier file and is not fed;
+    ``resume`` takes that file's state (or hashes the prefix from the input if it has none)."""
+
+    def __init__(self, f: ByteFile, inputs: _Inputs, hashes: _PrefixHashes, release: Callable[[bytearray], None]):
+        self.f, self.inputs, self.hashes, self.release = f, inputs, hashes, release
+        self.h = hashlib.sha256()
+        self.error: BaseException | None = None
+        self.q: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name="moetool-hash", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self.q.get()
+            if item is None:
+                return
+            kind, a, b = item
+            try:
+                if self.error is None:
+                    if kind == "data":
+                        self.h.update(a)
+                    elif kind == "save":
+                        self.hashes.put(self.f.name, a, self.h)
+                    else:  # resume after the first `a` spans
+                        self._resume(*self.f.hash_from)
+            except BaseException as e:  # surfaced by finish()
+                self.error = e
+            finally:
+                if kind == "data" and b is not None:
+                    self.release(b)
+
+    def _resume(self, earlier: str, k: int) -> None:
+        state = self.hashes.get(earlier, k)
+        if state is not None:
+            self.h = state
+            return
+        self.h = hashlib.sha256(self.f.header)
+        buf = bytearray(CHUNK)
+        for span in coalesce(self.f.spans[:k]):
+            for off in range(0, span.length, CHUNK):
+                view = memoryview(buf)[:min(CHUNK, span.length - off)]
+                self.inputs.read_into(span.file, span.offset + off, view)
+                self.h.update(view)
+
+    def feed(self, view: memoryview, buf: bytearray | None = None) -> None:
+        """Hash ``view``, then hand ``buf`` (the buffer it is part of) back to the copy loop."""
+        self.q.put(("data", view, buf))
+
+    def mark(self, kind: str, k: int) -> None:
+        self.q.put((kind, k, None))
+
+    def finish(self) -> str:
+        self.q.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.h.hexdigest()
+
+
+def _segments(f: ByteFile) -> list[tuple[int, list[Span]]]:
+    """``f``'s spans as (index of its first span, coalesced spans) pieces, cut at every point
+    where its hashing changes: a state saved for later files, the end of a shared prefix."""
+    cuts = {0, len(f.spans)} | f.hash_saves | ({f.hash_from[1]} if f.hash_from else set())
+    bounds = sorted(cuts)
+    return [(a, coalesce(f.spans[a:b])) for a, b in zip(bounds, bounds[1:])]
+
+
+def _copy_file(f: ByteFile, inputs: _Inputs, out: OutputDir, hashes: _PrefixHashes,
+               on_bytes: Callable[[int], None] | None) -> None:
+    free: queue.Queue = queue.Queue()
+    for _ in range(BUFFERS):
+        free.put(bytearray(CHUNK))
+    hasher = _Hasher(f, inputs, hashes, free.put)
+    shared = f.hash_from[1] if f.hash_from else 0  # the first spans, hashed by the earlier file
+
+    def at_point(k: int) -> None:  # after k spans
+        if f.hash_from and k == shared:
+            hasher.mark("resume", k)
+        if k in f.hash_saves:
+            hasher.mark("save", k)
+
+    fd = os.open(out.incomplete_path(f.name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    written = flushed = 0
+    ok = False
+    try:
+        if not f.hash_from:
+            hasher.feed(memoryview(f.header))
+        _write_all(fd, memoryview(f.header))
+        written = len(f.header)
+        for start, spans in _segments(f):
+            at_point(start)
+            for span in spans:
+                for off in range(0, span.length, CHUNK):
+                    buf = free.get()
+                    view = memoryview(buf)[:min(CHUNK, span.length - off)]
+                    inputs.read_into(span.file, span.offset + off, view)
+                    _write_all(fd, view)
+                    if start >= shared:
+                        hasher.feed(view, buf)
+                    else:
+                        free.put(buf)
+                    written += len(view)
+                    if written - flushed >= WRITEBACK_STEP:
+                        start_writeback(fd, flushed, written - flushed)
+                        flushed = written
+                    if on_bytes is not None:
+                        on_bytes(len(view))
+        at_point(len(f.spans))
+        digest = hasher.finish()
+        os.fsync(fd)
+        ok = True
+    finally:
+        if not ok:
+            hasher.q.put(None)
+        os.close(fd)
+    out.commit(f.name, digest)
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while len(view):
+        n = os.write(fd, view)
+        view = view[n:]

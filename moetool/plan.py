@@ -1,0 +1,393 @@
+"""Conversion plans as pure values, shared by every way of executing them (no torch here).
+
+A :class:`Plan` lists output files; each file lists *groups*, and each group knows the exact
+output tensors it produces before any data is read:
+
+- :class:`Copy`          a tensor passed through bit-identical,
+- :class:`Dequant`       a quantized non-expert linear written back in the model dtype,
+- :class:`ExpertLinear`  one expert's gate, up or down linear in the output format (per-expert layout),
+- :class:`SharedLinear`  a shared-expert linear requantized (``--include-shared-experts``),
+- :class:`Stacked`       a layer's ``w13_*`` or ``w2_*`` tensors for a list of experts (stacked layout).
+
+Which groups a conversion has and how they are put into files is decided here, once, for
+both executors: ``moetool.convert`` (read, convert and write tensors with torch) and
+``moetool.bytecopy`` (outputs that are byte ranges of the input, copied without torch).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Literal, Union
+
+from moetool.arch import ModelSpec, MoELayerSpec
+from moetool.checkpoint import Checkpoint
+from moetool.errors import MoetoolError
+from moetool.placement import add_redundant, make_placement, placement_to_json, read_expert_load
+from moetool.spec import ExpertPlacement
+from moetool.writer import JOURNAL_NAME, MANIFEST_NAME, OutputDir, TensorSpec
+
+Layout = Literal["per-expert", "stacked"]
+ROLES = ("gate", "up", "down")
+OTHER_FILE_SUFFIXES = (".json", ".txt", ".model", ".tiktoken", ".jinja")
+SKIP_FILES = {"config.json", "model.safetensors.index.json", MANIFEST_NAME, JOURNAL_NAME}
+#: tensor suffixes only a quantized linear has (its weight is then no plain tensor to copy)
+QUANTIZED_ONLY_SUFFIXES = {"weight_scale_inv", "weight_scale", "weight_packed", "weight_shape", "weight_zero_point",
+                           "input_scale", "weight_global_scale"}
+
+
+@dataclass(frozen=True)
+class Copy:
+    src: str
+    dst: str
+    source: int = 0
+
+
+@dataclass(frozen=True)
+class Dequant:
+    src_base: str
+    dst: str
+    source: int = 0
+
+
+@dataclass(frozen=True)
+class ExpertLinear:
+    layer: int
+    expert: int
+    role: str  # gate | up | down
+    dst_base: str
+    source: int = 0
+
+
+@dataclass(frozen=True)
+class SharedLinear:
+    src_base: str
+    dst_base: str
+    source: int = 0
+
+
+@dataclass(frozen=True)
+class Stacked:
+    layer: int
+    which: str  # w13 | w2
+    experts: tuple[int, ...]
+    dst_base: str
+    #: per-entry source index (merge reads each expert from its rank); empty = all from 0
+    sources: tuple[int, ...] = ()
+
+
+Group = Union[Copy, Dequant, ExpertLinear, SharedLinear, Stacked]
+#: a group's output tensors (``TensorSpec``, or ``byteplan.RawSpec`` for a byte copy)
+SpecsOf = Callable[[Group], list]
+
+
+@dataclass
+class PlannedFile:
+    name: str
+    groups: list[Group]
+    specs: list[TensorSpec] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.specs)
+
+
+@dataclass
+class Plan:
+    files: list[PlannedFile]
+    config: dict
+    out_format: str
+    layout: str
+    other_files: list[tuple[Path, str]] = field(default_factory=list)  # (source path, output name)
+    manifest_extra: dict = field(default_factory=dict)
+    write_index: bool = True
+    #: extra JSON files written with the config (e.g. per-rank config.json): name -> obj
+    json_files: dict[str, dict] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        lines = [f"plan: {len(self.files)} file(s), format {self.out_format}, layout {self.layout}"]
+        for f in self.files:
+            kinds: dict[str, int] = {}
+            for g in f.groups:
+                kinds[type(g).__name__] = kinds.get(type(g).__name__, 0) + 1
+            what = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+            lines.append(f"  {f.name}: {len(f.specs)} tensors, {f.nbytes / 1e6:.1f} MB ({what})")
+        for src, name in self.other_files:
+            lines.append(f"  {name}: copied")
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------- which groups
+
+
+def expert_tensor_names(ckpt: Checkpoint, layer: MoELayerSpec) -> set[str]:
+    """Every input tensor holding a routed expert of ``layer`` (whatever is not one is copied,
+    or dequantized, as a non-expert tensor)."""
+    st = layer.storage
+    names: set[str] = set()
+    if st.kind == "per-expert":
+        for e in range(layer.n_stored):
+            for base in st.per_expert_bases(e):
+                names |= {f"{base}.{s}" for s in ckpt.suffixes(base)}
+    elif st.kind == "stacked":
+        names |= {n for n in ckpt.tensors if n.startswith(st.gate_up + "_") or n.startswith(st.down + "_")}
+    else:
+        names |= {st.gate_up, st.down}
+        names |= {b for b in (st.gate_up_bias, st.down_bias) if b}
+    return names
+
+
+def expert_groups(ckpt: Checkpoint, spec: ModelSpec, layout: Layout, *, slots: dict[int, list[int]] | None = None,
+                  slot_names: bool = False) -> tuple[list[Group], list[str]]:
+    """Groups writing the routed experts, with each group's home input file.
+
+    ``slots``: per layer index, the global experts to write (default all, in order);
+    ``slot_names``: name per-expert outputs by local slot (EP shards) instead of global id.
+    """
+    groups: list[Group] = []
+    homes: list[str] = []
+    for layer in spec.moe_layers:
+        experts = slots[layer.index] if slots is not None else list(range(layer.n_stored))
+        lin_names = spec.family.expert_linears
+        home = home_of_layer(ckpt, layer)
+        if layout == "stacked":
+            for which in ("w13", "w2"):
+                groups.append(Stacked(layer.index, which, tuple(experts), f"{layer.prefix}.experts.{which}"))
+                homes.append(home(experts[0]) if experts else home(0))
+            continue
+        for slot, e in enumerate(experts):
+            for r, role in enumerate(ROLES):
+                name_index = slot if slot_names else e
+                dst = f"{layer.prefix}.experts.{name_index}.{lin_names[r]}"
+                groups.append(ExpertLinear(layer.index, e, role, dst))
+                homes.append(home(e))
+    return groups, homes
+
+
+def home_of_layer(ckpt: Checkpoint, layer: MoELayerSpec):
+    """expert id -> the input file holding it (the output file it goes to by default)."""
+    st = layer.storage
+    if st.kind == "per-expert":
+        def home(e: int) -> str:
+            base = st.per_expert_bases(e)[0]
+            info = ckpt.tensors.get(f"{base}.weight") or ckpt.tensors.get(f"{base}.weight_packed")
+            return info.file
+        return home
+    first = next(n for n in ckpt.tensors if n.startswith(st.gate_up))
+    return lambda e: ckpt.tensors[first].file
+
+
+def in_file_order(ckpt: Checkpoint, groups: list[Group], homes: list[str]) -> tuple[list[Group], list[str]]:
+    """Groups sorted by their home's position among the input files (stable within a file)."""
+    order = {f: i for i, f in enumerate(ckpt.files)}
+    idx = sorted(range(len(groups)), key=lambda i: order.get(homes[i], 0))
+    return [groups[i] for i in idx], [homes[i] for i in idx]
+
+
+def plan_id(ckpt: Checkpoint, **options) -> str:
+    """Fingerprint of inputs (names, sizes, mtimes) and options: a journal from another plan is ignored."""
+    h = hashlib.sha256()
+    for f in ckpt.files:
+        st = (ckpt.root / f).stat()
+        h.update(f"{f}:{st.st_size}:{st.st_mtime_ns};".encode())
+    h.update(json.dumps(options, sort_keys=True, default=str).encode())
+    return h.hexdigest()[:16]
+
+
+def checkpoint_files(ckpt: Checkpoint, spec: ModelSpec, layout: Layout, non_experts: tuple[list[Group], list[str]],
+                     specs_of: SpecsOf, max_shard_size: int | None) -> list[PlannedFile]:
+    """The files of a converted checkpoint (quantize, repack): the experts in ``layout`` and
+    ``non_experts`` (groups, home files), in input file order. ``specs_of(group)``: its output
+    tensors (converted or copied: the executor decides)."""
+    eg, eh = expert_groups(ckpt, spec, layout)
+    ng, nh = non_experts
+    groups, homes = in_file_order(ckpt, ng + eg, nh + eh)
+    return assign_files(groups, homes, [specs_of(g) for g in groups], max_shard_size)
+
+
+def checkpoint_plan(ckpt: Checkpoint, files: list[PlannedFile], config: dict, format_name: str, layout: Layout) -> Plan:
+    return Plan(files, config, format_name, layout, other_files=other_files(ckpt.root),
+                json_files={"config.json": config},
+                manifest_extra={"kind": "checkpoint", "format": format_name, "layout": layout})
+
+
+# ------------------------------------------------------------------------------- EP shards
+
+
+def rank_dir(rank: int, ep: int) -> str:
+    return f"rank-{rank:05d}-of-{ep:05d}"
+
+
+def plan_placements(spec: ModelSpec, ep: int, placement: str, redundant: int,
+                    load_file: Path | None) -> dict[int, ExpertPlacement]:
+    if redundant and load_file is None:
+        raise MoetoolError("--redundant-experts needs --expert-load FILE (per-layer token counts per expert)")
+    if load_file is not None and not redundant:
+        raise MoetoolError("--expert-load is only used with --redundant-experts R (R > 0)")
+    loads = read_expert_load(load_file, {m.index: m.num_experts for m in spec.moe_layers}) if load_file else {}
+    out = {}
+    for layer in spec.moe_layers:
+        p = make_placement(placement, layer.num_experts, ep)
+        if redundant:
+            p = add_redundant(p, loads[layer.index], redundant)
+        out[layer.index] = p
+    return out
+
+
+def rank_slots(placements: dict[int, ExpertPlacement], rank: int) -> dict[int, list[int]]:
+    """Per layer index, the global experts rank ``rank`` stores, by local slot."""
+    return {i: p.slots[rank] for i, p in placements.items()}
+
+
+def rank_config(config: dict, rank: int, ep: int, layout: Layout, slots: dict[int, list[int]]) -> dict:
+    """A rank folder's config.json: the model's, plus which rank it is and its experts per layer."""
+    cfg = dict(config)
+    cfg["moetool_ep"] = {"rank": rank, "ep": ep, "layout": layout,
+                         "stored_experts": {str(i): len(s) for i, s in slots.items()}}
+    return cfg
+
+
+def shard_manifest(ckpt: Checkpoint, spec: ModelSpec, ep: int, placements: dict[int, ExpertPlacement],
+                   layout: Layout, placement_name: str, redundant: int, format_name: str,
+                   format_params: dict) -> dict:
+    """What manifest.json of ``moetool shard`` says besides the files' checksums."""
+    return {
+        "kind": "ep-shards",
+        "ep": ep,
+        "format": format_name,
+        "format_params": format_params,
+        "layout": layout,
+        "placement": placement_name,
+        "redundant_experts": redundant,
+        "ranks": [rank_dir(r, ep) for r in range(ep)],
+        "source": {
+            "layout": spec.moe_layers[0].storage.kind,
+            "tensor_files": {n: i.file for n, i in ckpt.tensors.items()},
+        },
+        "layers": [
+            {"layer": m.index, "prefix": m.prefix, "num_experts": m.num_experts, "hidden": m.hidden,
+             "intermediate": m.intermediate, **placement_to_json(placements[m.index])}
+            for m in spec.moe_layers
+        ],
+    }
+
+
+def shard_plan(ckpt: Checkpoint, spec: ModelSpec, ep: int, placements: dict[int, ExpertPlacement], layout: Layout,
+               max_shard_size: int | None, placement_name: str, redundant: int,
+               non_experts: tuple[list[Group], list[str]], specs_of: SpecsOf, format_name: str,
+               format_params: dict) -> Plan:
+    """The plan of ``moetool shard``: per rank folder, every non-expert group and the rank's
+    experts (named by local slot), its config.json; the manifest's placement record."""
+    ng, nh = non_experts
+    n_specs = [specs_of(g) for g in ng]
+    files: list[PlannedFile] = []
+    json_files = {}
+    for r in range(ep):
+        slots = rank_slots(placements, r)
+        eg, eh = expert_groups(ckpt, spec, layout, slots=slots, slot_names=True)
+        d = rank_dir(r, ep)
+        files += assign_files(ng + eg, nh + eh, n_specs + [specs_of(g) for g in eg], max_shard_size, prefix=f"{d}/")
+        json_files[f"{d}/config.json"] = rank_config(ckpt.config, r, ep, layout, slots)
+    manifest = shard_manifest(ckpt, spec, ep, placements, layout, placement_name, redundant, format_name,
+                              format_params)
+    return Plan(files, ckpt.config, format_name, layout, json_files=json_files, manifest_extra=manifest)
+
+
+# ------------------------------------------------------------------------------- into files
+
+
+def assign_files(groups: list[Group], homes: list[str], specs: list[list[TensorSpec]],
+                 max_shard_size: int | None, prefix: str = "") -> list[PlannedFile]:
+    """Put groups into output files: by their home input file, or greedily by size."""
+    buckets: list[tuple[list[Group], list[TensorSpec]]] = []
+    if max_shard_size:
+        size = 0
+        for g, sp in zip(groups, specs):
+            nb = sum(s.nbytes for s in sp)
+            if not buckets or (size + nb > max_shard_size and size > 0):
+                buckets.append(([], []))
+                size = 0
+            buckets[-1][0].append(g)
+            buckets[-1][1].extend(sp)
+            size += nb
+    else:
+        order: dict[str, int] = {}
+        for g, sp, home in zip(groups, specs, homes):
+            if home not in order:
+                order[home] = len(buckets)
+                buckets.append(([], []))
+            buckets[order[home]][0].append(g)
+            buckets[order[home]][1].extend(sp)
+    n = len(buckets)
+    files = []
+    for i, (gs, sp) in enumerate(buckets):
+        name = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        files.append(PlannedFile(prefix + name, gs, sp))
+    return files
+
+
+def write_indexes(plan: Plan, out: OutputDir) -> None:
+    """One model.safetensors.index.json per output folder holding several safetensors files."""
+    folders: dict[str, list[PlannedFile]] = {}
+    for f in plan.files:
+        folder = f.name.rsplit("/", 1)[0] + "/" if "/" in f.name else ""
+        folders.setdefault(folder, []).append(f)
+    for folder, files in folders.items():
+        if len(files) == 1 and files[0].name.endswith("/model.safetensors" if folder else "model.safetensors"):
+            continue
+        weight_map = {s.name: f.name[len(folder):] for f in files for s in f.specs}
+        total = sum(f.nbytes for f in files)
+        out.write_json(f"{folder}model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
+def finish_plan(plan: Plan, out: OutputDir) -> None:
+    """After the safetensors files: side files, JSON files, indexes, and the manifest last."""
+    for src_path, name in plan.other_files:
+        out.copy_file(src_path, name)
+    for name, obj in plan.json_files.items():
+        out.write_json(name, obj)
+    if plan.write_index:
+        write_indexes(plan, out)
+    out.finish(plan.manifest_extra)
+
+
+def other_files(root: Path) -> list[tuple[Path, str]]:
+    """Small side files (tokenizer, generation config) copied as they are; never pickles."""
+    return [(p, p.name) for p in sorted(root.iterdir())
+            if p.is_file() and p.suffix in OTHER_FILE_SUFFIXES and p.name not in SKIP_FILES
+            and not p.name.endswith(".incomplete")]
+
+
+# ------------------------------------------------------------------------------- results
+
+
+@dataclass
+class Summary:
+    tensors: int
+    bytes_in: int
+    bytes_out: int
+    seconds: float
+    files_written: int
+    files_skipped: int
+    errors: dict
+    out_format: str
+    layout: str
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes_in / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def render(self) -> str:
+        lines = [
+            f"{self.tensors} tensors, {self.bytes_in / 1e9:.3f} GB in -> {self.bytes_out / 1e9:.3f} GB out "
+            f"in {self.seconds:.2f} s ({self.gbps:.2f} GB/s); {self.files_written} file(s) written, "
+            f"{self.files_skipped} resumed"
+        ]
+        if self.errors:
+            e = self.errors
+            lines.append(
+                f"{self.out_format} error over {e['linears']} linears: mean rel {e['mean_rel_err']:.4f}, "
+                f"max rel {e['max_rel_err']:.4f}, SQNR {e['sqnr_db']:.1f} dB (min {e['min_sqnr_db']:.1f} dB)"
+            )
+        return "\n".join(lines)

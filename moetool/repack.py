@@ -1,0 +1,37 @@
+"""Library API of ``moetool repack``: per-expert <-> stacked, the weight format unchanged.
+
+An unquantized checkpoint whose experts are stored per expert or stacked is repacked as a byte
+copy (``moetool.bytecopy``: no torch is imported); any other goes through the torch executor
+(``moetool.quantize.convert_checkpoint`` with no target format). Both write the same bytes.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from moetool.arch import describe
+from moetool.checkpoint import open_checkpoint
+from moetool.plan import Layout, Plan, Summary, plan_id
+
+
+def repack(source, out, layout: Layout, *, max_shard_size: int | None = None, dry_run: bool = False,
+           force: bool = False, progress: bool = True, revision: str | None = None, device: str = "cpu",
+           byte_copy: bool = True) -> Summary | Plan:
+    """``byte_copy=False`` forces the torch executor (same output bytes)."""
+    if byte_copy and not dry_run and device == "cpu":
+        from moetool.bytecopy import FORMAT, repack_by_copy
+
+        ckpt = open_checkpoint(source, revision)
+        try:
+            spec = describe(ckpt.config, ckpt.tensors)
+            # the torch executor's fingerprint of the same plan: either one resumes the other's files
+            pid = plan_id(ckpt, fmt=FORMAT, params={}, layout=layout, shared=False, max=max_shard_size)
+            done = repack_by_copy(ckpt, spec, Path(out), layout, max_shard_size=max_shard_size, force=force,
+                                  progress=progress, plan_id=pid)
+            if done is not None:
+                return done
+        finally:
+            ckpt.close()
+    from moetool.quantize import convert_checkpoint
+
+    return convert_checkpoint(source, out, fmt=None, layout=layout, max_shard_size=max_shard_size, dry_run=dry_run,
+                              force=force, progress=progress, revision=revision, device=device)

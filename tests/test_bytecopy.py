@@ -1,0 +1,285 @@
+"""``shard`` and ``repack`` as byte copies (moetool.byteplan / moetool.bytecopy).
+
+The criterion is bit-exact: every file the byte copy writes (safetensors, indexes, configs,
+manifest) must be identical to what the torch executor writes for the same command
+(``byte_copy=False``), and the byte copy must really have been used where the checkpoint
+qualifies (the torch executor is disabled while it runs) and never where it does not.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moetool import bytecopy, convert
+from moetool.arch import describe
+from moetool.byteplan import ByteFile, Span, coalesce, share_hash_prefixes, why_not_byte_copy
+from moetool.checkpoint import open_checkpoint
+from moetool.errors import MoetoolError
+from moetool.repack import repack
+from moetool.shard import shard
+from moetool.writer import JOURNAL_NAME, MANIFEST_NAME, verify_manifest
+from moeutil import rewrite_file, tensor_files, tree_hashes
+
+
+@pytest.fixture
+def no_torch_executor(monkeypatch):
+    """Fail the test if anything reaches the torch executor."""
+    def refuse(*a, **k):
+        raise AssertionError("the torch executor ran")
+
+    monkeypatch.setattr(convert, "run_plan", refuse)
+
+
+def run_both(kind: str, src: Path, tmp_path: Path, monkeypatch, **kw) -> tuple[dict, dict]:
+    """(files of the byte copy, files of the torch executor) for one command."""
+    fn = repack if kind == "repack" else shard
+    args = ("stacked",) if kind == "repack" else (kw.pop("ep"),)
+    if kind == "repack" and "layout" in kw:
+        args = (kw.pop("layout"),)
+    with monkeypatch.context() as m:
+        m.setattr(convert, "run_plan", lambda *a, **k: pytest.fail("the torch executor ran"))
+        fn(src, tmp_path / "bytes", *args, progress=False, **kw)
+    fn(src, tmp_path / "torch", *args, progress=False, byte_copy=False, **kw)
+    return tree_hashes(tmp_path / "bytes"), tree_hashes(tmp_path / "torch")
+
+
+# ------------------------------------------------------------------------------ same bytes
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "deepseek_v3"])
+@pytest.mark.parametrize("layout", ["stacked", "per-expert"])
+def test_repack_same_bytes(tiny, tmp_path, monkeypatch, family, layout):
+    src = tiny(family)
+    before = tree_hashes(src)
+    got, want = run_both("repack", src, tmp_path, monkeypatch, layout=layout)
+    assert got == want
+    assert tree_hashes(src) == before  # the input is never written
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("layout", ["stacked", "per-expert"])
+@pytest.mark.parametrize("ep", [1, 2, 3])
+def test_shard_same_bytes(tiny, tmp_path, monkeypatch, family, layout, ep):
+    """ep 3 over 4 or 8 experts: the last rank holds more (its headers differ from the others')."""
+    src = tiny(family)
+    got, want = run_both("shard", src, tmp_path, monkeypatch, ep=ep, layout=layout)
+    assert got == want
+    verify_manifest(tmp_path / "bytes")
+
+
+def test_shard_options_same_bytes(tiny, tmp_path, monkeypatch):
+    """Round-robin placement, redundant experts from a load file, a size limit per file."""
+    src = tiny("mixtral", experts=8)
+    load = tmp_path / "load.json"
+    load.write_text(json.dumps({"layers": {"0": [5, 1, 1, 90, 1, 1, 1, 1], "1": [1] * 8}}))
+    for i, kw in enumerate([dict(placement="round-robin"), dict(redundant=2, expert_load=load),
+                            dict(max_shard_size=300_000)]):
+        got, want = run_both("shard", src, tmp_path / str(i), monkeypatch, ep=4, **kw)
+        assert got == want, kw
+
+
+def test_stacked_source_same_bytes(tiny, tmp_path, monkeypatch):
+    """A stacked checkpoint back to per-expert (rows [0, N) and [N, 2N) of each w13 slot) and sharded."""
+    stacked = tmp_path / "stacked"
+    repack(tiny("qwen2_moe"), stacked, "stacked", progress=False)
+    got, want = run_both("repack", stacked, tmp_path / "a", monkeypatch, layout="per-expert")
+    assert got == want
+    got, want = run_both("shard", stacked, tmp_path / "b", monkeypatch, ep=2, layout="stacked")
+    assert got == want
+
+
+def test_repack_max_shard_size_same_bytes(tiny, tmp_path, monkeypatch):
+    got, want = run_both("repack", tiny("mixtral"), tmp_path, monkeypatch, layout="stacked", max_shard_size=400_000)
+    assert got == want and sum(n.endswith(".safetensors") for n in got) > 2
+
+
+# ------------------------------------------------------------------------------ who takes what
+
+
+def test_quantized_input_goes_to_torch(tiny, tmp_path):
+    """An fp8 checkpoint is not a byte copy (its scales are cut per block): the torch executor
+    repacks it, and says so by having run."""
+    q = tmp_path / "q"
+    from moetool.quantize import quantize
+
+    quantize(tiny("mixtral"), q, "fp8-block", progress=False)
+    with open_checkpoint(q) as ck:
+        assert why_not_byte_copy(ck, describe(ck.config, ck.tensors)) == "quantized checkpoint"
+    r = repack(q, tmp_path / "r", "stacked", progress=False)
+    assert r.out_format == "fp8-block" and r.files_written
+
+
+def test_expert_unlike_expert_0_keeps_the_torch_error(tiny, copy_ckpt, cli, tmp_path):
+    """An expert stored in another dtype: the byte copy declines, and the user sees the torch
+    path's one-line error naming the tensor, before anything is written."""
+    src = copy_ckpt(tiny("mixtral"))
+    name = "model.layers.1.block_sparse_moe.experts.2.w3.weight"
+    rewrite_file(src / tensor_files(src)[name], lambda t: t.update({name: t[name].float()}))
+    with open_checkpoint(src) as ck:
+        assert "experts.2.w3.weight is F32" in why_not_byte_copy(ck, describe(ck.config, ck.tensors))
+    r = cli("repack", src, tmp_path / "o", "--layout", "stacked", "-q")
+    assert r.code == 2 and "experts.2.w3: tensors" in r.error_line and "differ from expert 0's" in r.error_line
+    assert not (tmp_path / "o").exists()
+
+
+def test_fused_experts_go_to_torch(tiny, tmp_path):
+    src = tiny("qwen3_moe", fused_v5=True)
+    with open_checkpoint(src) as ck:
+        assert "fused experts" in why_not_byte_copy(ck, describe(ck.config, ck.tensors))
+    got = repack(src, tmp_path / "a", "stacked", progress=False)
+    assert got.files_written
+
+
+def test_cli_does_not_import_torch(tiny, tmp_path):
+    """``moetool shard`` / ``repack`` of a qualifying checkpoint never import torch (~1 s of start-up)."""
+    src = tiny("mixtral")
+    code = ("import sys\nfrom moetool.cli import main\n"
+            f"main(['shard', {str(src)!r}, {str(tmp_path / 's')!r}, '--ep', '2', '-q'])\n"
+            f"main(['repack', {str(src)!r}, {str(tmp_path / 'r')!r}, '--layout', 'stacked', '-q'])\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    verify_manifest(tmp_path / "s")
+    verify_manifest(tmp_path / "r")
+
+
+# ------------------------------------------------------------------------------ resume, errors
+
+
+def fail_on(monkeypatch, n: int):
+    """Make the byte copy raise when it starts its n-th file (1-based), after the earlier ones."""
+    orig = bytecopy._copy_file
+    count = [0]
+
+    def copy_file(f, *a, **k):
+        count[0] += 1
+        if count[0] == n:
+            raise OSError(28, "No space left on device (test)")
+        return orig(f, *a, **k)
+
+    monkeypatch.setattr(bytecopy, "_copy_file", copy_file)
+
+
+def test_byte_copy_resumes(tiny, tmp_path, monkeypatch):
+    """A run that stops after some files leaves no manifest; the re-run skips the finished
+    files (their sha256 still match) and the output equals the torch executor's. A file whose
+    sha256 would continue from a finished earlier rank's state hashes the shared prefix itself."""
+    src = tiny("mixtral")
+    ref = tmp_path / "ref"
+    shard(src, ref, 4, progress=False, byte_copy=False)
+    out = tmp_path / "out"
+    with monkeypatch.context() as m:
+        fail_on(m, 3)
+        m.setattr(bytecopy, "default_workers", lambda: 1)  # files 1 and 2 finish, 3 fails, 4 never starts
+        with pytest.raises(OSError):
+            shard(src, out, 4, progress=False)
+    assert not (out / MANIFEST_NAME).exists() and (out / JOURNAL_NAME).exists()
+    assert len(json.loads((out / JOURNAL_NAME).read_text())["files"]) == 2
+    summary = shard(src, out, 4, progress=False)
+    assert summary.files_skipped == 2 and summary.files_written == 6
+    assert tree_hashes(out) == tree_hashes(ref)
+
+
+def test_byte_copy_resumes_torch_output(tiny, tmp_path, monkeypatch):
+    """The torch executor and the byte copy fingerprint the same plan alike: either resumes
+    the other's finished files."""
+    src = tiny("mixtral")
+    ref = tmp_path / "ref"
+    repack(src, ref, "stacked", progress=False, byte_copy=False)
+    out = tmp_path / "out"
+    orig = convert.OutputDir.write_safetensors
+    calls = [0]
+
+    def stop_second(self, *a, **k):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise OSError(28, "No space left on device (test)")
+        return orig(self, *a, **k)
+
+    with monkeypatch.context() as m:
+        m.setattr(convert.OutputDir, "write_safetensors", stop_second)
+        with pytest.raises(OSError):
+            repack(src, out, "stacked", progress=False, byte_copy=False)
+    summary = repack(src, out, "stacked", progress=False)
+    assert summary.files_skipped == 1 and summary.files_written == 1
+    assert tree_hashes(out) == tree_hashes(ref)
+
+
+def test_complete_output_needs_force(tiny, cli, tmp_path):
+    src = tiny("mixtral")
+    assert cli("shard", src, tmp_path / "o", "--ep", "2", "-q").code == 0
+    r = cli("shard", src, tmp_path / "o", "--ep", "2", "-q")
+    assert r.code == 2 and "already holds a complete output" in r.error_line
+    assert cli("shard", src, tmp_path / "o", "--ep", "2", "-q", "--force").code == 0
+    verify_manifest(tmp_path / "o")
+
+
+def test_input_shrinking_while_copying_is_an_error(tmp_path):
+    """A read past the end of an input file (changed under us) names the file."""
+    (tmp_path / "a.safetensors").write_bytes(b"x" * 100)
+    inputs = bytecopy._Inputs(tmp_path)
+    try:
+        with pytest.raises(MoetoolError, match=r"a\.safetensors: unexpected end of file at byte 100"):
+            inputs.read_into("a.safetensors", 50, memoryview(bytearray(80)))
+    finally:
+        inputs.close()
+
+
+# ------------------------------------------------------------------------------ the plan itself
+
+
+def test_coalesce_merges_adjacent_spans_of_one_file():
+    spans = [Span("a", 0, 10), Span("a", 10, 5), Span("b", 15, 5), Span("a", 15, 1), Span("a", 30, 0)]
+    assert coalesce(spans) == [Span("a", 0, 15), Span("b", 15, 5), Span("a", 15, 1)]
+
+
+def test_share_hash_prefixes():
+    common = [Span("a", 0, 8), Span("a", 8, 8)]
+    lead = ByteFile("r0", b"H", common + [Span("b", 0, 4)])
+    same = ByteFile("r1", b"H", common + [Span("b", 4, 4)])
+    other_header = ByteFile("r2", b"G", common + [Span("b", 8, 4)])
+    nothing_shared = ByteFile("r3", b"H", [Span("c", 0, 4)])
+    share_hash_prefixes([lead, same, other_header, nothing_shared])
+    assert same.hash_from == ("r0", 2) and lead.hash_saves == {2}
+    assert other_header.hash_from is None and nothing_shared.hash_from is None
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_copy_files_hashes_like_sha256(tmp_path, workers):
+    """The executor's digests (prefix states shared or not) are the plain sha256 of each file."""
+    import hashlib
+    import os
+
+    from moetool.writer import OutputDir
+
+    data = os.urandom(3 * bytecopy.CHUNK + 123)
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "x").write_bytes(data)
+    prefix = [Span("x", 0, bytecopy.CHUNK + 7), Span("x", 5, 2 * bytecopy.CHUNK)]
+    files = [ByteFile("a", b"hdr", prefix + [Span("x", 100, 50)]),
+             ByteFile("b", b"hdr", prefix + [Span("x", 0, len(data))]),
+             ByteFile("c", b"hdr", list(prefix)),
+             ByteFile("d", b"other", prefix)]
+    share_hash_prefixes(files)
+    out = OutputDir(tmp_path / "out")
+    assert bytecopy.copy_files(files, tmp_path / "in", out, workers=workers) == 4
+    for f in files:
+        body = f.header + b"".join(data[s.offset:s.offset + s.length] for s in f.spans)
+        assert (tmp_path / "out" / f.name).read_bytes() == body
+        assert out.records[f.name].sha256 == hashlib.sha256(body).hexdigest()
+    assert not list((tmp_path / "out").glob("*.incomplete"))
+
+
+def test_torch_stays_importable_lazily():
+    """Library modules on the byte-copy path import without torch (checked in a fresh process)."""
+    code = ("import sys\nimport moetool.cli, moetool.shard, moetool.repack, moetool.bytecopy, moetool.checkpoint\n"
+            "assert 'torch' not in sys.modules\n"
+            "from moetool.checkpoint import DTYPES\nimport torch\nassert DTYPES['BF16'] is torch.bfloat16\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert torch.bfloat16  # the test process itself has torch
