@@ -7,7 +7,6 @@ import typer
 from moetool.cli import app
 from moetool.cli.options import DryRun, Force, MaxShardSize, Out, Quiet, Revision, Source, check_layout, parse_size
 from moetool.errors import MoetoolError
-from moetool.quantize import quantize
 
 
 @app.command("quantize")
@@ -35,6 +34,8 @@ def quantize_cmd(
     check_layout(layout)
     if group_size < 1:
         raise MoetoolError(f"--group-size {group_size} must be positive")
+    from moetool.quantize import quantize
+
     result = quantize(source, out, chosen[0], group_size=group_size, symmetric=symmetric, layout=layout,
                       include_shared=include_shared_experts, max_shard_size=parse_size(max_shard_size),
                       dry_run=dry_run, force=force, progress=not quiet, revision=revision, device=device)

@@ -9,7 +9,6 @@ import typer
 from moetool.cli import app
 from moetool.cli.options import Json, Revision
 from moetool.errors import MoetoolError
-from moetool.verify_shards import VerifyOptions, raise_if_failed, under_torchrun, verify, verify_torchrun
 
 
 def parse_layers(text: str | None) -> tuple[int, ...] | None:
@@ -51,6 +50,8 @@ def verify_cmd(
 
     Single node: spawns one process per rank itself. Multi-node: run it under torchrun
     (`torchrun --nnodes ... --nproc-per-node ... -m moetool verify ...`)."""
+    from moetool.verify_shards import VerifyOptions, raise_if_failed, under_torchrun, verify, verify_torchrun
+
     opts = VerifyOptions(dp=dp, ep=ep, dispatch=dispatch, experts=experts, tokens=tokens, layers=parse_layers(layers),
                          backend=backend, chunk_size=chunk_size, seed=seed, max_rel_err=max_rel_err,
                          max_expert_rel_err=max_expert_rel_err, timeout_s=timeout, warmup=warmup)
