@@ -155,15 +155,18 @@ PACK_DTYPES = (torch.float8_e4m3fn, torch.bfloat16, torch.float16, torch.float32
 
 
 @triton.jit
-def _pack_rows_kernel(x_ptr, ids_ptr, w_ptr, tok_ptr, order_ptr, counts_ptr, pos_ptr,
-                      hid_ptr, f32_ptr, i32_ptr, i64_ptr,
+def _pack_rows_kernel(x_ptr, ids_ptr, w_ptr, tok_ptr, order_ptr, counts_ptr, pos_ptr, out_ptr,
                       H, k, R, m, stride_x, stride_ids, stride_w, stride_tok,
-                      row_hid, row_f32, row_i32, row_i64, scale_off, ids_off, w_off, tok_off,
-                      QUANT: tl.constexpr, SOFT_FP8: tl.constexpr, OUT_BF16: tl.constexpr,
+                      B: tl.constexpr, SCALE_OFF: tl.constexpr, IDS_OFF: tl.constexpr, W_OFF: tl.constexpr,
+                      TOK_OFF: tl.constexpr, HID_KIND: tl.constexpr,
                       GROUP: tl.constexpr, NG: tl.constexpr, K_P2: tl.constexpr):
     """Program (t, h-block of NG groups): quantize (or cast) x[t, block] once, store it into
     the send row of every rank t goes to (row = rows of the ranks before + order); the h-block 0
-    program also stores the metadata and the row numbers (pos)."""
+    program also stores the metadata and the row numbers (pos). out_ptr is the uint8 buffer;
+    each part is addressed in bytes and cast to its type (one argument instead of a view per
+    dtype: at serving sizes the host time of a launch is what the dispatch waits on).
+    HID_KIND: 0 fp8 codes from integer math (uint8, interpreter), 1 fp8 (hardware cast), 2 bf16,
+    3 fp16, 4 fp32."""
     t = tl.program_id(0)
     pid_h = tl.program_id(1)
     g = pid_h * NG + tl.arange(0, NG)  # [NG] group index
@@ -171,11 +174,13 @@ def _pack_rows_kernel(x_ptr, ids_ptr, w_ptr, tok_ptr, order_ptr, counts_ptr, pos
     in_h = cols < H
     x = tl.load(x_ptr + t.to(tl.int64) * stride_x + cols, mask=in_h, other=0.0).to(tl.float32)
     s = tl.zeros((NG,), dtype=tl.float32)
-    if QUANT:  # same formula as quant._fp8_quant_kernel (ROW_WISE)
+    if HID_KIND <= 1:  # same formula as quant._fp8_quant_kernel (ROW_WISE)
         s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12), 448.0)
-        v = e4m3_rne(tl.clamp(tl.math.div_rn(x, s[:, None]), -448.0, 448.0), SOFT_FP8)
-    elif OUT_BF16:  # the interpreter's fp32 -> bf16 cast truncates; round first
-        v = round_to_bf16(x)
+        v = e4m3_rne(tl.clamp(tl.math.div_rn(x, s[:, None]), -448.0, 448.0), HID_KIND == 0)
+    elif HID_KIND == 2:  # the interpreter's fp32 -> bf16 cast truncates; round first
+        v = round_to_bf16(x).to(tl.bfloat16)
+    elif HID_KIND == 3:
+        v = x.to(tl.float16)
     else:
         v = x
     j = tl.arange(0, K_P2)
@@ -190,13 +195,14 @@ def _pack_rows_kernel(x_ptr, ids_ptr, w_ptr, tok_ptr, order_ptr, counts_ptr, pos
         if pid_h == 0:
             tl.store(pos_ptr + r * m + t, p)
         if p >= 0:
-            tl.store(hid_ptr + p * row_hid + cols, v.to(hid_ptr.dtype.element_ty), mask=in_h)
-            if QUANT:
-                tl.store(f32_ptr + p * row_f32 + scale_off + g, s, mask=g * GROUP < H)
+            row = out_ptr + p * B
+            tl.store(row.to(tl.pointer_type(v.dtype)) + cols, v, mask=in_h)
+            if HID_KIND <= 1:
+                tl.store((row + SCALE_OFF).to(tl.pointer_type(tl.float32)) + g, s, mask=g * GROUP < H)
             if pid_h == 0:
-                tl.store(i32_ptr + p * row_i32 + ids_off + j, ids, mask=j < k)
-                tl.store(f32_ptr + p * row_f32 + w_off + j, w, mask=j < k)
-                tl.store(i64_ptr + p * row_i64 + tok_off, tok)
+                tl.store((row + IDS_OFF).to(tl.pointer_type(tl.int32)) + j, ids, mask=j < k)
+                tl.store((row + W_OFF).to(tl.pointer_type(tl.float32)) + j, w, mask=j < k)
+                tl.store((row + TOK_OFF).to(tl.pointer_type(tl.int64)), tok)
 
 
 def _check_pack(x, topk_ids, topk_weights, token_index, order, counts, out, hidden_dtype, offsets, group):
@@ -251,18 +257,17 @@ def pack_rows(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     pos = torch.empty(R, m, dtype=torch.int64, device=x.device)
     if not (m and R):
         return pos
-    quant = hidden_dtype == torch.float8_e4m3fn
-    soft = quant and is_interpreted(_pack_rows_kernel)
-    hid = out.view(torch.uint8 if soft else hidden_dtype)
-    B = out.shape[1]
+    if hidden_dtype == torch.float8_e4m3fn:
+        kind = 0 if is_interpreted(_pack_rows_kernel) else 1
+    else:
+        kind = {torch.bfloat16: 2, torch.float16: 3, torch.float32: 4}[hidden_dtype]
     ng = max(1, min(8, triton.next_power_of_2(-(-H // group))))
     _pack_rows_kernel[(m, triton.cdiv(H, group * ng))](
-        x, topk_ids, topk_weights, token_index, order, counts, pos, hid, out.view(torch.float32),
-        out.view(torch.int32), out.view(torch.int64), H, k, R, m, x.stride(0), topk_ids.stride(0),
-        topk_weights.stride(0), token_index.stride(0), B // hid.element_size(), B // 4, B // 4, B // 8,
-        (offsets.scale or 0) // 4, offsets.ids // 4, offsets.weights // 4, offsets.token // 8,
-        QUANT=quant, SOFT_FP8=soft, OUT_BF16=hidden_dtype == torch.bfloat16, GROUP=group, NG=ng,
-        K_P2=triton.next_power_of_2(max(k, 1)), num_warps=4)
+        x, topk_ids, topk_weights, token_index, order, counts, pos, out, H, k, R, m,
+        x.stride(0), topk_ids.stride(0), topk_weights.stride(0), token_index.stride(0),
+        B=out.shape[1], SCALE_OFF=offsets.scale or 0, IDS_OFF=offsets.ids, W_OFF=offsets.weights,
+        TOK_OFF=offsets.token, HID_KIND=kind, GROUP=group, NG=ng, K_P2=triton.next_power_of_2(max(k, 1)),
+        num_warps=4)
     return pos
 
 
