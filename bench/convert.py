@@ -9,9 +9,11 @@ same files (the I/O floor), `moetool quantize` per format, `moetool shard --ep 8
 scheme when it is installed. Each step runs as its own process; peak RSS is the largest sum
 of RSS over the process tree, sampled every 20 ms. Steps run --repeat times, interleaved; the
 table prints the median seconds, GB/s of input, ratios against cp and llm-compressor, and peak RSS.
-`start-up` is `python -m moetool --help` (interpreter + torch import): the `after start-up`
-columns subtract it from the moetool steps, which shows the conversion itself against cp when
-the input is small enough for the page cache to make cp faster than importing torch.
+`start-up` is `python -m moetool --help` (interpreter + CLI: what shard and repack pay, which
+copy bytes without torch) and `start-up+torch` adds `import torch` and the quantize library
+(what quantize pays); the `after start-up` columns subtract the step's own start-up (the plain
+one where `start-up+torch` was not measured), which shows the conversion itself against cp
+when the input is small enough for the page cache to make cp faster than importing torch.
 """
 from __future__ import annotations
 
@@ -162,7 +164,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--intermediate", type=int, default=3584)
     ap.add_argument("--experts", type=int, default=8)
-    ap.add_argument("--only", default="", help="comma list of steps (cp, fp8-block, fp8-channel, int4-group, shard, repack, llmc-*)")
+    ap.add_argument("--only", default="", help="comma list of steps (cp, start-up, start-up+torch, fp8-block, fp8-channel, int4-group, shard, repack, llmc-*)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--llmc-python", default=sys.executable, help="python that has llmcompressor installed")
     ap.add_argument("--llmc-workers", type=int, default=os.cpu_count() or 1)
@@ -190,6 +192,7 @@ def main() -> None:
     # the floor for a durable copy: moetool fsyncs every file it writes, so cp must sync too
     add("cp", ["sh", "-c", f"cp -r '{src}' '{out / 'cp'}' && sync"], out / "cp")
     add("start-up", moetool + ["--help"], out / "start-up")
+    add("start-up+torch", [sys.executable, "-c", "import moetool.cli, moetool.quantize"], out / "start-up+torch")
     for fmt, flag in MOETOOL_FLAG.items():
         add(fmt, moetool + ["quantize", str(src), str(out / fmt), flag, "-q", "--device", args.device], out / fmt)
     add("shard", moetool + ["shard", str(src), str(out / "shard"), "--ep", "8", "-q"], out / "shard")
@@ -217,11 +220,14 @@ def main() -> None:
                          "peak_rss_mb": max(p for _, p in rs) / 1e6, "runs": [round(s, 2) for s, _ in rs]}
 
     cp = results.get("cp", {}).get("seconds")
-    startup = results.get("start-up", {}).get("seconds")
+    plain_startup = results.get("start-up", {}).get("seconds")
+    torch_startup = results.get("start-up+torch", {}).get("seconds") or plain_startup
     rows = []
     for name, r in results.items():
         llmc = results.get(f"llmc-{name}", {}).get("seconds")
-        work = r["seconds"] - startup if startup and name not in ("cp", "start-up") and not name.startswith("llmc") else None
+        startup = torch_startup if name in MOETOOL_FLAG else plain_startup  # quantize imports torch
+        work = (r["seconds"] - startup if startup and name not in ("cp", "start-up", "start-up+torch")
+                and not name.startswith("llmc") else None)
         rows.append({"step": name, **r, "vs_cp": (cp / r["seconds"]) if cp else None,
                      "vs_llmc": (llmc / r["seconds"]) if llmc and not name.startswith("llmc") else None,
                      "after_startup_s": work, "after_startup_vs_cp": (cp / work) if cp and work else None})
