@@ -403,7 +403,7 @@ class All2AllDispatcher(Dispatcher):
         route_tokens, pack_rows, local_slots = (_kernel_or_ref("ep_dispatch", name, x)
                                                 for name in ("route_tokens", "pack_rows", "local_slots"))
         counts_buf = torch.empty(2, R, dtype=torch.int64, device=x.device)  # [sent to, received from] per rank
-        send_counts, recv_counts = counts_buf[0], counts_buf[1]
+        send_counts, recv_counts = counts_buf.unbind(0)
         order = route_tokens(topk_ids, token_index, table.rank, table.count, send_counts)  # [R, m]
         counts_sent = dist.all_to_all_single(recv_counts, send_counts, async_op=True)  # counts first
         # While the counts travel, the GPU fills the send rows: their places need only this
@@ -419,8 +419,7 @@ class All2AllDispatcher(Dispatcher):
         # as soon as they arrive while the packing may still run on the compute stream
         with self._counts_stream(x.device):
             counts_sent.wait()
-            counts = counts_buf.flatten().tolist()
-        send_l, recv_l = counts[:R], counts[R:]
+            send_l, recv_l = counts_buf.tolist()
         P = sum(send_l)
         B = layout.row_bytes
         recv = send.new_empty(sum(recv_l), B)
