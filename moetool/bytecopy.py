@@ -123,7 +123,12 @@ def copy_files(files: list[ByteFile], root: Path, out: OutputDir, *, workers: in
     try:
         with ThreadPoolExecutor(workers, thread_name_prefix="moetool-copy") as pool:
             futures = [pool.submit(one, f) for f in files]  # started in order: a file's hash_from is earlier
-            return sum(fut.result() for fut in futures)
+            try:
+                return sum(fut.result() for fut in futures)
+            except BaseException:  # a failed file, or Ctrl-C: files being copied finish, no other starts
+                failed.set()
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
     finally:
         inputs.close()
 
@@ -274,7 +279,7 @@ def _copy_file(f: ByteFile, inputs: _Inputs, out: OutputDir, hashes: _PrefixHash
         if k in f.hash_saves:
             hasher.mark("save", k)
 
-    fd = os.open(out.incomplete_path(f.name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(out.incomplete_path(f.name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # as open()
     written = flushed = 0
     ok = False
     try:
