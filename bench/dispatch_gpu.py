@@ -8,7 +8,9 @@ placement, fp8 activations as for fp8-block shards), then ``Dispatcher.prepare``
 ``finalize`` run with a stand-in expert output (random rows, no GEMMs). Each phase is timed
 with CUDA events after a barrier and a synchronize (median of ``--iters`` after warm-up);
 the comparator is ``all_to_all_single`` of the same number of bytes per rank (even splits),
-timed the same way; "raw tp gather" is the all-gather the all2all combine ends with, alone.
+timed the same way ("ratio"); "ratio exact" replays the all2all dispatcher's own split matrix
+(the same bytes between the same pairs, so the routing's imbalance counts in the comparator
+too); "raw tp gather" is the all-gather the all2all combine ends with, alone.
 With ``--out`` on GPUs, every rank writes a Chrome trace of one dispatch + combine and rank 0 a
 torch.profiler table.
 """
@@ -42,6 +44,25 @@ def _timed(fn, cuda: bool) -> tuple[object, float, float]:
         torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) * 1e3
     return out, (s.elapsed_time(e) if cuda else wall), wall
+
+
+def split_a2a_ms(matrix: list[list[int]], rank: int, timed, iters: int, warmup: int) -> float:
+    """Median ms of a raw all_to_all_single moving exactly ``matrix`` ([R][R] bytes, row r = what
+    rank r sends to each rank): the same bytes between the same pairs as the dispatcher moved,
+    imbalance included. ``timed(fn)`` -> (result, ms, wall ms) as :func:`_timed`."""
+    import torch.distributed as dist
+
+    send = [int(b) for b in matrix[rank]]
+    recv = [int(row[rank]) for row in matrix]
+    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    buf = torch.randint(0, 255, (sum(send),), dtype=torch.uint8, device=dev)
+    out = torch.empty(sum(recv), dtype=torch.uint8, device=dev)
+    times = []
+    for it in range(warmup + iters):
+        _, t, _ = timed(lambda: dist.all_to_all_single(out, buf, output_split_sizes=recv, input_split_sizes=send))
+        if it >= warmup:
+            times.append(t)
+    return statistics.median(times)
 
 
 def host_costs(disp, x, ids, w, token_index, table, num_slots, world: int) -> dict[str, float]:
@@ -139,6 +160,14 @@ def worker(rank: int, world: int, opts: dict) -> dict:
                 table_txt = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
                 Path(opts["profile_dir"], f"profile_{name}.txt").write_text(table_txt)
             prof.export_chrome_trace(str(Path(opts["profile_dir"], f"trace_{name}_rank{rank}.json")))
+        exact = {}
+        if stats.dispatch_split_bytes:  # every rank's [R] splits -> the [R][R] matrix, then replayed raw
+            for key in ("dispatch_split_bytes", "combine_split_bytes"):
+                mine = torch.tensor(getattr(stats, key), dtype=torch.int64, device=dev)
+                rows = torch.empty(world * world, dtype=torch.int64, device=dev)
+                all_gather_tensor(rows, mine)
+                exact[key] = split_a2a_ms(rows.view(world, world).tolist(), rank, lambda fn: _timed(fn, cuda),
+                                          opts["iters"], opts["warmup"])
         sent = torch.tensor([stats.dispatch_bytes_sent, stats.combine_bytes_sent], dtype=torch.float64, device=dev)
         dist.all_reduce(sent)
         mean_bytes = [int(v) // world for v in sent.tolist()]
@@ -172,7 +201,9 @@ def worker(rank: int, world: int, opts: dict) -> dict:
             res.setdefault("raw_tp_exchange_as_a2a_ms", statistics.median(times))
         if cuda and name == "all2all":
             res["host_us"] = host_costs(disp, x, ids, w, token_index, table, num_slots, world)
-        res[name] = {"raw_tp_gather_ms": gather_ms, "dispatch_ms": statistics.median(d_ms), "combine_ms": statistics.median(c_ms),
+        res[name] = {"raw_exact_dispatch_ms": exact.get("dispatch_split_bytes", float("nan")),
+                     "raw_exact_combine_ms": exact.get("combine_split_bytes", float("nan")),
+                     "raw_tp_gather_ms": gather_ms, "dispatch_ms": statistics.median(d_ms), "combine_ms": statistics.median(c_ms),
                      "dispatch_wall_ms": statistics.median(d_wall), "combine_wall_ms": statistics.median(c_wall),
                      "dispatch_bytes": mean_bytes[0], "combine_bytes": mean_bytes[1],
                      "raw_dispatch_ms": raw_ms[0], "raw_combine_ms": raw_ms[1],
@@ -214,11 +245,17 @@ def main() -> None:
         r = {key: max(pr[name][key] for pr in per_rank) for key in per_rank[0][name]}
         ratio = (r["dispatch_ms"] + r["combine_ms"]) / (r["raw_dispatch_ms"] + r["raw_combine_ms"])
         r["ratio"] = ratio
+        r["ratio_exact"] = (r["dispatch_ms"] + r["combine_ms"]) / (r["raw_exact_dispatch_ms"] + r["raw_exact_combine_ms"])
         rows[name] = r
         print(f"{name:<10} {r['dispatch_ms']:>9.3f} {r['combine_ms']:>8.3f} "
               f"{r['dispatch_wall_ms']:>5.2f}/{r['combine_wall_ms']:<6.2f} {r['dispatch_bytes'] / 1e6:>9.1f} "
               f"{r['combine_bytes'] / 1e6:>9.1f} {r['raw_dispatch_ms']:>9.3f} {r['raw_combine_ms']:>9.3f} {ratio:>6.2f} "
               f"{r['raw_tp_gather_ms']:>13.3f}")
+    for name, r in rows.items():
+        if r["ratio_exact"] == r["ratio_exact"]:
+            print(f"{name}: raw all_to_all_single with the dispatcher's own splits (imbalance kept): dispatch "
+                  f"{r['raw_exact_dispatch_ms']:.3f} ms, combine {r['raw_exact_combine_ms']:.3f} ms, "
+                  f"ratio {r['ratio_exact']:.2f}")
     if "raw_tp_exchange_as_a2a_ms" in per_rank[0]:
         print(f"the tp all-gather's bytes as an all_to_all_single in the tp group: "
               f"{max(pr['raw_tp_exchange_as_a2a_ms'] for pr in per_rank):.3f} ms")

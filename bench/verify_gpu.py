@@ -11,7 +11,9 @@
 4. in a separate NCCL world: raw `all_to_all_single` and `all_gather_into_tensor` of
    4096 tokens x hidden bf16 per rank, and raw all_to_all of exactly the bytes each backend's
    dispatch and combine moved, median of 20 after warm-up: the ratio (dispatch + combine) /
-   (two raw all-to-alls of those bytes) is the backend's efficiency.
+   (two raw all-to-alls of those bytes) is the backend's efficiency. "ratio" spreads the mean
+   bytes evenly over the ranks; "ratio exact" (all2all) replays the layer's own split matrix,
+   the same bytes between the same pairs, so the routing's load imbalance is in both sides.
 Results as a table; --json FILE also writes them.
 """
 from __future__ import annotations
@@ -28,7 +30,8 @@ from pathlib import Path
 import torch
 
 
-def raw_collectives(rank: int, world: int, hidden: int, tokens: int, byte_sizes: list[int]) -> dict:
+def raw_collectives(rank: int, world: int, hidden: int, tokens: int, byte_sizes: list[int],
+                    matrices: dict[str, list[list[int]]]) -> dict:
     import torch.distributed as dist
 
     cuda = dist.get_backend() == "nccl"
@@ -69,6 +72,10 @@ def raw_collectives(rank: int, world: int, hidden: int, tokens: int, byte_sizes:
         o = torch.empty_like(buf)
         per_size[str(nbytes)] = bench(lambda: dist.all_to_all_single(o, buf))
     res["a2a_bytes_us"] = per_size
+    from dispatch_gpu import _timed, split_a2a_ms  # bench/ is on sys.path (this script's folder)
+
+    res["a2a_exact_us"] = {key: split_a2a_ms(m, rank, lambda fn: _timed(fn, cuda), 20, 5) * 1e3
+                           for key, m in matrices.items()}
     return res
 
 
@@ -140,8 +147,12 @@ def main() -> None:
     out["verify_s"] = time.perf_counter() - t0
     out["verify"] = [r.to_json() for r in reports]
 
-    sizes = sorted({int(v) // args.ep for r in reports for l in r.layers for v in l.bytes_moved.values()})
-    raw = spawn_world(raw_collectives, args.ep, args.backend, args=(args.hidden, 4096, sizes), timeout_s=600)[0]
+    sizes = sorted({int(l.bytes_moved[k]) // args.ep for r in reports for l in r.layers
+                    for k in ("dispatch_bytes_sent", "combine_bytes_sent")})
+    matrices = {f"{ri}/{l.layer}/{key}": l.bytes_moved[key] for ri, r in enumerate(reports) for l in r.layers
+                for key in ("dispatch_split_bytes", "combine_split_bytes") if key in l.bytes_moved}
+    raw = spawn_world(raw_collectives, args.ep, args.backend, args=(args.hidden, 4096, sizes, matrices),
+                      timeout_s=600)[0]
     out["raw"] = raw
 
     first = devices[0]
@@ -152,17 +163,23 @@ def main() -> None:
     print(f"raw {args.backend}, 4096 x {args.hidden} bf16 per rank: all_to_all_single {raw['a2a_us']:.0f} us, "
           f"all_gather_into_tensor {raw['allgather_us']:.0f} us")
     print(f"{'dispatch':<10} {'experts':<7} {'layer':>5} {'rel err':>8} {'total ms':>9} {'disp ms':>8} "
-          f"{'exp ms':>7} {'comb ms':>8} {'disp MB/rk':>10} {'comb MB/rk':>10} {'raw a2a ms':>10} {'ratio':>6}")
-    for r in reports:
+          f"{'exp ms':>7} {'comb ms':>8} {'disp MB/rk':>10} {'comb MB/rk':>10} {'raw a2a ms':>10} {'ratio':>6} "
+          f"{'raw exact ms':>12} {'ratio exact':>11}")
+    for ri, r in enumerate(reports):
         for l in r.layers:
             d_b = l.bytes_moved["dispatch_bytes_sent"] // args.ep
             c_b = l.bytes_moved["combine_bytes_sent"] // args.ep
             raw_ms = (raw["a2a_bytes_us"][str(d_b)] + raw["a2a_bytes_us"][str(c_b)]) / 1e3
             t = l.timings_ms
             ratio = (t["dispatch"] + t["combine"]) / raw_ms if raw_ms else float("nan")
+            exact = raw["a2a_exact_us"]
+            keys = [f"{ri}/{l.layer}/{k}" for k in ("dispatch_split_bytes", "combine_split_bytes")]
+            exact_ms = sum(exact[k] for k in keys) / 1e3 if all(k in exact for k in keys) else float("nan")
+            ratio_exact = (t["dispatch"] + t["combine"]) / exact_ms if exact_ms else float("nan")
             print(f"{r.options['dispatch']:<10} {r.options['experts']:<7} {l.layer:>5} {l.rel_err:>8.4f} "
                   f"{t['total']:>9.2f} {t['dispatch']:>8.2f} {t['experts']:>7.2f} {t['combine']:>8.2f} "
-                  f"{d_b / 1e6:>10.1f} {c_b / 1e6:>10.1f} {raw_ms:>10.2f} {ratio:>6.2f}  {'PASS' if l.passed else 'FAIL'}")
+                  f"{d_b / 1e6:>10.1f} {c_b / 1e6:>10.1f} {raw_ms:>10.2f} {ratio:>6.2f} {exact_ms:>12.2f} "
+                  f"{ratio_exact:>11.2f}  {'PASS' if l.passed else 'FAIL'}")
     if args.json:
         args.json.write_text(json.dumps(out, indent=2, default=str))
     sys.exit(0 if all(r.passed for r in reports) else 1)

@@ -412,6 +412,8 @@ def build_report(shards: EPShards, ref_ckpt, spec, ref_reader: ExpertReader, opt
             key = f"cuda_{phase}_s" if f"cuda_{phase}_s" in stats[0] else f"time_{phase}_s"
             timing[phase] = max(s[key] for s in stats) * 1e3
         moved = {k: sum(s[k] for s in stats) for k in ("dispatch_bytes_sent", "combine_bytes_sent")}
+        if stats[0].get("dispatch_split_bytes"):  # [R][R]: row r = bytes rank r sent to each rank
+            moved.update({k: [s[k] for s in stats] for k in ("dispatch_split_bytes", "combine_split_bytes")})
         reports.append(LayerReport(i, rel, sqnr, mx, [s["pairs_computed"] for s in stats], worst[0], worst[1],
                                    worst[2], not reasons, "; ".join(reasons), timing, moved))
     options = {**asdict(opts), "backend": backend, "layers": layer_ids}

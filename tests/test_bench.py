@@ -43,3 +43,4 @@ def test_verify_bench_runs_on_gloo(tmp_path):
     result = json.loads(out.read_text())
     assert [v["options"]["dispatch"] for v in result["verify"]] == ["all2all", "allgather"]
     assert "PASS" in p.stdout and "FAIL" not in p.stdout
+    assert result["raw"]["a2a_exact_us"]["0/1/dispatch_split_bytes"] > 0  # all2all's own splits, replayed

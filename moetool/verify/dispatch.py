@@ -169,6 +169,15 @@ class CommStats:
     combine_bytes_sent: int = 0
     combine_bytes_recv: int = 0
     expert_tokens: list[int] = field(default_factory=list)  # [L] pairs per local slot
+    #: bytes this rank's payload collectives sent to each rank (self included, as the
+    #: collective moves it): all2all only, [R] each; a raw all_to_all_single with exactly these
+    #: splits is the benchmarks' comparator that keeps the routing's imbalance
+    dispatch_split_bytes: list[int] = field(default_factory=list)
+    combine_split_bytes: list[int] = field(default_factory=list)
+
+    def add_split(self, name: str, per_rank: list[int]) -> None:
+        cur = getattr(self, name)
+        setattr(self, name, [a + b for a, b in zip(cur, per_rank)] if cur else list(per_rank))
 
 
 # --------------------------------------------------------------------------- helpers
@@ -425,6 +434,7 @@ class All2AllDispatcher(Dispatcher):
         recv = send.new_empty(sum(recv_l), B)
         dist.all_to_all_single(recv, send[:P], output_split_sizes=recv_l, input_split_sizes=send_l)
         stats.dispatch_bytes_sent += (P - send_l[me]) * B + 8 * (R - 1)
+        stats.add_split("dispatch_split_bytes", [n * B for n in send_l])
         stats.dispatch_bytes_recv += (sum(recv_l) - recv_l[me]) * B + 8 * (R - 1)
         hidden, *rest = layout.unpack(recv)
         scale = rest[0] if act_quant else None
@@ -463,8 +473,10 @@ class All2AllDispatcher(Dispatcher):
         me = topo.rank
         stats.combine_bytes_sent += (sum(st["recv"]) - st["recv"][me]) * H * nb
         stats.combine_bytes_recv += (sum(st["send"]) - st["send"][me]) * H * nb
+        back_split = [n * H * nb for n in st["recv"]]
         pos = st["pos"].t()  # [m, R]
         if topo.tp == 1:
+            stats.add_split("combine_split_bytes", back_split)
             return _combine(back, pos)  # [m, H] fp32, summed over destinations in rank order
         split = _row_split(st["t"], topo.tp)
         width = max(split)
@@ -475,6 +487,8 @@ class All2AllDispatcher(Dispatcher):
         full = part.new_empty(topo.tp * width, H)
         all_gather_tensor(full, part, group=topo.tp_group)
         stats.combine_bytes_sent += (topo.tp - 1) * width * H * nb
+        stats.add_split("combine_split_bytes", [b + (width * H * nb if r in topo.tp_ranks and r != me else 0)
+                                                for r, b in enumerate(back_split)])
         stats.combine_bytes_recv += (topo.tp - 1) * width * H * nb
         if width * topo.tp == st["t"]:
             return full  # [t, H]

@@ -155,7 +155,8 @@ def _stats(topo, dispatcher, experts, cs: CommStats, timer: PhaseTimer, tokens: 
     rank, dp_group, tp_index, dispatcher, experts, format, act_quant, chunks,
     tokens_in (tokens of this rank's group), tokens_received (token rows reaching its experts),
     pairs_computed ((token, local slot) pairs run), rows_padding, expert_tokens [L],
-    local_experts [L] (global ids), dispatch/combine_bytes_sent/recv, time_{route,dispatch,
+    local_experts [L] (global ids), dispatch/combine_bytes_sent/recv, dispatch/combine_split_bytes
+    ([R] bytes to each rank, all2all only), time_{route,dispatch,
     experts,combine,shared}_s, time_total_s (and cuda_*_s on CUDA)."""
     return {
         "rank": topo.rank,
@@ -176,6 +177,8 @@ def _stats(topo, dispatcher, experts, cs: CommStats, timer: PhaseTimer, tokens: 
         "dispatch_bytes_recv": cs.dispatch_bytes_recv,
         "combine_bytes_sent": cs.combine_bytes_sent,
         "combine_bytes_recv": cs.combine_bytes_recv,
+        "dispatch_split_bytes": list(cs.dispatch_split_bytes),
+        "combine_split_bytes": list(cs.combine_split_bytes),
         **timer.report(),
         "time_total_s": total_s,
     }
