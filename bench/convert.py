@@ -192,7 +192,8 @@ def main() -> None:
     # the floor for a durable copy: moetool fsyncs every file it writes, so cp must sync too
     add("cp", ["sh", "-c", f"cp -r '{src}' '{out / 'cp'}' && sync"], out / "cp")
     add("start-up", moetool + ["--help"], out / "start-up")
-    add("start-up+torch", [sys.executable, "-c", "import moetool.cli, moetool.quantize"], out / "start-up+torch")
+    add("start-up+torch", [sys.executable, "-c", "import moetool.cli, moetool.lazy as l; l.freeze_imports = 1; l.import_module('moetool.quantize')"],
+        out / "start-up+torch")  # as `moetool quantize` imports it
     for fmt, flag in MOETOOL_FLAG.items():
         add(fmt, moetool + ["quantize", str(src), str(out / fmt), flag, "-q", "--device", args.device], out / fmt)
     add("shard", moetool + ["shard", str(src), str(out / "shard"), "--ep", "8", "-q"], out / "shard")

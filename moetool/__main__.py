@@ -10,7 +10,9 @@ def entry() -> None:
 
     gc.disable()
     from moetool.cli import main
+    from moetool import lazy
 
+    lazy.freeze_imports = True  # the same for what a command imports when it runs (moetool.lazy)
     gc.freeze()
     gc.enable()
     main()

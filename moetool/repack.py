@@ -31,7 +31,8 @@ def repack(source, out, layout: Layout, *, max_shard_size: int | None = None, dr
                 return done
         finally:
             ckpt.close()
-    from moetool.quantize import convert_checkpoint
+    from moetool.lazy import import_module
 
+    convert_checkpoint = import_module("moetool.quantize").convert_checkpoint
     return convert_checkpoint(source, out, fmt=None, layout=layout, max_shard_size=max_shard_size, dry_run=dry_run,
                               force=force, progress=progress, revision=revision, device=device)

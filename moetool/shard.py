@@ -18,6 +18,7 @@ from pathlib import Path
 from moetool.arch import describe
 from moetool.checkpoint import Checkpoint, open_checkpoint
 from moetool.errors import MoetoolError
+from moetool.lazy import import_module
 from moetool.placement import placement_from_json
 from moetool.plan import ROLES, ExpertLinear, Layout, Plan, Stacked, Summary, assign_files, other_files, plan_id, \
     plan_placements, rank_dir, shard_plan  # noqa: F401
@@ -63,8 +64,8 @@ def shard(source, out, ep: int, *, placement: str = "linear", redundant: int = 0
                                  progress=progress, plan_id=pid)
             if done is not None:
                 return done
-        from moetool.convert import ErrorStats, Source, run_plan
-
+        convert = import_module("moetool.convert")  # torch
+        ErrorStats, Source, run_plan = convert.ErrorStats, convert.Source, convert.run_plan
         src = Source(ckpt, spec, None, ErrorStats())
         plan = build_shard_plan(src, ep, placements, layout, max_shard_size, placement, redundant)
         if dry_run:

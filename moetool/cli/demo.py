@@ -15,7 +15,9 @@ def demo_cmd(
     fmt: Annotated[str, typer.Option("--format", help="fp8-block, fp8-channel or int4-group")] = "fp8-block",
 ) -> None:
     """Write a tiny MoE model, quantize it, shard it over 4 EP ranks and verify it (CPU, < 1 min)."""
-    from moetool.demo import run_demo
+    from moetool.lazy import import_module
+
+    run_demo = import_module("moetool.demo").run_demo
 
     if not run_demo(workdir, echo=typer.echo, fmt=fmt):
         raise VerificationFailed("demo verification failed")

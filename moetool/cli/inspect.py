@@ -12,7 +12,10 @@ from moetool.cli.options import Json, Revision, Source
 def inspect_cmd(source: Source, revision: Revision = None, json_out: Json = False) -> None:
     """What is in a checkpoint: architecture, MoE layers, experts, dims, weight format, bytes."""
     from moetool.checkpoint import open_checkpoint
-    from moetool.inspect import inspect_checkpoint, render
+    from moetool.lazy import import_module
+
+    lib = import_module("moetool.inspect")
+    inspect_checkpoint, render = lib.inspect_checkpoint, lib.render
 
     with open_checkpoint(source, revision) as ckpt:
         info = inspect_checkpoint(ckpt)

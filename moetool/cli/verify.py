@@ -50,7 +50,11 @@ def verify_cmd(
 
     Single node: spawns one process per rank itself. Multi-node: run it under torchrun
     (`torchrun --nnodes ... --nproc-per-node ... -m moetool verify ...`)."""
-    from moetool.verify_shards import VerifyOptions, raise_if_failed, under_torchrun, verify, verify_torchrun
+    from moetool.lazy import import_module
+
+    vs = import_module("moetool.verify_shards")
+    VerifyOptions, raise_if_failed, under_torchrun, verify, verify_torchrun = (
+        vs.VerifyOptions, vs.raise_if_failed, vs.under_torchrun, vs.verify, vs.verify_torchrun)
 
     opts = VerifyOptions(dp=dp, ep=ep, dispatch=dispatch, experts=experts, tokens=tokens, layers=parse_layers(layers),
                          backend=backend, chunk_size=chunk_size, seed=seed, max_rel_err=max_rel_err,
