@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -66,10 +65,9 @@ def split_a2a_ms(matrix: list[list[int]], rank: int, timed, iters: int, warmup: 
     return statistics.median(times)
 
 
-def host_costs(disp, x, ids, w, token_index, table, num_slots, world: int, reps: int = 50) -> dict[str, float]:
-    """Host microseconds per call of each step the all2all dispatcher launches (on CUDA the
-    calls queue without waiting, so the loop measures the launch path, not the GPU; on CPU,
-    under the Triton interpreter, it only checks that the calls still run)."""
+def host_costs(disp, x, ids, w, token_index, table, num_slots, world: int) -> dict[str, float]:
+    """Host microseconds per call of each step the all2all dispatcher launches (CUDA only: the
+    calls queue without waiting, so the loop measures the launch path, not the GPU)."""
     import torch.distributed as dist
 
     from moetool.kernels import ep_combine, ep_dispatch
@@ -77,10 +75,9 @@ def host_costs(disp, x, ids, w, token_index, table, num_slots, world: int, reps:
 
     m, k = ids.shape
     H = x.shape[1]
-    counts = torch.empty(world, 2, dtype=torch.int64, device=x.device)  # [rank][half]
+    counts = torch.empty(world, dtype=torch.int64, device=x.device)
     recv = torch.empty_like(counts)
-    split = m // 2
-    order = ep_dispatch.route_tokens(ids, token_index, table.rank, table.count, counts, split)
+    order = ep_dispatch.route_tokens(ids, token_index, table.rank, table.count, counts)
     layout = disp._row_layout(H, k, True)  # fp8 rows, as the timed dispatch sends
     offs = (layout.offsets[1], *layout.offsets[-4:-1])
     send = torch.empty(m * min(k, world), layout.row_bytes, dtype=torch.uint8, device=x.device)
@@ -88,8 +85,8 @@ def host_costs(disp, x, ids, w, token_index, table, num_slots, world: int, reps:
     pos = torch.full((m, world), -1, dtype=torch.int64, device=x.device)
     pos[:, 0] = torch.arange(m, device=x.device)
     steps = {
-        "route_tokens": lambda: ep_dispatch.route_tokens(ids, token_index, table.rank, table.count, counts, split),
-        "pack_rows": lambda: ep_dispatch.pack_rows(x, ids, w, token_index, order, counts, split, send,
+        "route_tokens": lambda: ep_dispatch.route_tokens(ids, token_index, table.rank, table.count, counts),
+        "pack_rows": lambda: ep_dispatch.pack_rows(x, ids, w, token_index, order, counts, send,
                                                    torch.float8_e4m3fn, offs, ACT_GROUP),
         "local_slots": lambda: ep_dispatch.local_slots(ids, token_index, table.rank, table.slot, table.count,
                                                        0, num_slots),
@@ -97,18 +94,17 @@ def host_costs(disp, x, ids, w, token_index, table, num_slots, world: int, reps:
         "counts all_to_all_single": lambda: dist.all_to_all_single(recv, counts),
         "torch add (one aten op)": lambda: counts.add(1),
     }
-    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
     out = {}
     for name, fn in steps.items():
-        for _ in range(min(5, reps)):
+        for _ in range(5):
             fn()
-        sync()
+        torch.cuda.synchronize()
         dist.barrier()
         t0 = time.perf_counter()
-        for _ in range(reps):
+        for _ in range(50):
             fn()
-        out[name] = (time.perf_counter() - t0) / reps * 1e6
-        sync()
+        out[name] = (time.perf_counter() - t0) / 50 * 1e6
+        torch.cuda.synchronize()
     return out
 
 
@@ -204,8 +200,8 @@ def worker(rank: int, world: int, opts: dict) -> dict:
                 if it >= opts["warmup"]:
                     times.append(t)
             res.setdefault("raw_tp_exchange_as_a2a_ms", statistics.median(times))
-        if name == "all2all" and (cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-            res["host_us"] = host_costs(disp, x, ids, w, token_index, table, num_slots, world, 50 if cuda else 1)
+        if cuda and name == "all2all":
+            res["host_us"] = host_costs(disp, x, ids, w, token_index, table, num_slots, world)
         res[name] = {"raw_exact_dispatch_ms": exact.get("dispatch_split_bytes", float("nan")),
                      "raw_exact_combine_ms": exact.get("combine_split_bytes", float("nan")),
                      "raw_tp_gather_ms": gather_ms, "dispatch_ms": statistics.median(d_ms), "combine_ms": statistics.median(c_ms),
