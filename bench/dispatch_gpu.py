@@ -112,8 +112,7 @@ def worker(rank: int, world: int, opts: dict) -> dict:
     import torch.distributed as dist
 
     from moetool.placement import linear_placement
-    from moetool.verify.dispatch import ChunkInfo, CommStats, RouteTable, Topology, all_gather_tensor, get_dispatcher, \
-        row_positions, take_rows
+    from moetool.verify.dispatch import ChunkInfo, CommStats, RouteTable, Topology, all_gather_tensor, get_dispatcher
 
     topo = Topology.create(opts["dp"])
     cuda = topo.device.type == "cuda"
@@ -132,10 +131,10 @@ def worker(rank: int, world: int, opts: dict) -> dict:
     res = {}
     for name in opts["dispatchers"]:
         disp = get_dispatcher(name, topo, comm_dtype=torch.bfloat16)
-        rows = disp.token_rows(T)
-        x = take_rows(x_group, rows)
-        ids, w = take_rows(ids_group, rows).contiguous(), take_rows(w_group, rows).contiguous()
-        token_index = info.starts[topo.group_index] + row_positions(rows, dev)
+        rows = disp.token_slice(T)
+        x = x_group[rows]
+        ids, w = ids_group[rows].contiguous(), w_group[rows].contiguous()
+        token_index = info.starts[topo.group_index] + rows.start + torch.arange(x.shape[0], device=dev)
         d_ms, c_ms, d_wall, c_wall = [], [], [], []
         stats = CommStats(expert_tokens=[0] * num_slots)
         for it in range(opts["warmup"] + opts["iters"]):

@@ -9,13 +9,11 @@ W = most replicas of an expert, R = ranks, L = local slots. The route table (``R
 ``moetool.verify.dispatch``): rank_tab / slot_tab int64 [E, W] (-1 padded), count_tab int64 [E];
 a token at global position p that chose expert e uses replica ``p % count_tab[e]``.
 
-Tokens [0, split) form part 0 and [split, m) part 1: each part travels in its own collective.
-
 1. :func:`route_tokens` topk_ids [m, k], token_index [m] -> order int64 [R, m] (index of token
-   t among those of its part sent to rank r, -1 = not sent), counts int64 [R, 2] (tokens per
-   destination rank and part, a token counted once per rank however many of its experts live there)
+   t among those sent to rank r, -1 = not sent), counts int64 [R] (tokens per destination rank,
+   a token counted once per rank however many of its experts live there)
 2. :func:`pack_rows`    x [m, H], ids, weights, token_index, order, counts -> the send rows
-   (uint8 [P, B], part-major, then rank-major, tokens ascending): each token quantized once (fp8 per-token
+   (uint8 [P, B], rank-major, tokens ascending): each token quantized once (fp8 per-token
    groups) or cast, stored in the row of every destination with its ids, weights and global
    position; returns pos int64 [R, m] (row of (r, t), -1 = not sent)
 3. :func:`local_slots`   received global ids [M, k], token_index [M], this rank -> local_ids
@@ -76,44 +74,36 @@ def _replica(ids_ptr, tok_ptr, count_ptr, t, j, valid, n, W, stride_ids, stride_
 
 @triton.jit
 def _route_tokens_kernel(ids_ptr, tok_ptr, rank_ptr, count_ptr, order_ptr, counts_ptr,
-                         m, k, W, split, stride_ids, stride_tok,
+                         m, k, W, stride_ids, stride_tok,
                          BLOCK_T: tl.constexpr, K_P2: tl.constexpr):
-    """Program r: one pass over the tokens, a running count per part of those that go to rank r."""
+    """Program r: one pass over the tokens, a running count of those that go to rank r."""
     r = tl.program_id(0)
     j = tl.arange(0, K_P2)
-    run0 = tl.zeros((), dtype=tl.int64)
-    run1 = tl.zeros((), dtype=tl.int64)
+    running = tl.zeros((), dtype=tl.int64)
     for t0 in range(0, m, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
         valid = (t[:, None] < m) & (j[None, :] < k)
         at = _replica(ids_ptr, tok_ptr, count_ptr, t, j, valid, m, W, stride_ids, stride_tok)
         dest = tl.load(rank_ptr + at, mask=valid, other=-1)  # [BT, KP2]
         hit = tl.max((dest == r).to(tl.int32), axis=1)  # [BT]
-        hit0 = tl.where(t < split, hit, 0)
-        hit1 = hit - hit0
-        order = tl.where(t < split, run0 + tl.cumsum(hit0, axis=0).to(tl.int64),
-                         run1 + tl.cumsum(hit1, axis=0).to(tl.int64)) - 1
+        order = running + tl.cumsum(hit, axis=0).to(tl.int64) - 1
         tl.store(order_ptr + r.to(tl.int64) * m + t, tl.where(hit > 0, order, -1), mask=t < m)
-        run0 += tl.sum(hit0, axis=0).to(tl.int64)
-        run1 += tl.sum(hit1, axis=0).to(tl.int64)
-    tl.store(counts_ptr + 2 * r, run0)
-    tl.store(counts_ptr + 2 * r + 1, run1)
+        running += tl.sum(hit, axis=0).to(tl.int64)
+    tl.store(counts_ptr + r, running)
 
 
 def route_tokens(topk_ids: torch.Tensor, token_index: torch.Tensor, rank_tab: torch.Tensor,
-                 count_tab: torch.Tensor, counts: torch.Tensor, split: int | None = None) -> torch.Tensor:
+                 count_tab: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """topk_ids int [m, k] (global experts), token_index int64 [m] -> order int64 [R, m]: the
-    index of token t among the tokens of its part sent to rank r (ascending), -1 = none of its
-    experts' replicas is on r. Tokens [0, split) are part 0, [split, m) part 1 (split=None: all
-    in part 0); the dispatch sends each part in its own collective, so the combine of one can
-    overlap the transfer of the other. Writes the tokens per rank and part into ``counts``
-    (int64 [R, 2], contiguous; a token counts once per rank however many of its experts live
-    there). Only this rank's data is needed, so the send rows can be filled while the counts
-    travel. Ids must lie in [0, E); they are not checked on the device."""
+    index of token t among the tokens sent to rank r (ascending), -1 = none of its experts'
+    replicas is on r. Writes the tokens per rank into ``counts`` (int64 [R], contiguous; a
+    token counts once per rank however many of its experts live there). Only this rank's
+    data is needed, so the send rows can be filled while the counts travel. Ids must lie in
+    [0, E); they are not checked on the device."""
     _check_ids(topk_ids, token_index)
     _check_tables(rank_tab, None, count_tab)
+    _check_counts(counts)
     m, k = topk_ids.shape
-    split = _check_split(counts, split, m)
     R = counts.shape[0]
     order = torch.empty(R, m, dtype=torch.int64, device=topk_ids.device)
     check_device(_route_tokens_kernel, topk_ids, token_index, rank_tab, count_tab, counts)
@@ -121,35 +111,28 @@ def route_tokens(topk_ids: torch.Tensor, token_index: torch.Tensor, rank_tab: to
         k_p2 = triton.next_power_of_2(max(k, 1))
         bt = min(1024, max(16, triton.next_power_of_2(_ONEHOT_BUDGET // k_p2)))
         _route_tokens_kernel[(R,)](topk_ids, token_index, rank_tab, count_tab, order, counts, m, k,
-                                   rank_tab.shape[1], split, topk_ids.stride(0), token_index.stride(0),
+                                   rank_tab.shape[1], topk_ids.stride(0), token_index.stride(0),
                                    BLOCK_T=bt, K_P2=k_p2)
     return order
 
 
-def route_tokens_ref(topk_ids, token_index, rank_tab, count_tab, counts, split=None):
+def route_tokens_ref(topk_ids, token_index, rank_tab, count_tab, counts):
     """Reference of :func:`route_tokens` (same arguments)."""
     _check_ids(topk_ids, token_index)
     _check_tables(rank_tab, None, count_tab)
-    m = topk_ids.shape[0]
-    split = _check_split(counts, split, m)
+    _check_counts(counts)
     ids = topk_ids.long()
     dest = rank_tab[ids, token_index[:, None] % count_tab[ids]]  # [m, k]
     R = counts.shape[0]
     sent = (dest[None, :, :] == torch.arange(R, device=ids.device)[:, None, None]).any(dim=2)  # [R, m]
-    parts = (sent[:, :split], sent[:, split:])
-    counts.copy_(torch.stack([p.sum(dim=1) for p in parts], dim=1))
+    counts.copy_(sent.sum(dim=1))
     # the scan runs along the last, contiguous dim (along dim 0 of [m, R] it is ~10x slower on CUDA)
-    order = torch.cat([torch.cumsum(p, 1) - 1 for p in parts], dim=1)
-    return torch.where(sent, order, -1)
+    return torch.where(sent, torch.cumsum(sent, 1) - 1, -1)
 
 
-def _check_split(counts: torch.Tensor, split: int | None, m: int) -> int:
-    if counts.dim() != 2 or counts.shape[1] != 2 or counts.dtype != torch.int64 or not counts.is_contiguous():
-        raise MoetoolError(f"counts must be contiguous int64 [R, 2], got {counts.dtype} {list(counts.shape)}")
-    split = m if split is None else split
-    if not 0 <= split <= m:
-        raise MoetoolError(f"split {split} is outside [0, {m}]")
-    return split
+def _check_counts(counts: torch.Tensor) -> None:
+    if counts.dim() != 1 or counts.dtype != torch.int64 or not counts.is_contiguous():
+        raise MoetoolError(f"counts must be contiguous int64 [R], got {counts.dtype} {list(counts.shape)}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,12 +156,12 @@ PACK_DTYPES = (torch.float8_e4m3fn, torch.bfloat16, torch.float16, torch.float32
 
 @triton.jit
 def _pack_rows_kernel(x_ptr, ids_ptr, w_ptr, tok_ptr, order_ptr, counts_ptr, pos_ptr, out_ptr,
-                      H, k, R, m, split, stride_x, stride_ids, stride_w, stride_tok,
+                      H, k, R, m, stride_x, stride_ids, stride_w, stride_tok,
                       B: tl.constexpr, SCALE_OFF: tl.constexpr, IDS_OFF: tl.constexpr, W_OFF: tl.constexpr,
                       TOK_OFF: tl.constexpr, HID_KIND: tl.constexpr,
                       GROUP: tl.constexpr, NG: tl.constexpr, K_P2: tl.constexpr):
     """Program (t, h-block of NG groups): quantize (or cast) x[t, block] once, store it into
-    the send row of every rank t goes to (row = rows of the parts and ranks before + order); the h-block 0
+    the send row of every rank t goes to (row = rows of the ranks before + order); the h-block 0
     program also stores the metadata and the row numbers (pos). out_ptr is the uint8 buffer;
     each part is addressed in bytes and cast to its type (one argument instead of a view per
     dtype: at serving sizes the host time of a launch is what the dispatch waits on).
@@ -204,15 +187,11 @@ def _pack_rows_kernel(x_ptr, ids_ptr, w_ptr, tok_ptr, order_ptr, counts_ptr, pos
     ids = tl.load(ids_ptr + t.to(tl.int64) * stride_ids + j, mask=j < k, other=0).to(tl.int32)
     w = tl.load(w_ptr + t.to(tl.int64) * stride_w + j, mask=j < k, other=0.0).to(tl.float32)
     tok = tl.load(tok_ptr + t.to(tl.int64) * stride_tok)
-    part = (t >= split).to(tl.int32)
     start = tl.zeros((), dtype=tl.int64)
-    if part == 1:  # part 1's rows follow all of part 0's
-        for r in range(R):
-            start += tl.load(counts_ptr + 2 * r)
     for r in range(R):
         o = tl.load(order_ptr + r * m + t)
         p = tl.where(o >= 0, start + o, -1)
-        start += tl.load(counts_ptr + 2 * r + part)
+        start += tl.load(counts_ptr + r)
         if pid_h == 0:
             tl.store(pos_ptr + r * m + t, p)
         if p >= 0:
@@ -226,7 +205,7 @@ def _pack_rows_kernel(x_ptr, ids_ptr, w_ptr, tok_ptr, order_ptr, counts_ptr, pos
                 tl.store((row + TOK_OFF).to(tl.pointer_type(tl.int64)), tok)
 
 
-def _check_pack(x, topk_ids, topk_weights, token_index, order, counts, split, out, hidden_dtype, offsets, group):
+def _check_pack(x, topk_ids, topk_weights, token_index, order, counts, out, hidden_dtype, offsets, group):
     offsets = RowOffsets(*offsets)
     m, H = x.shape if x.dim() == 2 else (-1, -1)
     if x.dim() != 2 or not x.is_floating_point() or x.stride(1) != 1 or H == 0:
@@ -238,9 +217,9 @@ def _check_pack(x, topk_ids, topk_weights, token_index, order, counts, split, ou
                            f"{list(topk_ids.shape)} / {list(topk_weights.shape)}")
     if order.dim() != 2 or order.dtype != torch.int64 or order.shape[1] != m or not order.is_contiguous():
         raise MoetoolError(f"pack_rows: order must be contiguous int64 [R, {m}], got {order.dtype} {list(order.shape)}")
-    _check_split(counts, split, m)
+    _check_counts(counts)
     if counts.shape[0] != order.shape[0]:
-        raise MoetoolError(f"pack_rows: counts [{counts.shape[0]}, 2] and order [{order.shape[0]}, m] disagree on R")
+        raise MoetoolError(f"pack_rows: counts [{counts.shape[0]}] and order [{order.shape[0]}, m] disagree on R")
     if out.dim() != 2 or out.dtype != torch.uint8 or not out.is_contiguous() or out.shape[1] % 16:
         raise MoetoolError(f"pack_rows: out must be contiguous uint8 [rows, B] with B a multiple of 16, got "
                            f"{out.dtype} {list(out.shape)}")
@@ -258,19 +237,19 @@ def _check_pack(x, topk_ids, topk_weights, token_index, order, counts, split, ou
 
 
 def pack_rows(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, token_index: torch.Tensor,
-              order: torch.Tensor, counts: torch.Tensor, split: int | None, out: torch.Tensor,
-              hidden_dtype: torch.dtype, offsets: RowOffsets, group: int = 128) -> torch.Tensor:
-    """Fill the send rows, part-major, then rank-major, tokens ascending -> pos int64 [R, m]:
-    the row of out that holds token t for rank r (-1 = not sent), what the combine reads back by.
+              order: torch.Tensor, counts: torch.Tensor, out: torch.Tensor, hidden_dtype: torch.dtype,
+              offsets: RowOffsets, group: int = 128) -> torch.Tensor:
+    """Fill the send rows, rank-major, tokens ascending -> pos int64 [R, m]: the row of out
+    that holds token t for rank r (-1 = not sent), what the combine reads back by.
 
     x float [m, H] (row stride free), topk_ids int [m, k], topk_weights [m, k], token_index
-    int64 [m], order int64 [R, m], counts int64 [R, 2] and split (from :func:`route_tokens`), out uint8
+    int64 [m], order int64 [R, m] and counts int64 [R] (from :func:`route_tokens`), out uint8
     [rows, B] with rows >= counts.sum() (known on the device only, so size it for the worst
     case: m * min(k, R)). The row
     holds x as ``hidden_dtype`` at byte 0 (float8_e4m3fn: per-token 1 x ``group`` codes, the
     fp32 scales at ``offsets.scale``, bit-identical to ``quant.fp8_act_quant``), ids as int32,
     weights as fp32 and the token index as int64. Other bytes of out are left as they were."""
-    _check_pack(x, topk_ids, topk_weights, token_index, order, counts, split, out, hidden_dtype, offsets, group)
+    _check_pack(x, topk_ids, topk_weights, token_index, order, counts, out, hidden_dtype, offsets, group)
     offsets = RowOffsets(*offsets)
     check_device(_pack_rows_kernel, x, topk_ids, topk_weights, token_index, order, counts, out)
     m, H = x.shape
@@ -285,24 +264,19 @@ def pack_rows(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     ng = max(1, min(8, triton.next_power_of_2(-(-H // group))))
     _pack_rows_kernel[(m, triton.cdiv(H, group * ng))](
         x, topk_ids, topk_weights, token_index, order, counts, pos, out, H, k, R, m,
-        _check_split(counts, split, m), x.stride(0), topk_ids.stride(0), topk_weights.stride(0), token_index.stride(0),
+        x.stride(0), topk_ids.stride(0), topk_weights.stride(0), token_index.stride(0),
         B=out.shape[1], SCALE_OFF=offsets.scale or 0, IDS_OFF=offsets.ids, W_OFF=offsets.weights,
         TOK_OFF=offsets.token, HID_KIND=kind, GROUP=group, NG=ng, K_P2=triton.next_power_of_2(max(k, 1)),
         num_warps=4)
     return pos
 
 
-def pack_rows_ref(x, topk_ids, topk_weights, token_index, order, counts, split, out, hidden_dtype, offsets,
-                  group=128):
+def pack_rows_ref(x, topk_ids, topk_weights, token_index, order, counts, out, hidden_dtype, offsets, group=128):
     """Reference of :func:`pack_rows` (same arguments)."""
     from .quant import fp8_act_quant_ref
 
-    _check_pack(x, topk_ids, topk_weights, token_index, order, counts, split, out, hidden_dtype, offsets, group)
-    split = _check_split(counts, split, x.shape[0])
-    flat = counts.t().flatten()  # [2R]: part 0's ranks, then part 1's
-    start = (torch.cumsum(flat, 0) - flat).view(2, -1)  # [2, R] first row of (part, rank)
-    part_start = torch.cat([start[0][:, None].expand(-1, split), start[1][:, None].expand(-1, x.shape[0] - split)], 1)
-    pos = torch.where(order >= 0, order + part_start, -1)
+    _check_pack(x, topk_ids, topk_weights, token_index, order, counts, out, hidden_dtype, offsets, group)
+    pos = torch.where(order >= 0, order + (torch.cumsum(counts, 0) - counts)[:, None], -1)
     offsets = RowOffsets(*offsets)
     m, H = x.shape
     k = topk_ids.shape[1]

@@ -279,22 +279,6 @@ def _row_split(t: int, parts: int) -> list[int]:
     return [t // parts + (1 if i < t % parts else 0) for i in range(parts)]
 
 
-def _halves(t: int) -> list[tuple[int, int]]:
-    """(first row, rows) of the two halves the all2all sends in separate collectives."""
-    h = t - t // 2
-    return [(0, h), (h, t - h)]
-
-
-def take_rows(x: torch.Tensor, rows: list[slice]) -> torch.Tensor:
-    """x [t, H], ``token_rows`` -> the rows this rank routes [m, H] (a view for one slice)."""
-    return x[rows[0]] if len(rows) == 1 else torch.cat([x[r] for r in rows])
-
-
-def row_positions(rows: list[slice], device: torch.device) -> torch.Tensor:
-    """``token_rows`` -> int64 [m] row numbers within the chunk."""
-    return torch.cat([torch.arange(r.start, r.stop, device=device) for r in rows])
-
-
 # --------------------------------------------------------------------------- dispatchers
 
 
@@ -320,16 +304,15 @@ class Dispatcher:
             raise MoetoolError(f"activation quantization is defined for {ACT_QUANT_FORMATS}, not {fmt_name}")
         return fmt_name in ACT_QUANT_FORMATS
 
-    def token_rows(self, t: int) -> list[slice]:
-        """Rows of this group's chunk of t tokens that this rank routes and sends, in order
-        (``take_rows`` / ``row_positions`` turn them into x rows and global positions)."""
+    def token_slice(self, t: int) -> slice:
+        """Rows of this group's chunk of t tokens that this rank routes and sends."""
         raise NotImplementedError
 
     def prepare(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 token_index: torch.Tensor, chunk: ChunkInfo, table: RouteTable, num_slots: int,
                 act_quant: bool, stats: CommStats) -> Prepared:
         """x [m, H] float32, topk_ids int64 [m, k] (global), topk_weights float32 [m, k],
-        token_index int64 [m] (global positions) for the rows ``token_rows`` chose."""
+        token_index int64 [m] (global positions) for the rows ``token_slice`` chose."""
         raise NotImplementedError
 
     def finalize(self, expert_out: torch.Tensor, prep: Prepared, reduced: bool,
@@ -348,8 +331,8 @@ class AllGatherDispatcher(Dispatcher):
 
     name = "allgather"
 
-    def token_rows(self, t: int) -> list[slice]:
-        return [slice(0, t)]
+    def token_slice(self, t: int) -> slice:
+        return slice(0, t)
 
     def prepare(self, x, topk_ids, topk_weights, token_index, chunk, table, num_slots, act_quant, stats):
         topo = self.topo
@@ -406,28 +389,21 @@ class AllGatherDispatcher(Dispatcher):
 
 
 class All2AllDispatcher(Dispatcher):
-    """DeepEP high-throughput style. Rank i of a tp group takes the i-th slice of each half of
+    """DeepEP high-throughput style. Rank i of a tp group takes the i-th contiguous slice of
     the group's chunk (no token is sent twice) and sends each token row once to every rank
     holding one of its experts: counts first (the one host synchronisation), then one packed
     payload per token: row, [fp8 scales], global expert ids, weights, global position (the
     receiver picks the ids it holds with the same replica rule). The combine returns one row
     per (token, destination) in the wire dtype with the top-k weights already applied on the
     expert side; the source sums them in rank order (``moetool.kernels.ep_combine``) straight
-    into the buffer of an all-gather in the tp group, which restores the replicated [t, H] chunk.
-    Both directions move the chunk in two halves (rank i takes the i-th slice of each), one
-    collective per half, so the sum and all-gather of the first half run while the second is
-    still coming back."""
+    into the buffer of an all-gather in the tp group, which restores the replicated [t, H] chunk."""
 
     name = "all2all"
 
-    def token_rows(self, t: int) -> list[slice]:
-        """Rank i of the tp group takes the i-th slice of each of the chunk's two halves."""
-        out = []
-        for lo, n in _halves(t):
-            split = _row_split(n, self.topo.tp)
-            start = lo + sum(split[:self.topo.tp_index])
-            out.append(slice(start, start + split[self.topo.tp_index]))
-        return out
+    def token_slice(self, t: int) -> slice:
+        split = _row_split(t, self.topo.tp)
+        start = sum(split[:self.topo.tp_index])
+        return slice(start, start + split[self.topo.tp_index])
 
     def prepare(self, x, topk_ids, topk_weights, token_index, chunk, table, num_slots, act_quant, stats):
         topo = self.topo
@@ -435,13 +411,9 @@ class All2AllDispatcher(Dispatcher):
         k = topk_ids.shape[1]
         route_tokens, pack_rows, local_slots = (_kernel_or_ref("ep_dispatch", name, x)
                                                 for name in ("route_tokens", "pack_rows", "local_slots"))
-        # two halves of this rank's rows, each sent in its own collective so that the combine of
-        # the first overlaps the transfer of the second
-        first = self.token_rows(chunk.sizes[topo.group_index])[0]
-        split = first.stop - first.start  # rows of the first half
-        counts_buf = torch.empty(2, R, 2, dtype=torch.int64, device=x.device)  # [sent to, received from][rank][half]
+        counts_buf = torch.empty(2, R, dtype=torch.int64, device=x.device)  # [sent to, received from] per rank
         send_counts, recv_counts = counts_buf.unbind(0)
-        order = route_tokens(topk_ids, token_index, table.rank, table.count, send_counts, split)  # [R, m]
+        order = route_tokens(topk_ids, token_index, table.rank, table.count, send_counts)  # [R, m]
         counts_sent = dist.all_to_all_single(recv_counts, send_counts, async_op=True)  # counts first
         # While the counts travel, the GPU fills the send rows: their places need only this
         # rank's own counts, and the buffer is sized for the worst case (every token to
@@ -450,28 +422,20 @@ class All2AllDispatcher(Dispatcher):
         send = torch.empty(x.shape[0] * min(k, R), layout.row_bytes, dtype=torch.uint8, device=x.device)
         hidden_dtype = torch.float8_e4m3fn if act_quant else self.comm_dtype
         offsets = ([layout.offsets[1]] if act_quant else [None]) + layout.offsets[-4:-1]  # scale, ids, weights, token
-        pos = pack_rows(x, topk_ids, topk_weights, token_index, order, send_counts, split, send, hidden_dtype,
+        pos = pack_rows(x, topk_ids, topk_weights, token_index, order, send_counts, send, hidden_dtype,
                         tuple(offsets), ACT_GROUP)  # [R, m] send row of (r, t) or -1
         # the one host synchronisation: on a side stream on CUDA, so the host learns the counts
         # as soon as they arrive while the packing may still run on the compute stream
         with self._counts_stream(x.device):
             counts_sent.wait()
-            sent, got = counts_buf.tolist()  # [R][2] each
-        send_l = [[c[h] for c in sent] for h in (0, 1)]  # [half][rank]
-        recv_l = [[c[h] for c in got] for h in (0, 1)]
+            send_l, recv_l = counts_buf.tolist()
+        P = sum(send_l)
         B = layout.row_bytes
-        recv = send.new_empty(sum(map(sum, recv_l)), B)
-        s_at = r_at = 0
-        for h in (0, 1):  # rows are half-major on both sides
-            P_h, M_h = sum(send_l[h]), sum(recv_l[h])
-            dist.all_to_all_single(recv[r_at:r_at + M_h], send[s_at:s_at + P_h], output_split_sizes=recv_l[h],
-                                   input_split_sizes=send_l[h])
-            s_at, r_at = s_at + P_h, r_at + M_h
-        sent_rows = [a + b for a, b in zip(*send_l)]  # [R]
-        got_rows = [a + b for a, b in zip(*recv_l)]
-        stats.dispatch_bytes_sent += (s_at - sent_rows[me]) * B + 16 * (R - 1)
-        stats.dispatch_bytes_recv += (r_at - got_rows[me]) * B + 16 * (R - 1)
-        stats.add_split("dispatch_split_bytes", [n * B for n in sent_rows])
+        recv = send.new_empty(sum(recv_l), B)
+        dist.all_to_all_single(recv, send[:P], output_split_sizes=recv_l, input_split_sizes=send_l)
+        stats.dispatch_bytes_sent += (P - send_l[me]) * B + 8 * (R - 1)
+        stats.add_split("dispatch_split_bytes", [n * B for n in send_l])
+        stats.dispatch_bytes_recv += (sum(recv_l) - recv_l[me]) * B + 8 * (R - 1)
         hidden, *rest = layout.unpack(recv)
         scale = rest[0] if act_quant else None
         local_ids, expert_counts = local_slots(rest[-3], rest[-1][:, 0], table.rank, table.slot, table.count,
@@ -479,8 +443,7 @@ class All2AllDispatcher(Dispatcher):
         stats.tokens_received += recv.shape[0]
         wire = self.comm_dtype if self.comm_dtype in (torch.float32, torch.bfloat16) else torch.float32
         return Prepared(hidden, scale, local_ids, rest[-2].contiguous(), expert_counts,
-                        {"pos": pos, "send": send_l, "recv": recv_l, "split": split,
-                         "t": chunk.sizes[topo.group_index]},
+                        {"pos": pos, "send": send_l, "recv": recv_l, "t": chunk.sizes[topo.group_index]},
                         out_dtype=wire)
 
     def _counts_stream(self, device: torch.device):
@@ -505,62 +468,31 @@ class All2AllDispatcher(Dispatcher):
         # tested); experts that reduce already wrote them in it (prep.out_dtype)
         out = out.to(prep.out_dtype).contiguous()  # [M, H]
         H, nb = out.shape[1], out.element_size()
-        send_l, recv_l, split = st["send"], st["recv"], st["split"]  # [half][rank]
-        P0, M0 = sum(send_l[0]), sum(recv_l[0])
-        back = out.new_empty(P0 + sum(send_l[1]), H)  # [P, H], laid out as the send rows
-        # both halves go back asynchronously: the first half's sum (and tp all-gather) runs on
-        # the GPU while the second half is still in flight
-        returns = [dist.all_to_all_single(back[:P0], out[:M0], output_split_sizes=send_l[0],
-                                          input_split_sizes=recv_l[0], async_op=True),
-                   dist.all_to_all_single(back[P0:], out[M0:], output_split_sizes=send_l[1],
-                                          input_split_sizes=recv_l[1], async_op=True)]
+        back = out.new_empty(sum(st["send"]), H)  # [P, H]
+        dist.all_to_all_single(back, out, output_split_sizes=st["send"], input_split_sizes=st["recv"])
         me = topo.rank
-        sent_rows = [a + b for a, b in zip(*recv_l)]  # [R] rows this rank sends back to each
-        got_rows = [a + b for a, b in zip(*send_l)]
-        stats.combine_bytes_sent += (sum(sent_rows) - sent_rows[me]) * H * nb
-        stats.combine_bytes_recv += (sum(got_rows) - got_rows[me]) * H * nb
-        back_split = [n * H * nb for n in sent_rows]
+        stats.combine_bytes_sent += (sum(st["recv"]) - st["recv"][me]) * H * nb
+        stats.combine_bytes_recv += (sum(st["send"]) - st["send"][me]) * H * nb
+        back_split = [n * H * nb for n in st["recv"]]
         pos = st["pos"].t()  # [m, R]
-        m = pos.shape[0]
-        halves = (slice(0, split), slice(split, m))
         if topo.tp == 1:
             stats.add_split("combine_split_bytes", back_split)
-            y = back.new_empty(m, H, dtype=torch.float32)
-            for h, rows in enumerate(halves):
-                returns[h].wait()
-                _combine(back, pos[rows], out=y[rows])  # fp32, summed over destinations in rank order
-            return y
-        # rank i holds the i-th slice of each half of the chunk: gathering each half over the tp
-        # group restores it in order, both gathers writing into one [t, H] buffer
-        t = st["t"]
-        widths = [max(_row_split(n, topo.tp)) for _, n in _halves(t)]
-        full = back.new_empty(topo.tp * sum(widths), H)
-        gathers, at = [], 0
-        for h, rows in enumerate(halves):
-            part = back.new_empty(widths[h], H)  # the tp all-gather's input, written in place
-            n = rows.stop - rows.start
-            returns[h].wait()
-            _combine(back, pos[rows], out=part[:n])
-            if n < widths[h]:
-                part[n:].zero_()
-            gathers.append(all_gather_tensor(full[at:at + topo.tp * widths[h]], part, group=topo.tp_group,
-                                             async_op=True))
-            at += topo.tp * widths[h]
-        for g in gathers:
-            g.wait()
-        gather_bytes = (topo.tp - 1) * sum(widths) * H * nb
-        stats.combine_bytes_sent += gather_bytes
-        stats.combine_bytes_recv += gather_bytes
-        stats.add_split("combine_split_bytes", [b + (sum(widths) * H * nb if r in topo.tp_ranks and r != me else 0)
+            return _combine(back, pos)  # [m, H] fp32, summed over destinations in rank order
+        split = _row_split(st["t"], topo.tp)
+        width = max(split)
+        part = back.new_empty(width, H)  # the tp all-gather's input, written in place
+        _combine(back, pos, out=part[:pos.shape[0]])
+        if pos.shape[0] < width:
+            part[pos.shape[0]:].zero_()
+        full = part.new_empty(topo.tp * width, H)
+        all_gather_tensor(full, part, group=topo.tp_group)
+        stats.combine_bytes_sent += (topo.tp - 1) * width * H * nb
+        stats.add_split("combine_split_bytes", [b + (width * H * nb if r in topo.tp_ranks and r != me else 0)
                                                 for r, b in enumerate(back_split)])
-        if topo.tp * sum(widths) == t:
+        stats.combine_bytes_recv += (topo.tp - 1) * width * H * nb
+        if width * topo.tp == st["t"]:
             return full  # [t, H]
-        valid, at = [], 0  # drop the padding rows of uneven slices
-        for (_, n), w in zip(_halves(t), widths):
-            split_rows = _row_split(n, topo.tp)
-            valid += [full[at + i * w:at + i * w + split_rows[i]] for i in range(topo.tp)]
-            at += topo.tp * w
-        return torch.cat(valid)  # [t, H]
+        return torch.cat([full[i * width:i * width + split[i]] for i in range(topo.tp)])  # [t, H]
 
 
 DISPATCHERS: dict[str, type[Dispatcher]] = {"allgather": AllGatherDispatcher, "all2all": All2AllDispatcher}

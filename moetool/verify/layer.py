@@ -21,8 +21,6 @@ from moetool.verify.dispatch import (
     all_gather_tensor,
     check_local_experts,
     num_chunks,
-    row_positions,
-    take_rows,
 )
 from moetool.verify.experts import ExpertsBackend
 from moetool.verify.reference import SharedWeights, shared_forward
@@ -123,14 +121,14 @@ def run_moe_layer(x_group: torch.Tensor, gate_weight: torch.Tensor,
         lo = c * chunk_size
         sizes = [max(0, min(chunk_size, t - lo)) for t in group_tokens]
         info = ChunkInfo(sizes=sizes, starts=[group_start[i] + lo for i in range(topo.dp)])
-        rows = dispatcher.token_rows(sizes[g])
-        x_c = take_rows(x_group[lo:lo + sizes[g]], rows)  # [m, H]
+        rows = dispatcher.token_slice(sizes[g])
+        x_c = x_group[lo + rows.start:lo + rows.stop]  # [m, H]
         with timer.phase("route"):
             topk_ids, topk_weights = route(x_c, gate_weight, router, correction_bias)  # [m, k] x2
             if router.apply_weight_on_input:
                 x_c = x_c * topk_weights  # [m, H] * [m, 1]
                 topk_weights = torch.ones_like(topk_weights)
-            token_index = info.starts[g] + row_positions(rows, dev)  # [m]
+            token_index = info.starts[g] + rows.start + torch.arange(x_c.shape[0], device=dev)  # [m]
         with timer.phase("dispatch"):
             prep = dispatcher.prepare(x_c, topk_ids, topk_weights, token_index, info, table,
                                       num_slots, act_quant, stats)

@@ -26,27 +26,22 @@ CASES = [(37, 8, 4, 2, {1: [0, 2], 5: [3]}), (1, 4, 1, 1, None), (300, 64, 4, 8,
 
 
 @pytest.mark.parametrize("m,E,R,k,redundant", CASES)
-@pytest.mark.parametrize("split_at", [None, 0.5, 0.3])
-def test_route_tokens_matches_reference(device, m, E, R, k, redundant, split_at):
+def test_route_tokens_matches_reference(device, m, E, R, k, redundant):
     table = _table(E, R, redundant)
     ids = torch.stack([torch.randperm(E)[:k] for _ in range(m)])  # distinct experts per token
     tok = 1000 + torch.arange(m)
-    split = None if split_at is None else int(m * split_at)
-    counts_ref = torch.full((R, 2), -7, dtype=torch.int64)
-    order_ref = ed.route_tokens_ref(ids, tok, table.rank, table.count, counts_ref, split)
-    counts = torch.full((R, 2), -7, dtype=torch.int64, device=device)
-    order = ed.route_tokens(ids.to(device), tok.to(device), table.rank.to(device), table.count.to(device), counts,
-                            split)
+    counts_ref = torch.full((R,), -7, dtype=torch.int64)
+    order_ref = ed.route_tokens_ref(ids, tok, table.rank, table.count, counts_ref)
+    counts = torch.full((R,), -7, dtype=torch.int64, device=device)
+    order = ed.route_tokens(ids.to(device), tok.to(device), table.rank.to(device), table.count.to(device), counts)
     assert torch.equal(order.cpu(), order_ref) and torch.equal(counts.cpu(), counts_ref)
-    # the same choice as RouteTable.destinations; tokens ascending per rank and part, each counted once
+    # the same choice as RouteTable.destinations; tokens ascending per rank, each counted once
     dest, _ = table.destinations(ids, tok)
-    cut = m if split is None else split
     for r in range(R):
-        for part, span in enumerate((range(cut), range(cut, m))):
-            sent = [t for t in span if (dest[t] == r).any()]
-            assert counts_ref[r, part] == len(sent)
-            assert order_ref[r, sent].tolist() == list(range(len(sent)))
-        assert [t for t in range(m) if order_ref[r, t] >= 0] == [t for t in range(m) if (dest[t] == r).any()]
+        sent = [t for t in range(m) if (dest[t] == r).any()]
+        assert counts_ref[r] == len(sent)
+        assert [t for t in range(m) if order_ref[r, t] >= 0] == sent
+        assert order_ref[r, sent].tolist() == list(range(len(sent)))
 
 
 @pytest.mark.parametrize("m,E,R,k,redundant", CASES)
@@ -73,43 +68,40 @@ def test_empty_inputs(device):
     table = _table(4, 2)
     ids = torch.zeros(0, 2, dtype=torch.int64, device=device)
     tok = torch.zeros(0, dtype=torch.int64, device=device)
-    counts = torch.full((2, 2), 5, dtype=torch.int64, device=device)
+    counts = torch.full((2,), 5, dtype=torch.int64, device=device)
     order = ed.route_tokens(ids, tok, table.rank.to(device), table.count.to(device), counts)
-    assert order.shape == (2, 0) and counts.tolist() == [[0, 0], [0, 0]]
+    assert order.shape == (2, 0) and counts.tolist() == [0, 0]
     out = torch.full((0, 48), 7, dtype=torch.uint8, device=device)
     x = torch.zeros(0, 8, device=device)
-    pos = ed.pack_rows(x, ids, torch.zeros(0, 2, device=device), tok, order, counts, None, out, torch.float32,
+    pos = ed.pack_rows(x, ids, torch.zeros(0, 2, device=device), tok, order, counts, out, torch.float32,
                        (None, 32, 40, 16), 128)
     assert pos.shape == (2, 0)
 
 
 def test_bad_arguments_are_named(device):
     table = _table(4, 2)
-    counts = torch.zeros(2, 2, dtype=torch.int64)
+    counts = torch.zeros(2, dtype=torch.int64)
     with pytest.raises(MoetoolError, match="token_index must be int64"):
         ed.route_tokens(torch.zeros(3, 2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), table.rank,
                         table.count, counts)
     with pytest.raises(MoetoolError, match="counts must be contiguous int64"):
         ed.route_tokens(torch.zeros(3, 2, dtype=torch.int64), torch.zeros(3, dtype=torch.int64), table.rank,
-                        table.count, torch.zeros(2, 2))
-    with pytest.raises(MoetoolError, match="split 4 is outside"):
-        ed.route_tokens(torch.zeros(3, 2, dtype=torch.int64), torch.zeros(3, dtype=torch.int64), table.rank,
-                        table.count, counts, 4)
+                        table.count, torch.zeros(2))
     with pytest.raises(MoetoolError, match="topk ids must be int32/int64"):
         ed.local_slots(torch.zeros(3, 2), torch.zeros(3, dtype=torch.int64), table.rank, table.slot, table.count, 0, 2)
     x, ids, w, tok = torch.zeros(3, 8), torch.zeros(3, 2, dtype=torch.int64), torch.zeros(3, 2), torch.arange(3)
     order = torch.zeros(2, 3, dtype=torch.int64)
     with pytest.raises(MoetoolError, match="do not fit rows of 48 bytes"):
-        ed.pack_rows(x, ids, w, tok, order, counts, None, torch.zeros(4, 48, dtype=torch.uint8), torch.float32,
+        ed.pack_rows(x, ids, w, tok, order, counts, torch.zeros(4, 48, dtype=torch.uint8), torch.float32,
                      (None, 32, 40, 48))
     with pytest.raises(MoetoolError, match="fp8 rows need a scale offset"):
-        ed.pack_rows(x, ids, w, tok, order, counts, None, torch.zeros(4, 64, dtype=torch.uint8), torch.float8_e4m3fn,
+        ed.pack_rows(x, ids, w, tok, order, counts, torch.zeros(4, 64, dtype=torch.uint8), torch.float8_e4m3fn,
                      (None, 16, 32, 48))
     with pytest.raises(MoetoolError, match="out must be contiguous uint8"):
-        ed.pack_rows(x, ids, w, tok, order, counts, None, torch.zeros(4, 40, dtype=torch.uint8), torch.float32,
+        ed.pack_rows(x, ids, w, tok, order, counts, torch.zeros(4, 40, dtype=torch.uint8), torch.float32,
                      (None, 16, 24, 32))
     with pytest.raises(MoetoolError, match="disagree on R"):
-        ed.pack_rows(x, ids, w, tok, order, torch.zeros(3, 2, dtype=torch.int64), None, torch.zeros(4, 48, dtype=torch.uint8),
+        ed.pack_rows(x, ids, w, tok, order, torch.zeros(3, dtype=torch.int64), torch.zeros(4, 48, dtype=torch.uint8),
                      torch.float32, (None, 32, 40, 16))
 
 
@@ -140,19 +132,18 @@ def test_pack_rows_matches_reference_byte_for_byte(device, m, H, R, k, dtype, gr
     wide[0, :group] = 0.0  # an all-zero group gets the clamped scale
     x = wide[:, 8:8 + H]
     weights = torch.rand(m, k)
-    counts = torch.empty(R, 2, dtype=torch.int64)
-    split = m // 3
-    order = ed.route_tokens_ref(ids, tok, table.rank, table.count, counts, split)
+    counts = torch.empty(R, dtype=torch.int64)
+    order = ed.route_tokens_ref(ids, tok, table.rank, table.count, counts)
     offsets, B = _offsets(H, k, dtype, group)
     P = int(counts.sum())
     ref = torch.zeros(P + 2, B, dtype=torch.uint8)
-    pos = ed.pack_rows_ref(x, ids, weights, tok, order, counts, split, ref, dtype, offsets, group)
+    pos = ed.pack_rows_ref(x, ids, weights, tok, order, counts, ref, dtype, offsets, group)
     got = torch.zeros(P + 2, B, dtype=torch.uint8, device=device)
     got_pos = ed.pack_rows(x.to(device), ids.to(device), weights.to(device), tok.to(device), order.to(device),
-                           counts.to(device), split, got, dtype, offsets, group)
+                           counts.to(device), got, dtype, offsets, group)
     assert torch.equal(got.cpu(), ref) and torch.equal(got_pos.cpu(), pos)
-    # part-major, then rank-major, tokens ascending
-    sent = [(r, t) for span in (range(split), range(split, m)) for r in range(R) for t in span if order[r, t] >= 0]
+    # rank-major, tokens ascending: rank r's rows follow those of the ranks before it
+    sent = [(r, t) for r in range(R) for t in range(m) if order[r, t] >= 0]
     assert [int(pos[r, t]) for r, t in sent] == list(range(P)) and int((pos >= 0).sum()) == P
     # the reference's rows hold what the pieces say: the fp8 codes of quant.fp8_act_quant_ref
     from moetool.kernels.quant import fp8_act_quant_ref
