@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -65,9 +66,10 @@ def split_a2a_ms(matrix: list[list[int]], rank: int, timed, iters: int, warmup: 
     return statistics.median(times)
 
 
-def host_costs(disp, x, ids, w, token_index, table, num_slots, world: int) -> dict[str, float]:
-    """Host microseconds per call of each step the all2all dispatcher launches (CUDA only: the
-    calls queue without waiting, so the loop measures the launch path, not the GPU)."""
+def host_costs(disp, x, ids, w, token_index, table, num_slots, world: int, reps: int = 50) -> dict[str, float]:
+    """Host microseconds per call of each step the all2all dispatcher launches (on CUDA the
+    calls queue without waiting, so the loop measures the launch path, not the GPU; on CPU,
+    under the Triton interpreter, it only checks that the calls still run)."""
     import torch.distributed as dist
 
     from moetool.kernels import ep_combine, ep_dispatch
@@ -94,17 +96,18 @@ def host_costs(disp, x, ids, w, token_index, table, num_slots, world: int) -> di
         "counts all_to_all_single": lambda: dist.all_to_all_single(recv, counts),
         "torch add (one aten op)": lambda: counts.add(1),
     }
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
     out = {}
     for name, fn in steps.items():
-        for _ in range(5):
+        for _ in range(min(5, reps)):
             fn()
-        torch.cuda.synchronize()
+        sync()
         dist.barrier()
         t0 = time.perf_counter()
-        for _ in range(50):
+        for _ in range(reps):
             fn()
-        out[name] = (time.perf_counter() - t0) / 50 * 1e6
-        torch.cuda.synchronize()
+        out[name] = (time.perf_counter() - t0) / reps * 1e6
+        sync()
     return out
 
 
@@ -199,8 +202,8 @@ def worker(rank: int, world: int, opts: dict) -> dict:
                 if it >= opts["warmup"]:
                     times.append(t)
             res.setdefault("raw_tp_exchange_as_a2a_ms", statistics.median(times))
-        if cuda and name == "all2all":
-            res["host_us"] = host_costs(disp, x, ids, w, token_index, table, num_slots, world)
+        if name == "all2all" and (cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+            res["host_us"] = host_costs(disp, x, ids, w, token_index, table, num_slots, world, 50 if cuda else 1)
         res[name] = {"raw_exact_dispatch_ms": exact.get("dispatch_split_bytes", float("nan")),
                      "raw_exact_combine_ms": exact.get("combine_split_bytes", float("nan")),
                      "raw_tp_gather_ms": gather_ms, "dispatch_ms": statistics.median(d_ms), "combine_ms": statistics.median(c_ms),
