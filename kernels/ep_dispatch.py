@@ -1,8 +1,9 @@
 """Expert-parallel dispatch bookkeeping: where each token goes, where its row sits in the send
 buffer, and which of a received row's experts are local. Each step is one kernel (the torch
 version of each is a dozen small ops, and at serving sizes the host time of launching them,
-not the GPU, dominated the all2all dispatch), with a pure-torch reference beside it; all
-outputs are integers, so kernel and reference agree exactly.
+not the GPU, dominated the all2all dispatch), with a pure-torch reference beside it. Kernel
+and reference agree exactly: the outputs are integers, and the packed rows are bytes made by
+the same rounding (fp8 codes as ``quant.fp8_act_quant``, bf16 rounded to nearest even).
 
 Letters: m = tokens routed by this rank, M = rows received, k = top-k, E = global experts,
 W = most replicas of an expert, R = ranks, L = local slots. The route table (``RouteTable`` in
