@@ -90,6 +90,7 @@ def main() -> None:
     ap.add_argument("--dp", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=8192, help="per dp group (4096 per rank with dp 2, ep 4)")
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=5, help="timed runs per layer (each phase: their median)")
     ap.add_argument("--backends", default="allgather:torch,all2all:torch,allgather:triton,all2all:triton")
     ap.add_argument("--backend", default="nccl", help="nccl (GPUs) or gloo (a CPU smoke test of this script)")
     ap.add_argument("--skip-cpu", action="store_true", help="skip the CPU quantize comparison")
@@ -141,7 +142,7 @@ def main() -> None:
         dispatch, experts = spec.split(":")
         jobs.append((shards, src, VerifyOptions(dp=args.dp, ep=args.ep, dispatch=dispatch, experts=experts,
                                                 tokens=args.tokens, chunk_size=args.tokens, warmup=args.warmup,
-                                                backend=args.backend)))
+                                                repeat=args.repeat, backend=args.backend)))
     t0 = time.perf_counter()
     reports = verify_many(jobs)
     out["verify_s"] = time.perf_counter() - t0

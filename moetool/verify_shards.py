@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -62,6 +63,7 @@ class VerifyOptions:
     timeout_s: float = 900.0
     comm_dtype: str = "bfloat16"
     warmup: int = 0  # extra untimed runs of each layer; > 0 also aligns ranks before each timed phase
+    repeat: int = 1  # timed runs of each layer; each phase's time is the median over them
 
 
 @dataclass
@@ -209,8 +211,12 @@ def _rank_main(rank: int, shards_root: str, opts: VerifyOptions, layer_ids: list
             for _ in range(opts.warmup):
                 run_moe_layer(x, gate, bias, layer.router, local, placement, shared, dispatcher, experts,
                               opts.chunk_size)
-            y, stats = run_moe_layer(x, gate, bias, layer.router, local, placement, shared, dispatcher, experts,
-                                     opts.chunk_size, align_phases=opts.warmup > 0)
+            timed = []
+            for _ in range(opts.repeat):
+                y, stats = run_moe_layer(x, gate, bias, layer.router, local, placement, shared, dispatcher,
+                                         experts, opts.chunk_size, align_phases=opts.warmup > 0)
+                timed.append({k: v for k, v in stats.items() if k.startswith(("time_", "cuda_"))})
+            stats.update({k: statistics.median(t[k] for t in timed) for k in timed[0]})
             probe = _probe_slots(experts, local, probe_tokens(i, layer.hidden, opts.seed, nw), device)
             results[i] = {"y": y.cpu() if topo.tp_index == 0 else None, "group": topo.group_index,
                           "probe": probe.cpu(), "slots": list(local.slot_to_global), "stats": stats}
@@ -287,6 +293,8 @@ def check_options(opts: VerifyOptions, shards: EPShards) -> None:
         raise MoetoolError(f"--dp {opts.dp} must be at least 1 and divide --ep {opts.ep}")
     if opts.tokens < 1:
         raise MoetoolError(f"--tokens {opts.tokens} must be positive")
+    if opts.warmup < 0 or opts.repeat < 1:
+        raise MoetoolError(f"--warmup {opts.warmup} / --repeat {opts.repeat}: need warmup >= 0 and repeat >= 1")
     if opts.dispatch not in ("allgather", "all2all"):
         raise MoetoolError(f"--all2all {opts.dispatch!r}: expected allgather or all2all")
     if opts.experts not in ("torch", "triton"):

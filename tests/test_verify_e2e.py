@@ -203,10 +203,14 @@ def test_missing_truncated_and_modified_files_are_named(chain, tmp_path_factory,
 def test_cli_report_json_and_exit_status(chain, tmp_path_factory, cli):
     model = chain[0]
     sh = _shards(chain, tmp_path_factory, "int4-group", 2, layout="stacked")
-    r = cli("verify", sh, "--ref", model, "--ep", "2", "--tokens", TOKENS, "--layers", "2", "--json")
+    r = cli("verify", sh, "--ref", model, "--ep", "2", "--tokens", TOKENS, "--layers", "2", "--json",
+            "--warmup", "1", "--repeat", "2")
     assert r.code == 0, r.err
     rep = json.loads(r.out)
     assert rep["passed"] and [l["layer"] for l in rep["layers"]] == [2] and rep["format"] == "int4-group"
+    assert rep["options"]["repeat"] == 2 and all(v > 0 for v in rep["layers"][0]["timings_ms"].values())
+    r = cli("verify", sh, "--ref", model, "--ep", "2", "--repeat", "0")
+    assert r.code == 2 and r.error_line == "--warmup 0 / --repeat 0: need warmup >= 0 and repeat >= 1"
     # a threshold tighter than int4's error: exit 1 and a one-line verdict naming the layer
     r = cli("verify", sh, "--ref", model, "--ep", "2", "--tokens", TOKENS, "--layers", "2", "--max-rel-err", "0.001")
     assert r.code == 1 and "FAIL" in r.out and "FAILED: 0/1 layers" in r.out

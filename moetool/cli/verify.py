@@ -41,6 +41,7 @@ def verify_cmd(
     max_rel_err: Annotated[Optional[float], typer.Option("--max-rel-err", help="override the format's layer threshold")] = None,
     max_expert_rel_err: Annotated[Optional[float], typer.Option("--max-expert-rel-err", help="override the per-expert threshold")] = None,
     warmup: Annotated[int, typer.Option("--warmup", help="untimed runs of each layer first (GPU timings)")] = 0,
+    repeat: Annotated[int, typer.Option("--repeat", help="timed runs of each layer; phase times are their median")] = 1,
     timeout: Annotated[float, typer.Option("--timeout", help="seconds before the run is stopped")] = 900.0,
     json_out: Json = False,
     revision: Revision = None,
@@ -58,7 +59,8 @@ def verify_cmd(
 
     opts = VerifyOptions(dp=dp, ep=ep, dispatch=dispatch, experts=experts, tokens=tokens, layers=parse_layers(layers),
                          backend=backend, chunk_size=chunk_size, seed=seed, max_rel_err=max_rel_err,
-                         max_expert_rel_err=max_expert_rel_err, timeout_s=timeout, warmup=warmup)
+                         max_expert_rel_err=max_expert_rel_err, timeout_s=timeout, warmup=warmup,
+                         repeat=repeat)
     if under_torchrun():
         report = verify_torchrun(shards, ref, opts, revision=revision)
         if report is None:  # not rank 0: rank 0 prints the report
