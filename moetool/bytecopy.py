@@ -95,6 +95,10 @@ def run_byte_plan(plan: Plan, files: list[ByteFile], ckpt: Checkpoint, out: Outp
                    errors={}, out_format=plan.out_format, layout=plan.layout)
 
 
+class _Stopped(Exception):
+    """Another file failed, or Ctrl-C: this one stops at its next chunk, left ``.incomplete``."""
+
+
 def copy_files(files: list[ByteFile], root: Path, out: OutputDir, *, workers: int | None = None,
                on_bytes: Callable[[int], None] | None = None) -> int:
     """Copy each file (in order, ``workers`` at a time) unless ``out`` already has it; the count written."""
@@ -102,7 +106,7 @@ def copy_files(files: list[ByteFile], root: Path, out: OutputDir, *, workers: in
     inputs = _Inputs(root)
     hashes = _PrefixHashes()
 
-    failed = threading.Event()  # after a failure no further file is started
+    failed = threading.Event()  # after a failure no further file starts, and those being copied stop
 
     def one(f: ByteFile) -> int:
         try:
@@ -112,8 +116,10 @@ def copy_files(files: list[ByteFile], root: Path, out: OutputDir, *, workers: in
                 if on_bytes is not None:
                     on_bytes(f.nbytes)
                 return 0
-            _copy_file(f, inputs, out, hashes, on_bytes)
+            _copy_file(f, inputs, out, hashes, on_bytes, failed)
             return 1
+        except _Stopped:
+            return 0
         except BaseException:
             failed.set()
             raise
@@ -125,7 +131,7 @@ def copy_files(files: list[ByteFile], root: Path, out: OutputDir, *, workers: in
             futures = [pool.submit(one, f) for f in files]  # started in order: a file's hash_from is earlier
             try:
                 return sum(fut.result() for fut in futures)
-            except BaseException:  # a failed file, or Ctrl-C: files being copied finish, no other starts
+            except BaseException:  # a failed file, or Ctrl-C: files being copied stop, no other starts
                 failed.set()
                 pool.shutdown(wait=True, cancel_futures=True)
                 raise
@@ -199,10 +205,12 @@ class _Hasher:
     """sha256 of one output file on its own thread, fed buffers in file order by the copy loop.
 
     Until ``resume`` the data belongs to a prefix shared with an earlier file and is not fed;
-    ``resume`` takes that file's state (or hashes the prefix from the input if it has none)."""
+    ``resume`` takes that file's state (or hashes the prefix from the input if it has none,
+    unless ``stop`` is set meanwhile)."""
 
-    def __init__(self, f: ByteFile, inputs: _Inputs, hashes: _PrefixHashes, release: Callable[[bytearray], None]):
-        self.f, self.inputs, self.hashes, self.release = f, inputs, hashes, release
+    def __init__(self, f: ByteFile, inputs: _Inputs, hashes: _PrefixHashes, release: Callable[[bytearray], None],
+                 stop: threading.Event):
+        self.f, self.inputs, self.hashes, self.release, self.stop = f, inputs, hashes, release, stop
         self.h = hashlib.sha256()
         self.error: BaseException | None = None
         self.q: queue.Queue = queue.Queue()
@@ -238,6 +246,8 @@ class _Hasher:
         buf = bytearray(CHUNK)
         for span in coalesce(self.f.spans[:k]):
             for off in range(0, span.length, CHUNK):
+                if self.stop.is_set():
+                    raise _Stopped
                 view = memoryview(buf)[:min(CHUNK, span.length - off)]
                 self.inputs.read_into(span.file, span.offset + off, view)
                 self.h.update(view)
@@ -266,11 +276,11 @@ def _segments(f: ByteFile) -> list[tuple[int, list[Span]]]:
 
 
 def _copy_file(f: ByteFile, inputs: _Inputs, out: OutputDir, hashes: _PrefixHashes,
-               on_bytes: Callable[[int], None] | None) -> None:
+               on_bytes: Callable[[int], None] | None, stop: threading.Event) -> None:
     free: queue.Queue = queue.Queue()
     for _ in range(BUFFERS):
         free.put(bytearray(CHUNK))
-    hasher = _Hasher(f, inputs, hashes, free.put)
+    hasher = _Hasher(f, inputs, hashes, free.put, stop)
     shared = f.hash_from[1] if f.hash_from else 0  # the first spans, hashed by the earlier file
 
     def at_point(k: int) -> None:  # after k spans
@@ -291,6 +301,8 @@ def _copy_file(f: ByteFile, inputs: _Inputs, out: OutputDir, hashes: _PrefixHash
             at_point(start)
             for span in spans:
                 for off in range(0, span.length, CHUNK):
+                    if stop.is_set():
+                        raise _Stopped
                     buf = free.get()
                     view = memoryview(buf)[:min(CHUNK, span.length - off)]
                     inputs.read_into(span.file, span.offset + off, view)

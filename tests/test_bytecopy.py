@@ -283,3 +283,34 @@ def test_torch_stays_importable_lazily():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert torch.bfloat16  # the test process itself has torch
+
+
+def test_failure_stops_the_files_in_flight(tmp_path, monkeypatch):
+    """A file that fails stops the other files being copied at their next chunk (as Ctrl-C
+    does): the error surfaces without waiting for whole files, and none of them is committed."""
+    import os
+    import threading
+    import time
+
+    from moetool.writer import OutputDir
+
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "x").write_bytes(os.urandom(16 * bytecopy.CHUNK))
+    b_failed = threading.Event()
+    orig = bytecopy._Inputs.read_into
+
+    def read_into(self, file, offset, view):
+        if file == "missing":
+            b_failed.set()
+        elif offset >= bytecopy.CHUNK:  # a's second chunk: after b has failed
+            assert b_failed.wait(10)
+            time.sleep(0.05)
+        return orig(self, file, offset, view)
+
+    monkeypatch.setattr(bytecopy._Inputs, "read_into", read_into)
+    files = [ByteFile("a", b"h", [Span("x", 0, 16 * bytecopy.CHUNK)]), ByteFile("b", b"h", [Span("missing", 0, 8)])]
+    out = OutputDir(tmp_path / "out")
+    with pytest.raises(FileNotFoundError, match="missing"):  # b's own error, not a's stop
+        bytecopy.copy_files(files, tmp_path / "in", out, workers=2)
+    assert out.records == {} and not (tmp_path / "out" / "a").exists()
+
