@@ -280,7 +280,6 @@ def _copy_file(f: ByteFile, inputs: _Inputs, out: OutputDir, hashes: _PrefixHash
     free: queue.Queue = queue.Queue()
     for _ in range(BUFFERS):
         free.put(bytearray(CHUNK))
-    hasher = _Hasher(f, inputs, hashes, free.put, stop)
     shared = f.hash_from[1] if f.hash_from else 0  # the first spans, hashed by the earlier file
 
     def at_point(k: int) -> None:  # after k spans
@@ -291,8 +290,9 @@ def _copy_file(f: ByteFile, inputs: _Inputs, out: OutputDir, hashes: _PrefixHash
 
     fd = os.open(out.incomplete_path(f.name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # as open()
     written = flushed = 0
-    ok = False
+    ok, hasher = False, None
     try:
+        hasher = _Hasher(f, inputs, hashes, free.put, stop)  # after the open: a failed open leaves no thread
         if not f.hash_from:
             hasher.feed(memoryview(f.header))
         _write_all(fd, memoryview(f.header))
@@ -322,7 +322,7 @@ def _copy_file(f: ByteFile, inputs: _Inputs, out: OutputDir, hashes: _PrefixHash
         os.fsync(fd)
         ok = True
     finally:
-        if not ok:
+        if not ok and hasher is not None:
             hasher.q.put(None)
         os.close(fd)
     out.commit(f.name, digest)

@@ -314,3 +314,27 @@ def test_failure_stops_the_files_in_flight(tmp_path, monkeypatch):
         bytecopy.copy_files(files, tmp_path / "in", out, workers=2)
     assert out.records == {} and not (tmp_path / "out" / "a").exists()
 
+
+
+def test_output_that_cannot_be_opened_leaves_no_thread(tmp_path):
+    """An output file that cannot be created raises its OSError and leaves no hashing thread behind."""
+    import threading
+    import time
+
+    from moetool.writer import OutputDir
+
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "x").write_bytes(b"z" * 64)
+    out = OutputDir(tmp_path / "out")
+    (tmp_path / "out" / "a.incomplete").mkdir()  # open() of the temporary name fails
+
+    def hashers() -> int:
+        return sum(t.name == "moetool-hash" for t in threading.enumerate())
+
+    before = hashers()
+    with pytest.raises(IsADirectoryError):
+        bytecopy.copy_files([ByteFile("a", b"h", [Span("x", 0, 8)])], tmp_path / "in", out, workers=1)
+    deadline = time.monotonic() + 2
+    while hashers() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert hashers() == before
