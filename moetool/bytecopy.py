@@ -114,7 +114,7 @@ def copy_files(files: list[ByteFile], root: Path, out: OutputDir, *, workers: in
                 return 0
             if out.already_done(f.name):
                 if on_bytes is not None:
-                    on_bytes(f.nbytes)
+                    on_bytes(f.nbytes - len(f.header))  # the data bytes, as a copy counts them
                 return 0
             _copy_file(f, inputs, out, hashes, on_bytes, failed)
             return 1

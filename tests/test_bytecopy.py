@@ -338,3 +338,20 @@ def test_output_that_cannot_be_opened_leaves_no_thread(tmp_path):
     while hashers() > before and time.monotonic() < deadline:
         time.sleep(0.01)
     assert hashers() == before
+
+
+def test_progress_counts_resumed_files_like_written_ones(tmp_path):
+    """The progress total is the plan's tensor bytes: a file skipped on resume counts what
+    copying it counts (its data, not its header)."""
+    from moetool.writer import OutputDir
+
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "x").write_bytes(bytes(range(256)) * 8)
+    files = [ByteFile("a", b"header-a", [Span("x", 0, 1000)]), ByteFile("b", b"header-b", [Span("x", 7, 900)])]
+    counted = []
+    for run in range(2):
+        n = [0]
+        out = OutputDir(tmp_path / "out", plan_id="p")
+        bytecopy.copy_files(files, tmp_path / "in", out, workers=1, on_bytes=lambda k: n.__setitem__(0, n[0] + k))
+        counted.append(n[0])
+    assert counted == [1900, 1900]
