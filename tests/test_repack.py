@@ -253,3 +253,18 @@ def test_repack_options(inputs, cli, tmp_path):
     assert not (tmp_path / "o").exists()
     r = cli("repack", inputs["bf16"], inputs["bf16"] / "inside", "--quiet")
     assert r.code == 2 and "is inside the input" in r.error_line
+
+
+@pytest.mark.parametrize("byte_copy", [True, False])
+def test_output_file_that_cannot_be_written_is_one_error_line(tiny, cli, tmp_path, byte_copy):
+    """An OSError (here a folder where an output file goes) is one line naming the file and
+    exit status 2, from the byte copy and from the torch executor (fp8 input: no byte copy)."""
+    base = tiny("mixtral", hidden=192, intermediate=128, shards=1)
+    if not byte_copy:
+        assert cli("quantize", base, tmp_path / "fp8", "--fp8-block", "--quiet").code == 0
+        base = tmp_path / "fp8"
+    out = tmp_path / "out"
+    (out / "model.safetensors.incomplete").mkdir(parents=True)
+    r = cli("repack", base, out, "--quiet")
+    assert r.code == 2, r.err
+    assert r.error_line == f"{out / 'model.safetensors.incomplete'}: Is a directory"

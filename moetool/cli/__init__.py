@@ -1,7 +1,9 @@
 """The ``moetool`` command line: one thin module per subcommand over the library API.
 
 Errors: a MoetoolError prints as one line ``error: ...`` with its exit status (2 for bad
-input, 1 for a failed verification); set MOETOOL_TRACEBACK=1 for the full traceback.
+input, 1 for a failed verification); an OSError (a file that cannot be read or written: no
+permission, no space, a folder in the way) prints as one line naming the file, exit status 2;
+set MOETOOL_TRACEBACK=1 for the full traceback.
 """
 from __future__ import annotations
 
@@ -39,6 +41,11 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         print("error: interrupted; outputs are left unfinished (re-run to resume)", file=sys.stderr)
         sys.exit(130)
+    except OSError as err:
+        if os.environ.get("MOETOOL_TRACEBACK"):
+            raise
+        print(f"error: {os_error_line(err)}", file=sys.stderr)
+        sys.exit(2)
     except SystemExit:
         raise
     except Exception as err:  # click usage errors and the like
@@ -49,6 +56,14 @@ def main(argv: list[str] | None = None) -> None:
         if isinstance(err, abort):
             sys.exit(1)
         raise
+
+
+def os_error_line(err: OSError) -> str:
+    """'PATH: reason' (both paths of a rename), or the error's own text when it names no file."""
+    if err.filename is None:
+        return str(err)
+    names = str(err.filename) + (f" -> {err.filename2}" if err.filename2 else "")
+    return f"{names}: {err.strerror or err}"
 
 
 def _click_exceptions() -> tuple[tuple[type, ...], tuple[type, ...]]:
