@@ -1,8 +1,8 @@
 """``shard`` and ``repack`` of an unquantized checkpoint as byte copies, without torch.
 
 The plan is the torch executor's (``moetool.plan``), its files turned into header + input
-byte spans by ``moetool.byteplan``. Each output file is copied by one worker (two files at a
-time on two cores):
+byte spans by ``moetool.byteplan``. Each output file is copied by one worker (one file per
+core at a time, at most 4: ``default_workers``):
 
     input (page cache) --pread--> one of 8 reused 256 KiB buffers --write--> FILE.incomplete
                                         \\--> sha256 on a second thread (hashlib releases the GIL)
@@ -31,8 +31,7 @@ from typing import Callable
 
 from moetool.arch import ModelSpec
 from moetool.byteplan import ByteFile, ByteSource, Span, byte_files, coalesce, copy_groups, why_not_byte_copy
-from moetool.checkpoint import Checkpoint
-from moetool.errors import MoetoolError
+from moetool.checkpoint import Checkpoint, pread_exactly
 from moetool.plan import Layout, Plan, Summary, checkpoint_files, checkpoint_plan, finish_plan, shard_plan
 from moetool.spec import ExpertPlacement
 from moetool.writer import WRITE_SLICE, WRITEBACK_STEP, OutputDir, start_writeback
@@ -160,13 +159,7 @@ class _Inputs:
             fd = self._fds.get(file)
             if fd is None:
                 fd = self._fds[file] = os.open(self.root / file, os.O_RDONLY)
-        done = 0
-        while done < len(view):
-            n = os.preadv(fd, [view[done:]], offset + done)
-            if n <= 0:
-                raise MoetoolError(f"{self.root / file}: unexpected end of file at byte {offset + done} "
-                                   f"(file changed while reading?)")
-            done += n
+        pread_exactly(fd, view, offset, self.root / file)
 
     def close(self) -> None:
         for fd in self._fds.values():

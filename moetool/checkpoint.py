@@ -147,6 +147,16 @@ def _check_relative(name: str, where: str) -> None:
         raise MoetoolError(f"{where}: shard path {name!r} must be a plain relative file name")
 
 
+def pread_exactly(fd: int, view: memoryview, offset: int, path: Path) -> None:
+    """Fill ``view`` from byte ``offset`` of the open file ``fd``; ``path`` names it in the error."""
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise MoetoolError(f"{path}: unexpected end of file at byte {offset + done} (file changed while reading?)")
+        done += n
+
+
 class Checkpoint:
     """A validated safetensors checkpoint folder.
 
@@ -219,13 +229,7 @@ class Checkpoint:
             buf = scratch_buffer(scratch, nbytes, torch.uint8)
         else:
             buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
-        view = writable_bytes(buf)
-        done = 0
-        while done < nbytes:
-            n = os.preadv(fd, [view[done:]], offset + done)
-            if n <= 0:
-                raise MoetoolError(f"{self.root / file}: unexpected end of file at byte {offset + done} (file changed while reading?)")
-            done += n
+        pread_exactly(fd, writable_bytes(buf), offset, self.root / file)
         return buf
 
     def close(self) -> None:
