@@ -96,6 +96,26 @@ def e4m3_dequantize_band(q: torch.Tensor, scale: torch.Tensor, signs: torch.Tens
     return signs
 
 
+def fp8_band_buffers(elements: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This thread's reused buffers of the fp8 band quantizers, ``elements`` each:
+    (ref float32, work float32, bits int32, codes uint8)."""
+    from moetool.memory import scratch
+
+    return (scratch("ref", elements, torch.float32), scratch("work", elements, torch.float32),
+            scratch("index", elements, torch.int32), scratch("codes", elements, torch.uint8))
+
+
+def fp8_band_error(ref: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, work: torch.Tensor,
+                   codes: torch.Tensor, bits: torch.Tensor) -> tuple[float, float]:
+    """(sum ref^2, sum (q * scale - ref)^2) of one band, in float32 per element. ``ref`` float32
+    flat; ``q``, ``scale``, ``work`` as :func:`e4m3_dequantize_band` (``work`` holds the values q
+    was rounded from and is overwritten); ``codes``, ``bits`` flat buffers of the band's size."""
+    sig = float(torch.dot(ref, ref))
+    e4m3_dequantize_band(q, scale, work, codes, bits)  # q.float() * scale
+    diff = work.view(-1).sub_(ref)
+    return sig, float(torch.dot(diff, diff))
+
+
 def check_weight_shape(w: torch.Tensor) -> None:
     """2-D and floating point (the cheap part of ``check_weight``)."""
     if w.dim() != 2:

@@ -24,11 +24,11 @@ from moetool.formats.common import (
     abs_max,
     band_rows,
     check_weight,
-    e4m3_dequantize_band,
+    fp8_band_buffers,
+    fp8_band_error,
     e4m3_to_float,
     check_weight_shape,
 )
-from moetool.memory import scratch
 
 BLOCK = 128
 FP8_E4M3_MAX = 448.0
@@ -74,14 +74,11 @@ def fp8_block_quant_measured(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     rows = band_rows(n, k, BLOCK)
     q = torch.empty((n, k), dtype=torch.float8_e4m3fn)
     scale = torch.empty((n // BLOCK, col_blocks), dtype=torch.float32)
-    ref_buf = scratch("ref", rows * k, torch.float32)
-    work_buf = scratch("work", rows * k, torch.float32)
-    index_buf = scratch("index", rows * k, torch.int32)
-    codes = scratch("codes", rows * k, torch.uint8)
+    ref_buf, work_buf, index_buf, codes_buf = fp8_band_buffers(rows * k)
     sig = noise = 0.0
     for r0 in range(0, n, rows):
         m = min(rows, n - r0)
-        ref, work, index = ref_buf[: m * k], work_buf[: m * k], index_buf[: m * k]
+        ref, work, index, codes = (b[: m * k] for b in (ref_buf, work_buf, index_buf, codes_buf))
         ref.view(m, k).copy_(w[r0 : r0 + m])
         blocks = ref.view(m // BLOCK, BLOCK, col_blocks, BLOCK)
         s = scale[r0 // BLOCK : (r0 + m) // BLOCK]
@@ -92,11 +89,8 @@ def fp8_block_quant_measured(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
         torch.div(blocks, s4, out=work.view(blocks.shape)).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
         qb = q[r0 : r0 + m]
         qb.copy_(work.view(m, k))
-        sig += float(torch.dot(ref, ref))
-        shape4 = blocks.shape
-        e4m3_dequantize_band(qb.view(shape4), s4, work.view(shape4), codes[: m * k], index)  # q.float() * s
-        work.sub_(ref)
-        noise += float(torch.dot(work, work))
+        band_sig, band_noise = fp8_band_error(ref, qb.view(blocks.shape), s4, work.view(blocks.shape), codes, index)
+        sig, noise = sig + band_sig, noise + band_noise
     return q, scale, sig, noise
 
 

@@ -21,13 +21,13 @@ from moetool.formats.common import (
     abs_max,
     band_rows,
     check_weight,
-    e4m3_dequantize_band,
+    fp8_band_buffers,
+    fp8_band_error,
     e4m3_to_float,
     check_weight_shape,
     scale_in_dtype,
 )
 from moetool.formats.fp8_block import AMAX_FLOOR, FP8_E4M3_MAX
-from moetool.memory import scratch
 
 def fp8_channel_quant_ref(
     w: torch.Tensor, orig_dtype: torch.dtype
@@ -58,14 +58,11 @@ def fp8_channel_quant_measured(
     rows = band_rows(n, k)
     q = torch.empty((n, k), dtype=torch.float8_e4m3fn)
     scale = torch.empty((n, 1), dtype=orig_dtype)
-    ref_buf = scratch("ref", rows * k, torch.float32)
-    work_buf = scratch("work", rows * k, torch.float32)
-    index_buf = scratch("index", rows * k, torch.int32)
-    codes = scratch("codes", rows * k, torch.uint8)
+    ref_buf, work_buf, index_buf, codes_buf = fp8_band_buffers(rows * k)
     sig = noise = 0.0
     for r0 in range(0, n, rows):
         m = min(rows, n - r0)
-        ref, work, index = ref_buf[: m * k], work_buf[: m * k], index_buf[: m * k]
+        ref, work, index, codes = (b[: m * k] for b in (ref_buf, work_buf, index_buf, codes_buf))
         ref2 = ref.view(m, k)
         ref2.copy_(w[r0 : r0 + m])
         s = scale_in_dtype(abs_max(ref2, 1)[:, None].clamp_(min=AMAX_FLOOR).div_(FP8_E4M3_MAX), orig_dtype)
@@ -73,10 +70,8 @@ def fp8_channel_quant_measured(
         qb = q[r0 : r0 + m]
         qb.copy_(work.view(m, k))
         scale[r0 : r0 + m] = s
-        sig += float(torch.dot(ref, ref))
-        e4m3_dequantize_band(qb, s, work.view(m, k), codes[: m * k], index)  # q.float() * s
-        work.sub_(ref)
-        noise += float(torch.dot(work, work))
+        band_sig, band_noise = fp8_band_error(ref, qb, s, work.view(m, k), codes, index)
+        sig, noise = sig + band_sig, noise + band_noise
     return q, scale, sig, noise
 
 
