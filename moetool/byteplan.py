@@ -28,7 +28,7 @@ from moetool.arch import ModelSpec, MoELayerSpec
 from moetool.checkpoint import DTYPE_SIZES, Checkpoint, TensorInfo
 from moetool.errors import MoetoolError
 from moetool.plan import QUANTIZED_ONLY_SUFFIXES, ROLES, Copy, ExpertLinear, Group, Plan, Stacked, \
-    expert_tensor_names
+    non_expert_tensors
 from moetool.writer import safetensors_header
 
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
@@ -139,11 +139,8 @@ def _stacked_reason(ckpt: Checkpoint, layer: MoELayerSpec) -> str | None:
 def copy_groups(ckpt: Checkpoint, spec: ModelSpec) -> tuple[list[Group], list[str]]:
     """Every tensor that is not a routed expert, copied, in input order (file, offset), with
     its home file: what ``non_expert_groups`` gives for a checkpoint that qualifies."""
-    experts: set[str] = set()
-    for layer in spec.moe_layers:
-        experts |= expert_tensor_names(ckpt, layer)
-    infos = sorted((i for n, i in ckpt.tensors.items() if n not in experts), key=lambda i: (i.file, i.begin))
-    return [Copy(i.name, i.name) for i in infos], [i.file for i in infos]
+    kept = non_expert_tensors(ckpt, spec)
+    return [Copy(n, n) for n, _ in kept], [i.file for _, i in kept]
 
 
 class ByteSource:

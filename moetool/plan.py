@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable, Literal, Union
 
 from moetool.arch import ModelSpec, MoELayerSpec
-from moetool.checkpoint import Checkpoint
+from moetool.checkpoint import Checkpoint, TensorInfo
 from moetool.errors import MoetoolError
 from moetool.placement import add_redundant, make_placement, placement_to_json, read_expert_load
 from moetool.spec import ExpertPlacement
@@ -136,6 +136,14 @@ def expert_tensor_names(ckpt: Checkpoint, layer: MoELayerSpec) -> set[str]:
         names |= {st.gate_up, st.down}
         names |= {b for b in (st.gate_up_bias, st.down_bias) if b}
     return names
+
+
+def non_expert_tensors(ckpt: Checkpoint, spec: ModelSpec) -> list[tuple[str, TensorInfo]]:
+    """Every input tensor that is not a routed expert, in input order (file, offset)."""
+    experts: set[str] = set()
+    for layer in spec.moe_layers:
+        experts |= expert_tensor_names(ckpt, layer)
+    return sorted(((n, i) for n, i in ckpt.tensors.items() if n not in experts), key=lambda kv: (kv[1].file, kv[1].begin))
 
 
 def expert_groups(ckpt: Checkpoint, spec: ModelSpec, layout: Layout, *, slots: dict[int, list[int]] | None = None,

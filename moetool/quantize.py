@@ -27,7 +27,7 @@ from moetool.convert import (
 from moetool.errors import MoetoolError
 from moetool.formats import get_format
 from moetool.formats.base import WeightFormat
-from moetool.plan import QUANTIZED_ONLY_SUFFIXES, Layout, checkpoint_files, checkpoint_plan, expert_tensor_names, \
+from moetool.plan import QUANTIZED_ONLY_SUFFIXES, Layout, checkpoint_files, checkpoint_plan, non_expert_tensors, \
     plan_id
 from moetool.writer import OutputDir, TensorSpec
 
@@ -38,16 +38,11 @@ def non_expert_groups(src: Source, *, include_shared: bool) -> tuple[list[Group]
     """Everything that is not a routed expert: copied, or requantized (shared experts when
     asked), or dequantized (a quantized linear whose format the output does not keep)."""
     ckpt = src.ckpt
-    expert_names: set[str] = set()
-    for layer in src.spec.moe_layers:
-        expert_names |= expert_tensor_names(ckpt, layer)
     shared = {b for layer in src.spec.moe_layers for b in (layer.shared_bases or ())} if include_shared else set()
     bases_done: set[str] = set()
     groups: list[Group] = []
     homes: list[str] = []
-    for name, info in sorted(ckpt.tensors.items(), key=lambda kv: (kv[1].file, kv[1].begin)):
-        if name in expert_names:
-            continue
+    for name, info in non_expert_tensors(ckpt, src.spec):
         base, _, suffix = name.rpartition(".")
         if base in shared:
             if base not in bases_done:
