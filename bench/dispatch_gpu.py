@@ -10,7 +10,8 @@ with CUDA events after a barrier and a synchronize (median of ``--iters`` after 
 the comparator is ``all_to_all_single`` of the same number of bytes per rank (even splits),
 timed the same way ("ratio"); "ratio exact" replays the all2all dispatcher's own split matrix
 (the same bytes between the same pairs, so the routing's imbalance counts in the comparator
-too); "raw tp gather" is the all-gather the all2all combine ends with, alone.
+too); "all2all-mapped" is the all2all dispatcher storing into the other ranks' memory
+(``--transport mapped``), against the same comparators; "raw tp gather" is the all-gather the all2all combine ends with, alone.
 With ``--out`` on GPUs, every rank writes a Chrome trace of one dispatch + combine and rank 0 a
 torch.profiler table.
 """
@@ -133,7 +134,8 @@ def worker(rank: int, world: int, opts: dict) -> dict:
     fake_out = {dt: torch.randn(T * topo.tp * world, H, device=dev).to(dt) for dt in (torch.float32, torch.bfloat16)}
     res = {}
     for name in opts["dispatchers"]:
-        disp = get_dispatcher(name, topo, comm_dtype=torch.bfloat16)
+        base, _, transport = name.partition("-")  # all2all-mapped: the mapped transport
+        disp = get_dispatcher(base, topo, comm_dtype=torch.bfloat16, **({"transport": transport} if transport else {}))
         rows = disp.token_slice(T)
         x = x_group[rows]
         ids, w = ids_group[rows].contiguous(), w_group[rows].contiguous()
@@ -223,7 +225,8 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--no-act-quant", action="store_true", help="send bf16 rows instead of fp8 + scales")
-    ap.add_argument("--dispatchers", default="all2all,allgather")
+    ap.add_argument("--dispatchers", default="all2all,all2all-mapped,allgather",
+                    help="all2all-mapped: the all2all dispatcher with the mapped transport")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--backend", default="nccl")
@@ -241,7 +244,7 @@ def main() -> None:
     print(f"--ep {args.ep} --dp {args.dp}, {args.tokens} tokens per dp group, hidden {args.hidden}, "
           f"top-{args.top_k} of {args.experts}, {'fp8' if opts['act_quant'] else 'bf16'} rows, {args.backend}; "
           f"max over ranks of each rank's median (ms)")
-    print(f"{'dispatcher':<10} {'dispatch':>9} {'combine':>8} {'wall d/c':>12} {'MB/rank d':>9} {'MB/rank c':>9} "
+    print(f"{'dispatcher':<14} {'dispatch':>9} {'combine':>8} {'wall d/c':>12} {'MB/rank d':>9} {'MB/rank c':>9} "
           f"{'raw a2a d':>9} {'raw a2a c':>9} {'ratio':>6} {'raw tp gather':>13}")
     rows = {}
     for name in opts["dispatchers"]:
@@ -250,7 +253,7 @@ def main() -> None:
         r["ratio"] = ratio
         r["ratio_exact"] = (r["dispatch_ms"] + r["combine_ms"]) / (r["raw_exact_dispatch_ms"] + r["raw_exact_combine_ms"])
         rows[name] = r
-        print(f"{name:<10} {r['dispatch_ms']:>9.3f} {r['combine_ms']:>8.3f} "
+        print(f"{name:<14} {r['dispatch_ms']:>9.3f} {r['combine_ms']:>8.3f} "
               f"{r['dispatch_wall_ms']:>5.2f}/{r['combine_wall_ms']:<6.2f} {r['dispatch_bytes'] / 1e6:>9.1f} "
               f"{r['combine_bytes'] / 1e6:>9.1f} {r['raw_dispatch_ms']:>9.3f} {r['raw_combine_ms']:>9.3f} {ratio:>6.2f} "
               f"{r['raw_tp_gather_ms']:>13.3f}")

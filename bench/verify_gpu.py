@@ -91,7 +91,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8192, help="per dp group (4096 per rank with dp 2, ep 4)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=5, help="timed runs per layer (each phase: their median)")
-    ap.add_argument("--backends", default="allgather:torch,all2all:torch,allgather:triton,all2all:triton")
+    ap.add_argument("--backends", default="allgather:triton,all2all:triton,all2all-mapped:triton,all2all-mapped:torch",
+                    help="dispatch:experts pairs; all2all = the collectives transport, all2all-mapped = mapped")
     ap.add_argument("--backend", default="nccl", help="nccl (GPUs) or gloo (a CPU smoke test of this script)")
     ap.add_argument("--skip-cpu", action="store_true", help="skip the CPU quantize comparison")
     ap.add_argument("--json", type=Path)
@@ -140,9 +141,11 @@ def main() -> None:
     jobs = []
     for spec in args.backends.split(","):
         dispatch, experts = spec.split(":")
+        dispatch, _, transport = dispatch.partition("-")
         jobs.append((shards, src, VerifyOptions(dp=args.dp, ep=args.ep, dispatch=dispatch, experts=experts,
                                                 tokens=args.tokens, chunk_size=args.tokens, warmup=args.warmup,
-                                                repeat=args.repeat, backend=args.backend)))
+                                                repeat=args.repeat, backend=args.backend,
+                                                transport=transport or "collectives")))
     t0 = time.perf_counter()
     reports = verify_many(jobs)
     out["verify_s"] = time.perf_counter() - t0
@@ -163,7 +166,7 @@ def main() -> None:
           f"cuda output bit-identical to cpu: {same}; shard {out['shard_s']:.1f} s")
     print(f"raw {args.backend}, 4096 x {args.hidden} bf16 per rank: all_to_all_single {raw['a2a_us']:.0f} us, "
           f"all_gather_into_tensor {raw['allgather_us']:.0f} us")
-    print(f"{'dispatch':<10} {'experts':<7} {'layer':>5} {'rel err':>8} {'total ms':>9} {'disp ms':>8} "
+    print(f"{'dispatch':<14} {'experts':<7} {'layer':>5} {'rel err':>8} {'total ms':>9} {'disp ms':>8} "
           f"{'exp ms':>7} {'comb ms':>8} {'disp MB/rk':>10} {'comb MB/rk':>10} {'raw a2a ms':>10} {'ratio':>6} "
           f"{'raw exact ms':>12} {'ratio exact':>11}")
     for ri, r in enumerate(reports):
@@ -177,7 +180,8 @@ def main() -> None:
             keys = [f"{ri}/{l.layer}/{k}" for k in ("dispatch_split_bytes", "combine_split_bytes")]
             exact_ms = sum(exact[k] for k in keys) / 1e3 if all(k in exact for k in keys) else float("nan")
             ratio_exact = (t["dispatch"] + t["combine"]) / exact_ms if exact_ms else float("nan")
-            print(f"{r.options['dispatch']:<10} {r.options['experts']:<7} {l.layer:>5} {l.rel_err:>8.4f} "
+            name = r.options["dispatch"] + ("-mapped" if r.options.get("transport") == "mapped" else "")
+            print(f"{name:<14} {r.options['experts']:<7} {l.layer:>5} {l.rel_err:>8.4f} "
                   f"{t['total']:>9.2f} {t['dispatch']:>8.2f} {t['experts']:>7.2f} {t['combine']:>8.2f} "
                   f"{d_b / 1e6:>10.1f} {c_b / 1e6:>10.1f} {raw_ms:>10.2f} {ratio:>6.2f} {exact_ms:>12.2f} "
                   f"{ratio_exact:>11.2f}  {'PASS' if l.passed else 'FAIL'}")

@@ -89,3 +89,20 @@ def rint_small(x):
     """Round half to even for |x| < 2^22 (callers clamp first). The sign of a zero result is
     not kept: callers convert to int."""
     return (x + 12582912.0) - 12582912.0
+
+
+class PeerBuffers:
+    """One buffer as every rank of a world sees it: ``views[r]`` aliases rank r's copy (peer
+    memory mapped into this process: CUDA symmetric memory over NVLink, or shared memory
+    between CPU processes in the tests) and ``addresses`` holds their data pointers, int64 [R]
+    on the device the kernels run on, what a kernel storing to another rank reads."""
+
+    def __init__(self, views: list[torch.Tensor], device: torch.device):
+        if not views or any(v.dtype != views[0].dtype or v.shape != views[0].shape or not v.is_contiguous()
+                            for v in views):
+            raise MoetoolError("peer buffers must be contiguous views of one shape and dtype, one per rank")
+        self.views = tuple(views)
+        self.addresses = torch.tensor([v.data_ptr() for v in views], dtype=torch.int64, device=device)
+
+    def __len__(self) -> int:
+        return len(self.views)

@@ -30,11 +30,13 @@ import triton.language as tl
 
 from moetool.errors import MoetoolError
 
-from .common import check_device, e4m3_rne, is_interpreted, round_to_bf16
+from .common import PeerBuffers, check_device, e4m3_rne, is_interpreted, round_to_bf16
 
 _INTS = (torch.int32, torch.int64)
 #: elements of the [tokens, k, ranks or slots] one-hot block a program holds at once
 _ONEHOT_BUDGET = 4096
+#: elements of the [tokens, k] block one route_tokens program scans at once
+_ROUTE_BUDGET = 8192
 
 
 def _block_tokens(k_p2: int, n_p2: int) -> int:
@@ -74,10 +76,11 @@ def _replica(ids_ptr, tok_ptr, count_ptr, t, j, valid, n, W, stride_ids, stride_
 
 
 @triton.jit
-def _route_tokens_kernel(ids_ptr, tok_ptr, rank_ptr, count_ptr, order_ptr, counts_ptr,
-                         m, k, W, stride_ids, stride_tok,
-                         BLOCK_T: tl.constexpr, K_P2: tl.constexpr):
-    """Program r: one pass over the tokens, a running count of those that go to rank r."""
+def _route_tokens_kernel(ids_ptr, tok_ptr, rank_ptr, count_ptr, order_ptr, counts_ptr, peer_counts_ptr,
+                         m, k, W, me, stride_ids, stride_tok,
+                         BLOCK_T: tl.constexpr, K_P2: tl.constexpr, TO_PEERS: tl.constexpr):
+    """Program r: one pass over the tokens, a running count of those that go to rank r; with
+    TO_PEERS the count is also stored at [me] of rank r's copy of the received-counts buffer."""
     r = tl.program_id(0)
     j = tl.arange(0, K_P2)
     running = tl.zeros((), dtype=tl.int64)
@@ -91,42 +94,58 @@ def _route_tokens_kernel(ids_ptr, tok_ptr, rank_ptr, count_ptr, order_ptr, count
         tl.store(order_ptr + r.to(tl.int64) * m + t, tl.where(hit > 0, order, -1), mask=t < m)
         running += tl.sum(hit, axis=0).to(tl.int64)
     tl.store(counts_ptr + r, running)
+    if TO_PEERS:
+        tl.store(tl.load(peer_counts_ptr + r).to(tl.pointer_type(tl.int64)) + me, running)
 
 
 def route_tokens(topk_ids: torch.Tensor, token_index: torch.Tensor, rank_tab: torch.Tensor,
-                 count_tab: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+                 count_tab: torch.Tensor, counts: torch.Tensor, peer_counts: PeerBuffers | None = None,
+                 me: int = 0) -> torch.Tensor:
     """topk_ids int [m, k] (global experts), token_index int64 [m] -> order int64 [R, m]: the
     index of token t among the tokens sent to rank r (ascending), -1 = none of its experts'
     replicas is on r. Writes the tokens per rank into ``counts`` (int64 [R], contiguous; a
     token counts once per rank however many of its experts live there). Only this rank's
     data is needed, so the send rows can be filled while the counts travel. Ids must lie in
-    [0, E); they are not checked on the device."""
+    [0, E); they are not checked on the device.
+
+    ``peer_counts`` (int64 [R] on every rank, see :class:`PeerBuffers`): each count is also
+    stored at [me] of the destination rank's copy, so after a barrier rank r holds the rows
+    every rank sends it, with no collective."""
     _check_ids(topk_ids, token_index)
     _check_tables(rank_tab, None, count_tab)
     _check_counts(counts)
     m, k = topk_ids.shape
     R = counts.shape[0]
+    _check_peers("route_tokens: peer_counts", peer_counts, R, (R,), torch.int64, me)
     order = torch.empty(R, m, dtype=torch.int64, device=topk_ids.device)
-    check_device(_route_tokens_kernel, topk_ids, token_index, rank_tab, count_tab, counts)
+    check_device(_route_tokens_kernel, topk_ids, token_index, rank_tab, count_tab, counts,
+                 *([] if peer_counts is None else [peer_counts.addresses]))
     if R:
         k_p2 = triton.next_power_of_2(max(k, 1))
-        bt = min(1024, max(16, triton.next_power_of_2(_ONEHOT_BUDGET // k_p2)))
-        _route_tokens_kernel[(R,)](topk_ids, token_index, rank_tab, count_tab, order, counts, m, k,
-                                   rank_tab.shape[1], topk_ids.stride(0), token_index.stride(0),
-                                   BLOCK_T=bt, K_P2=k_p2)
+        # the whole chunk in one block where it fits: the running count is a chain of
+        # dependent loads per block, and this kernel sits right before the count exchange
+        bt = min(triton.next_power_of_2(max(m, 16)), max(16, _ROUTE_BUDGET // k_p2))
+        _route_tokens_kernel[(R,)](topk_ids, token_index, rank_tab, count_tab, order, counts,
+                                   counts if peer_counts is None else peer_counts.addresses, m, k,
+                                   rank_tab.shape[1], me, topk_ids.stride(0), token_index.stride(0),
+                                   BLOCK_T=bt, K_P2=k_p2, TO_PEERS=peer_counts is not None,
+                                   num_warps=max(4, min(16, bt * k_p2 // 1024)))
     return order
 
 
-def route_tokens_ref(topk_ids, token_index, rank_tab, count_tab, counts):
+def route_tokens_ref(topk_ids, token_index, rank_tab, count_tab, counts, peer_counts=None, me=0):
     """Reference of :func:`route_tokens` (same arguments)."""
     _check_ids(topk_ids, token_index)
     _check_tables(rank_tab, None, count_tab)
     _check_counts(counts)
+    R = counts.shape[0]
+    _check_peers("route_tokens: peer_counts", peer_counts, R, (R,), torch.int64, me)
     ids = topk_ids.long()
     dest = rank_tab[ids, token_index[:, None] % count_tab[ids]]  # [m, k]
-    R = counts.shape[0]
     sent = (dest[None, :, :] == torch.arange(R, device=ids.device)[:, None, None]).any(dim=2)  # [R, m]
     counts.copy_(sent.sum(dim=1))
+    for r in range(R if peer_counts is not None else 0):
+        peer_counts.views[r][me] = counts[r]
     # the scan runs along the last, contiguous dim (along dim 0 of [m, R] it is ~10x slower on CUDA)
     return torch.where(sent, torch.cumsum(sent, 1) - 1, -1)
 
@@ -134,6 +153,17 @@ def route_tokens_ref(topk_ids, token_index, rank_tab, count_tab, counts):
 def _check_counts(counts: torch.Tensor) -> None:
     if counts.dim() != 1 or counts.dtype != torch.int64 or not counts.is_contiguous():
         raise MoetoolError(f"counts must be contiguous int64 [R], got {counts.dtype} {list(counts.shape)}")
+
+
+def _check_peers(what: str, peers: PeerBuffers | None, R: int, shape: tuple, dtype: torch.dtype, me: int) -> None:
+    if peers is None:
+        return
+    v = peers.views[0]
+    if len(peers) != R or tuple(v.shape) != tuple(shape) or v.dtype != dtype:
+        raise MoetoolError(f"{what} must be {R} peer buffers {dtype} {list(shape)}, got {len(peers)} x "
+                           f"{v.dtype} {list(v.shape)}")
+    if not 0 <= me < R:
+        raise MoetoolError(f"{what}: rank {me} is not in [0, {R})")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,13 +187,15 @@ PACK_DTYPES = (torch.float8_e4m3fn, torch.bfloat16, torch.float16, torch.float32
 
 @triton.jit
 def _pack_rows_kernel(x_ptr, ids_ptr, w_ptr, tok_ptr, order_ptr, counts_ptr, pos_ptr, out_ptr,
-                      H, k, R, m, stride_x, stride_ids, stride_w, stride_tok,
+                      H, k, R, m, me, cap, stride_x, stride_ids, stride_w, stride_tok,
                       B: tl.constexpr, SCALE_OFF: tl.constexpr, IDS_OFF: tl.constexpr, W_OFF: tl.constexpr,
                       TOK_OFF: tl.constexpr, HID_KIND: tl.constexpr,
-                      GROUP: tl.constexpr, NG: tl.constexpr, K_P2: tl.constexpr):
+                      GROUP: tl.constexpr, NG: tl.constexpr, K_P2: tl.constexpr, TO_PEERS: tl.constexpr):
     """Program (t, h-block of NG groups): quantize (or cast) x[t, block] once, store it into
     the send row of every rank t goes to (row = rows of the ranks before + order); the h-block 0
-    program also stores the metadata and the row numbers (pos). out_ptr is the uint8 buffer;
+    program also stores the metadata and the row numbers (pos). With TO_PEERS, out_ptr holds
+    int64 [R] addresses of every rank's receive buffer, and the row of (r, t) is row
+    me * cap + order of rank r's buffer (pos = r * cap + order). out_ptr is the uint8 buffer;
     each part is addressed in bytes and cast to its type (one argument instead of a view per
     dtype: at serving sizes the host time of a launch is what the dispatch waits on).
     HID_KIND: 0 fp8 codes from integer math (uint8, interpreter), 1 fp8 (hardware cast), 2 bf16,
@@ -191,12 +223,16 @@ def _pack_rows_kernel(x_ptr, ids_ptr, w_ptr, tok_ptr, order_ptr, counts_ptr, pos
     start = tl.zeros((), dtype=tl.int64)
     for r in range(R):
         o = tl.load(order_ptr + r * m + t)
-        p = tl.where(o >= 0, start + o, -1)
-        start += tl.load(counts_ptr + r)
+        if TO_PEERS:
+            p = tl.where(o >= 0, r * cap + o, -1)
+            row = tl.load(out_ptr.to(tl.pointer_type(tl.int64)) + r).to(tl.pointer_type(tl.uint8)) + (me * cap + o) * B
+        else:
+            p = tl.where(o >= 0, start + o, -1)
+            start += tl.load(counts_ptr + r)
+            row = out_ptr + p * B
         if pid_h == 0:
             tl.store(pos_ptr + r * m + t, p)
         if p >= 0:
-            row = out_ptr + p * B
             tl.store(row.to(tl.pointer_type(v.dtype)) + cols, v, mask=in_h)
             if HID_KIND <= 1:
                 tl.store((row + SCALE_OFF).to(tl.pointer_type(tl.float32)) + g, s, mask=g * GROUP < H)
@@ -206,7 +242,8 @@ def _pack_rows_kernel(x_ptr, ids_ptr, w_ptr, tok_ptr, order_ptr, counts_ptr, pos
                 tl.store((row + TOK_OFF).to(tl.pointer_type(tl.int64)), tok)
 
 
-def _check_pack(x, topk_ids, topk_weights, token_index, order, counts, out, hidden_dtype, offsets, group):
+def _check_pack(x, topk_ids, topk_weights, token_index, order, counts, out, hidden_dtype, offsets, group,
+                peers=None, me=0):
     offsets = RowOffsets(*offsets)
     m, H = x.shape if x.dim() == 2 else (-1, -1)
     if x.dim() != 2 or not x.is_floating_point() or x.stride(1) != 1 or H == 0:
@@ -221,6 +258,16 @@ def _check_pack(x, topk_ids, topk_weights, token_index, order, counts, out, hidd
     _check_counts(counts)
     if counts.shape[0] != order.shape[0]:
         raise MoetoolError(f"pack_rows: counts [{counts.shape[0]}] and order [{order.shape[0]}, m] disagree on R")
+    if peers is not None:
+        R = order.shape[0]
+        if len(peers) != R:
+            raise MoetoolError(f"pack_rows: {len(peers)} peer buffers for {R} ranks")
+        out = peers.views[0]
+        if out.shape[0] % R or out.shape[0] // R < m:
+            raise MoetoolError(f"pack_rows: peer receive buffers [{out.shape[0]}, B] must hold {R} regions "
+                               f"of at least {m} rows")
+        if not 0 <= me < R:
+            raise MoetoolError(f"pack_rows: rank {me} is not in [0, {R})")
     if out.dim() != 2 or out.dtype != torch.uint8 or not out.is_contiguous() or out.shape[1] % 16:
         raise MoetoolError(f"pack_rows: out must be contiguous uint8 [rows, B] with B a multiple of 16, got "
                            f"{out.dtype} {list(out.shape)}")
@@ -238,8 +285,8 @@ def _check_pack(x, topk_ids, topk_weights, token_index, order, counts, out, hidd
 
 
 def pack_rows(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, token_index: torch.Tensor,
-              order: torch.Tensor, counts: torch.Tensor, out: torch.Tensor, hidden_dtype: torch.dtype,
-              offsets: RowOffsets, group: int = 128) -> torch.Tensor:
+              order: torch.Tensor, counts: torch.Tensor, out: torch.Tensor | PeerBuffers, hidden_dtype: torch.dtype,
+              offsets: RowOffsets, group: int = 128, me: int = 0) -> torch.Tensor:
     """Fill the send rows, rank-major, tokens ascending -> pos int64 [R, m]: the row of out
     that holds token t for rank r (-1 = not sent), what the combine reads back by.
 
@@ -249,9 +296,21 @@ def pack_rows(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     case: m * min(k, R)). The row
     holds x as ``hidden_dtype`` at byte 0 (float8_e4m3fn: per-token 1 x ``group`` codes, the
     fp32 scales at ``offsets.scale``, bit-identical to ``quant.fp8_act_quant``), ids as int32,
-    weights as fp32 and the token index as int64. Other bytes of out are left as they were."""
-    _check_pack(x, topk_ids, topk_weights, token_index, order, counts, out, hidden_dtype, offsets, group)
+    weights as fp32 and the token index as int64. Other bytes of out are left as they were.
+
+    ``out`` may instead be :class:`PeerBuffers`: every rank's receive buffer uint8 [R * cap, B],
+    one region of cap >= m rows per source rank. The row for rank r then goes straight into
+    rank r's buffer, row me * cap + order[r, t] (no exchange of counts needed first), and pos
+    is r * cap + order[r, t]: where the result comes back in a buffer of the same regions."""
+    peers = out if isinstance(out, PeerBuffers) else None
+    _check_pack(x, topk_ids, topk_weights, token_index, order, counts, None if peers else out, hidden_dtype,
+                offsets, group, peers, me)
     offsets = RowOffsets(*offsets)
+    if peers is not None:
+        out, cap = peers.addresses, peers.views[0].shape[0] // order.shape[0]
+        B = peers.views[0].shape[1]
+    else:
+        cap, B = 0, out.shape[1]
     check_device(_pack_rows_kernel, x, topk_ids, topk_weights, token_index, order, counts, out)
     m, H = x.shape
     R, k = order.shape[0], topk_ids.shape[1]
@@ -264,20 +323,29 @@ def pack_rows(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         kind = {torch.bfloat16: 2, torch.float16: 3, torch.float32: 4}[hidden_dtype]
     ng = max(1, min(8, triton.next_power_of_2(-(-H // group))))
     _pack_rows_kernel[(m, triton.cdiv(H, group * ng))](
-        x, topk_ids, topk_weights, token_index, order, counts, pos, out, H, k, R, m,
+        x, topk_ids, topk_weights, token_index, order, counts, pos, out, H, k, R, m, me, cap,
         x.stride(0), topk_ids.stride(0), topk_weights.stride(0), token_index.stride(0),
-        B=out.shape[1], SCALE_OFF=offsets.scale or 0, IDS_OFF=offsets.ids, W_OFF=offsets.weights,
+        B=B, SCALE_OFF=offsets.scale or 0, IDS_OFF=offsets.ids, W_OFF=offsets.weights,
         TOK_OFF=offsets.token, HID_KIND=kind, GROUP=group, NG=ng, K_P2=triton.next_power_of_2(max(k, 1)),
-        num_warps=4)
+        TO_PEERS=peers is not None, num_warps=4)
     return pos
 
 
-def pack_rows_ref(x, topk_ids, topk_weights, token_index, order, counts, out, hidden_dtype, offsets, group=128):
+def pack_rows_ref(x, topk_ids, topk_weights, token_index, order, counts, out, hidden_dtype, offsets, group=128,
+                  me=0):
     """Reference of :func:`pack_rows` (same arguments)."""
     from .quant import fp8_act_quant_ref
 
-    _check_pack(x, topk_ids, topk_weights, token_index, order, counts, out, hidden_dtype, offsets, group)
-    pos = torch.where(order >= 0, order + (torch.cumsum(counts, 0) - counts)[:, None], -1)
+    peers = out if isinstance(out, PeerBuffers) else None
+    _check_pack(x, topk_ids, topk_weights, token_index, order, counts, None if peers else out, hidden_dtype,
+                offsets, group, peers, me)
+    if peers is not None:
+        cap = peers.views[0].shape[0] // order.shape[0]
+        pos = torch.where(order >= 0, order + cap * torch.arange(order.shape[0], device=order.device)[:, None], -1)
+        dest = [(peers.views[r], order[r] + me * cap) for r in range(order.shape[0])]
+    else:
+        pos = torch.where(order >= 0, order + (torch.cumsum(counts, 0) - counts)[:, None], -1)
+        dest = [(out, pos[r]) for r in range(order.shape[0])]
     offsets = RowOffsets(*offsets)
     m, H = x.shape
     k = topk_ids.shape[1]
@@ -290,11 +358,11 @@ def pack_rows_ref(x, topk_ids, topk_weights, token_index, order, counts, out, hi
         values = [x.to(hidden_dtype)]
     values += [topk_ids.to(torch.int32), topk_weights.float(), token_index[:, None]]
     parts += [(offsets.ids, torch.int32, k), (offsets.weights, torch.float32, k), (offsets.token, torch.int64, 1)]
-    for r in range(pos.shape[0]):
+    for r, (buf, row) in enumerate(dest):
         sel = pos[r] >= 0
-        rows = pos[r, sel]
+        rows = row[sel]
         for (off, dtype, cols), v in zip(parts, values):
-            out[rows, off:off + cols * dtype.itemsize] = v[sel].contiguous().view(torch.uint8)
+            buf[rows, off:off + cols * dtype.itemsize] = v[sel].contiguous().view(torch.uint8)
     return pos
 
 
@@ -304,48 +372,75 @@ def pack_rows_ref(x, topk_ids, topk_weights, token_index, order, counts, out, hi
 
 
 @triton.jit
-def _local_slots_kernel(ids_ptr, tok_ptr, rank_ptr, slot_ptr, count_ptr, out_ptr, counts_ptr,
-                        M, k, L, W, me, stride_ids, stride_tok,
-                        BLOCK_T: tl.constexpr, K_P2: tl.constexpr, L_P2: tl.constexpr):
+def _local_slots_kernel(ids_ptr, tok_ptr, rank_ptr, slot_ptr, count_ptr, out_ptr, counts_ptr, rows_ptr,
+                        M, k, L, W, me, cap, stride_ids, stride_tok,
+                        BLOCK_T: tl.constexpr, K_P2: tl.constexpr, L_P2: tl.constexpr, REGIONS: tl.constexpr):
+    """REGIONS: the rows are regions of ``cap`` rows, region s holding rows_ptr[s] valid rows
+    first; the rest (stale bytes) get local ids -1 and their ids are not read."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     j = tl.arange(0, K_P2)
-    valid = (t[:, None] < M) & (j[None, :] < k)
+    inside = (t[:, None] < M) & (j[None, :] < k)
+    valid = inside
+    if REGIONS:
+        filled = tl.load(rows_ptr + t // cap, mask=t < M, other=0)
+        valid = valid & ((t % cap) < filled)[:, None]
     at = _replica(ids_ptr, tok_ptr, count_ptr, t, j, valid, M, W, stride_ids, stride_tok)
     r = tl.load(rank_ptr + at, mask=valid, other=-1)
     s = tl.load(slot_ptr + at, mask=valid, other=-1)
     local = tl.where(r == me, s, -1)  # [BT, KP2]
-    tl.store(out_ptr + t[:, None].to(tl.int64) * k + j[None, :], local, mask=valid)
+    tl.store(out_ptr + t[:, None].to(tl.int64) * k + j[None, :], local, mask=inside)
     slots = tl.arange(0, L_P2)
     hit = (local[:, :, None] == slots[None, None, :]).to(tl.int32)  # [BT, KP2, LP2]
     tl.atomic_add(counts_ptr + slots, tl.sum(tl.sum(hit, axis=1), axis=0).to(tl.int64), mask=slots < L)
 
 
 def local_slots(ids: torch.Tensor, token_index: torch.Tensor, rank_tab: torch.Tensor, slot_tab: torch.Tensor,
-                count_tab: torch.Tensor, rank: int, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+                count_tab: torch.Tensor, rank: int, num_slots: int,
+                region_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """ids int [M, k] (global experts; rows may be strided views), token_index int64 [M] (may be
-    strided) -> (local_ids int64 [M, k], expert_num_tokens int64 [L])."""
+    strided) -> (local_ids int64 [M, k], expert_num_tokens int64 [L]).
+
+    ``region_rows`` int64 [R]: the rows are R regions of M / R rows (one per source rank, as
+    :func:`pack_rows` fills peer buffers) and only the first region_rows[s] rows of region s
+    were sent; the others hold stale bytes, get local ids -1 and are not read."""
     _check_ids(ids, token_index)
     _check_tables(rank_tab, slot_tab, count_tab)
     M, k = ids.shape
+    if region_rows is not None:
+        _check_counts(region_rows)
+        if not region_rows.shape[0] or M % region_rows.shape[0]:
+            raise MoetoolError(f"local_slots: {M} rows are not {region_rows.shape[0]} equal regions")
     dev = ids.device
     out = torch.empty(M, k, dtype=torch.int64, device=dev)
     counts = torch.zeros(num_slots, dtype=torch.int64, device=dev)
-    check_device(_local_slots_kernel, ids, token_index, rank_tab, slot_tab, count_tab)
+    check_device(_local_slots_kernel, ids, token_index, rank_tab, slot_tab, count_tab,
+                 *([] if region_rows is None else [region_rows]))
     if M and k:
         k_p2, l_p2 = triton.next_power_of_2(k), triton.next_power_of_2(max(num_slots, 1))
         bt = _block_tokens(k_p2, l_p2)
+        regions = region_rows is not None
         _local_slots_kernel[(triton.cdiv(M, bt),)](
-            ids, token_index, rank_tab, slot_tab, count_tab, out, counts, M, k, num_slots, rank_tab.shape[1],
-            rank, ids.stride(0), token_index.stride(0), BLOCK_T=bt, K_P2=k_p2, L_P2=l_p2)
+            ids, token_index, rank_tab, slot_tab, count_tab, out, counts, region_rows if regions else counts,
+            M, k, num_slots, rank_tab.shape[1], rank, M // region_rows.shape[0] if regions else M,
+            ids.stride(0), token_index.stride(0), BLOCK_T=bt, K_P2=k_p2, L_P2=l_p2, REGIONS=regions)
     return out, counts
 
 
-def local_slots_ref(ids, token_index, rank_tab, slot_tab, count_tab, rank, num_slots):
+def local_slots_ref(ids, token_index, rank_tab, slot_tab, count_tab, rank, num_slots, region_rows=None):
     """Reference of :func:`local_slots` (same arguments)."""
     _check_ids(ids, token_index)
     _check_tables(rank_tab, slot_tab, count_tab)
-    e = ids.long()
-    choice = token_index[:, None] % count_tab[e]
-    local = torch.where(rank_tab[e, choice] == rank, slot_tab[e, choice], -1)  # [M, k]
+    M = ids.shape[0]
+    filled = torch.ones(M, dtype=torch.bool, device=ids.device)
+    if region_rows is not None:
+        _check_counts(region_rows)
+        if not region_rows.shape[0] or M % region_rows.shape[0]:
+            raise MoetoolError(f"local_slots: {M} rows are not {region_rows.shape[0]} equal regions")
+        cap = M // region_rows.shape[0]
+        row = torch.arange(M, device=ids.device)
+        filled = row % cap < region_rows[row // cap]
+    e = torch.where(filled[:, None], ids.long(), 0)
+    choice = torch.where(filled, token_index, 0)[:, None] % count_tab[e]
+    local = torch.where(filled[:, None] & (rank_tab[e, choice] == rank), slot_tab[e, choice], -1)  # [M, k]
     counted = local[(local >= 0) & (local < num_slots)]
     return local, torch.bincount(counted, minlength=num_slots)

@@ -64,6 +64,7 @@ class VerifyOptions:
     comm_dtype: str = "bfloat16"
     warmup: int = 0  # extra untimed runs of each layer; > 0 also aligns ranks before each timed phase
     repeat: int = 1  # timed runs of each layer; each phase's time is the median over them
+    transport: str = "auto"  # all2all only: collectives | mapped | auto (mapped on the GPUs of one host)
 
 
 @dataclass
@@ -102,7 +103,7 @@ class VerifyReport:
     def render(self) -> str:
         o = self.options
         head = (f"verify {self.shards} against {self.reference}: format {self.format}, ep {o['ep']}, dp {o['dp']}, "
-                f"dispatch {o['dispatch']}, experts {o['experts']}, {o['tokens']} tokens per dp group, backend {o['backend']}")
+                f"dispatch {o['dispatch']}{' (' + o['transport'] + ')' if o.get('transport') else ''}, experts {o['experts']}, {o['tokens']} tokens per dp group, backend {o['backend']}")
         cols = f"{'layer':>5}  {'rel err':>9}  {'SQNR dB':>8}  {'max abs':>9}  {'worst expert (rank)':>19}  {'exp err':>8}  {'ms/fwd':>7}  tokens per rank   result"
         lines = [head, cols]
         for l in self.layers:
@@ -182,7 +183,7 @@ def _rank_jobs(rank: int, world_size: int, jobs: list[tuple[str, VerifyOptions, 
 
 def _rank_main(rank: int, shards_root: str, opts: VerifyOptions, layer_ids: list[int], topo) -> dict:
     """One rank: load own shard, run every selected layer, return its outputs and stats."""
-    from moetool.verify.dispatch import get_dispatcher
+    from moetool.verify.dispatch import choose_transport, get_dispatcher
     from moetool.verify.experts import get_experts
     from moetool.verify.layer import run_moe_layer
 
@@ -190,7 +191,9 @@ def _rank_main(rank: int, shards_root: str, opts: VerifyOptions, layer_ids: list
     ckpt, spec = shards.open_rank(rank, check=True)
     device = topo.device
     reader = ExpertReader(ckpt, spec)
-    dispatcher = get_dispatcher(opts.dispatch, topo, comm_dtype=getattr(torch, opts.comm_dtype))
+    transport = choose_transport(opts.transport, device) if opts.dispatch == "all2all" else None
+    dispatcher = get_dispatcher(opts.dispatch, topo, comm_dtype=getattr(torch, opts.comm_dtype),
+                                **({"transport": transport} if transport else {}))
     experts = get_experts(opts.experts)
     results: dict[int, dict] = {}
     try:
@@ -216,7 +219,7 @@ def _rank_main(rank: int, shards_root: str, opts: VerifyOptions, layer_ids: list
                 y, stats = run_moe_layer(x, gate, bias, layer.router, local, placement, shared, dispatcher,
                                          experts, opts.chunk_size, align_phases=opts.warmup > 0)
                 timed.append({k: v for k, v in stats.items() if k.startswith(("time_", "cuda_"))})
-            stats.update({k: statistics.median(t[k] for t in timed) for k in timed[0]})
+            stats.update({k: statistics.median(t[k] for t in timed) for k in timed[0]}, transport=transport)
             probe = _probe_slots(experts, local, probe_tokens(i, layer.hidden, opts.seed, nw), device)
             results[i] = {"y": y.cpu() if topo.tp_index == 0 else None, "group": topo.group_index,
                           "probe": probe.cpu(), "slots": list(local.slot_to_global), "stats": stats}
@@ -299,6 +302,8 @@ def check_options(opts: VerifyOptions, shards: EPShards) -> None:
         raise MoetoolError(f"--all2all {opts.dispatch!r}: expected allgather or all2all")
     if opts.experts not in ("torch", "triton"):
         raise MoetoolError(f"--experts {opts.experts!r}: expected torch or triton")
+    if opts.transport not in ("auto", "collectives", "mapped"):
+        raise MoetoolError(f"--transport {opts.transport!r}: expected auto, collectives or mapped")
 
 
 def check_files_present(shards: EPShards) -> None:
@@ -424,7 +429,8 @@ def build_report(shards: EPShards, ref_ckpt, spec, ref_reader: ExpertReader, opt
             moved.update({k: [s[k] for s in stats] for k in ("dispatch_split_bytes", "combine_split_bytes")})
         reports.append(LayerReport(i, rel, sqnr, mx, [s["pairs_computed"] for s in stats], worst[0], worst[1],
                                    worst[2], not reasons, "; ".join(reasons), timing, moved))
-    options = {**asdict(opts), "backend": backend, "layers": layer_ids}
+    options = {**asdict(opts), "backend": backend, "layers": layer_ids,
+               "transport": results[0][layer_ids[0]]["stats"].get("transport") if layer_ids else None}
     return VerifyReport(str(shards.root), str(ref_ckpt.root), shards.manifest["format"], options, th, reports)
 
 

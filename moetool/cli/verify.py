@@ -32,6 +32,9 @@ def verify_cmd(
     dp: Annotated[int, typer.Option("--dp", help="data-parallel groups (different tokens); must divide --ep")] = 1,
     ep: Annotated[int, typer.Option("--ep", help="ranks (world size); must match the shards")] = 2,
     dispatch: Annotated[str, typer.Option("--all2all", help="dispatch/combine backend: allgather or all2all")] = "allgather",
+    transport: Annotated[str, typer.Option("--transport", help="all2all only: collectives (all_to_all_single), "
+                                           "mapped (ranks store into each other's memory; one host), or auto "
+                                           "(mapped on the GPUs of one host)")] = "auto",
     experts: Annotated[str, typer.Option("--experts", help="experts backend: torch or triton")] = "torch",
     tokens: Annotated[int, typer.Option("--tokens", help="test tokens per dp group, per layer")] = 256,
     layers: Annotated[Optional[str], typer.Option("--layers", help="MoE layers to check, e.g. 1,3,5-7 (default all)")] = None,
@@ -60,7 +63,7 @@ def verify_cmd(
     opts = VerifyOptions(dp=dp, ep=ep, dispatch=dispatch, experts=experts, tokens=tokens, layers=parse_layers(layers),
                          backend=backend, chunk_size=chunk_size, seed=seed, max_rel_err=max_rel_err,
                          max_expert_rel_err=max_expert_rel_err, timeout_s=timeout, warmup=warmup,
-                         repeat=repeat)
+                         repeat=repeat, transport=transport)
     if under_torchrun():
         report = verify_torchrun(shards, ref, opts, revision=revision)
         if report is None:  # not rank 0: rank 0 prints the report

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from moetool.errors import MoetoolError
+from moetool.kernels.common import PeerBuffers
 from moetool.spec import ExpertPlacement, LocalExperts
 from moetool.verify.experts import ACT_GROUP, weight_and_reduce
 
@@ -279,6 +281,109 @@ def _row_split(t: int, parts: int) -> list[int]:
     return [t // parts + (1 if i < t % parts else 0) for i in range(parts)]
 
 
+# --------------------------------------------------------------------------- mapped memory
+
+
+class PeerMemory:
+    """One byte buffer on every rank of the world that every rank maps, so kernels store
+    straight into another rank's copy. Collective to create; :meth:`barrier` is the point after
+    which every rank's stores before it are visible to all.
+
+    ``cuda``: torch symmetric memory (NVLink / P2P between the GPUs of one host).
+    ``shm``: one shared-memory file per rank, each mapped by all (CPU ranks of one host: how
+    the tests run the mapped transport with gloo)."""
+
+    ALIGN: ClassVar[int] = 256
+
+    def __init__(self, nbytes: int, device: torch.device, timeout_s: float = 300.0):
+        self.nbytes = nbytes
+        self.device = device
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.timeout_ms = int(timeout_s * 1000)
+        if device.type == "cuda":
+            import torch.distributed._symmetric_memory as symm_mem
+
+            group_name = dist.group.WORLD.group_name
+            enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+            if enable is not None and not symm_mem.is_symm_mem_enabled_for_group(group_name):
+                with warnings.catch_warnings():  # needed before torch 2.9, deprecated since
+                    warnings.simplefilter("ignore")
+                    enable(group_name)
+            self._local = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+            self._handle = symm_mem.rendezvous(self._local, group_name)
+            self._maps = None
+        elif device.type == "cpu":
+            self._handle = None
+            self._maps = self._map_shared_files(nbytes)
+        else:
+            raise MoetoolError(f"mapped transport: no peer memory on {device}")
+
+    def _map_shared_files(self, nbytes: int) -> list[torch.Tensor]:
+        import os
+        import tempfile
+
+        folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        tag = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+        dist.broadcast(tag, src=0)  # one name for this buffer on every rank
+        names = [os.path.join(folder, f"moetool-peer-{int(tag)}-{r}") for r in range(self.world)]
+        with open(names[self.rank], "wb") as f:
+            f.truncate(max(nbytes, 1))
+        try:
+            dist.barrier()
+            maps = [torch.from_file(n, shared=True, size=max(nbytes, 1), dtype=torch.uint8) for n in names]
+            dist.barrier()  # every rank mapped every file: the names can go
+        finally:
+            os.unlink(names[self.rank])
+        return maps
+
+    def view(self, rank: int, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Rank ``rank``'s copy of bytes [offset, offset + numel * itemsize) as ``shape`` ``dtype``."""
+        numel = math.prod(shape)
+        if offset % dtype.itemsize or offset + numel * dtype.itemsize > self.nbytes:
+            raise MoetoolError(f"peer memory view at byte {offset} of {shape} {dtype} is outside {self.nbytes} bytes")
+        if self._handle is not None:
+            return self._handle.get_buffer(rank, tuple(shape), dtype, offset // dtype.itemsize)
+        return self._maps[rank][offset:offset + numel * dtype.itemsize].view(dtype).view(shape)
+
+    def peers(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> PeerBuffers:
+        return PeerBuffers([self.view(r, offset, shape, dtype) for r in range(self.world)], self.device)
+
+    def barrier(self, channel: int = 0) -> None:
+        """Every rank's stores (in stream order before this) are visible to every rank after it."""
+        if self._handle is not None:
+            self._handle.barrier(channel=channel, timeout_ms=self.timeout_ms)
+        else:
+            dist.barrier()
+
+
+@dataclass
+class MappedBuffers:
+    """The mapped all2all transport's three buffers for chunks of up to ``cap`` rows per rank:
+    rows [R * cap, B] uint8 (region s: the rows rank s sent), counts int64 [R] (rows rank s
+    sent), results [R * cap, H] wire dtype (region r: results of the rows sent to rank r)."""
+
+    key: tuple  # (cap, B, H, wire dtype)
+    memory: PeerMemory
+    rows: PeerBuffers
+    counts: PeerBuffers
+    results: PeerBuffers
+
+    @classmethod
+    def create(cls, R: int, cap: int, B: int, H: int, wire: torch.dtype, device: torch.device,
+               memory: PeerMemory | None = None) -> "MappedBuffers":
+        """Collective when it allocates (every rank, same arguments); reuses ``memory`` when it is large enough."""
+        a = PeerMemory.ALIGN
+        sizes = [R * cap * B, R * 8, R * cap * H * wire.itemsize]
+        offsets = [0]
+        for n in sizes:
+            offsets.append(offsets[-1] + -(-n // a) * a)
+        if memory is None or memory.nbytes < offsets[-1]:
+            memory = PeerMemory(offsets[-1], device)
+        return cls((cap, B, H, wire), memory, memory.peers(offsets[0], (R * cap, B), torch.uint8),
+                   memory.peers(offsets[1], (R,), torch.int64),
+                   memory.peers(offsets[2], (R * cap, H), wire))
+
+
 # --------------------------------------------------------------------------- dispatchers
 
 
@@ -399,13 +504,36 @@ class All2AllDispatcher(Dispatcher):
     into the buffer of an all-gather in the tp group, which restores the replicated [t, H] chunk."""
 
     name = "all2all"
+    TRANSPORTS: ClassVar[tuple[str, ...]] = ("collectives", "mapped")
+
+    def __init__(self, topo: Topology, quantize_activations: bool | None = None,
+                 comm_dtype: torch.dtype = torch.float32, transport: str = "collectives"):
+        """``transport``: "collectives" = a count exchange, the host reads the counts, then
+        ``all_to_all_single`` of exactly the rows (any backend, any number of hosts);
+        "mapped" = ranks of one host store rows, counts and results straight into each other's
+        mapped buffers (CUDA symmetric memory over NVLink; shared memory between CPU ranks),
+        with a barrier where the collectives were and no host synchronisation (DeepEP's
+        intranode idea)."""
+        super().__init__(topo, quantize_activations, comm_dtype)
+        if transport not in self.TRANSPORTS:
+            raise MoetoolError(f"unknown all2all transport {transport!r} (known: {', '.join(self.TRANSPORTS)})")
+        self.transport = transport
+        self._mapped: MappedBuffers | None = None
 
     def token_slice(self, t: int) -> slice:
         split = _row_split(t, self.topo.tp)
         start = sum(split[:self.topo.tp_index])
         return slice(start, start + split[self.topo.tp_index])
 
+    @property
+    def _wire(self) -> torch.dtype:
+        """dtype of the expert results on the way back"""
+        return self.comm_dtype if self.comm_dtype in (torch.float32, torch.bfloat16) else torch.float32
+
     def prepare(self, x, topk_ids, topk_weights, token_index, chunk, table, num_slots, act_quant, stats):
+        if self.transport == "mapped":
+            return self._prepare_mapped(x, topk_ids, topk_weights, token_index, chunk, table, num_slots,
+                                        act_quant, stats)
         topo = self.topo
         R, me = topo.world_size, topo.rank
         k = topk_ids.shape[1]
@@ -441,10 +569,56 @@ class All2AllDispatcher(Dispatcher):
         local_ids, expert_counts = local_slots(rest[-3], rest[-1][:, 0], table.rank, table.slot, table.count,
                                                me, num_slots)  # [M, k], [L]
         stats.tokens_received += recv.shape[0]
-        wire = self.comm_dtype if self.comm_dtype in (torch.float32, torch.bfloat16) else torch.float32
         return Prepared(hidden, scale, local_ids, rest[-2].contiguous(), expert_counts,
                         {"pos": pos, "send": send_l, "recv": recv_l, "t": chunk.sizes[topo.group_index]},
-                        out_dtype=wire)
+                        out_dtype=self._wire)
+
+    def _prepare_mapped(self, x, topk_ids, topk_weights, token_index, chunk, table, num_slots, act_quant, stats):
+        """Every rank's receive buffer has one region of ``cap`` rows per source rank (cap: the
+        most tokens any rank routes in this chunk, known everywhere), so a row's place there
+        needs only the sender's own order: route, pack into the peers' buffers, barrier."""
+        topo = self.topo
+        R, me = topo.world_size, topo.rank
+        H, k = x.shape[1], topk_ids.shape[1]
+        route_tokens, pack_rows, local_slots = (_kernel_or_ref("ep_dispatch", name, x)
+                                                for name in ("route_tokens", "pack_rows", "local_slots"))
+        layout = self._row_layout(H, k, act_quant)
+        cap = max(max(_row_split(n, topo.tp)) for n in chunk.sizes)
+        bufs = self._mapped_buffers(max(cap, 1), layout.row_bytes, H, x.device)
+        cap = bufs.key[0]
+        send_counts = torch.empty(R, dtype=torch.int64, device=x.device)
+        order = route_tokens(topk_ids, token_index, table.rank, table.count, send_counts, bufs.counts, me)  # [R, m]
+        hidden_dtype = torch.float8_e4m3fn if act_quant else self.comm_dtype
+        offsets = ([layout.offsets[1]] if act_quant else [None]) + layout.offsets[-4:-1]
+        pos = pack_rows(x, topk_ids, topk_weights, token_index, order, send_counts, bufs.rows, hidden_dtype,
+                        tuple(offsets), ACT_GROUP, me)  # [R, m]: r * cap + order, or -1
+        bufs.memory.barrier(0)  # every rank's rows and counts have arrived
+        recv_counts = bufs.counts.views[me]  # [R] rows from each source, first in its region
+        hidden, *rest = layout.unpack(bufs.rows.views[me])  # [R * cap, ...] views
+        local_ids, expert_counts = local_slots(rest[-3], rest[-1][:, 0], table.rank, table.slot, table.count,
+                                               me, num_slots, recv_counts)
+        # the counts for the statistics reach the host while the experts run; read in finalize
+        host = torch.empty(2, R, dtype=torch.int64, pin_memory=x.is_cuda)
+        host[0].copy_(send_counts, non_blocking=True)
+        host[1].copy_(recv_counts, non_blocking=True)
+        copied = torch.cuda.Event() if x.is_cuda else None
+        if copied is not None:
+            copied.record()
+        return Prepared(hidden, rest[0] if act_quant else None, local_ids, rest[-2].contiguous(), expert_counts,
+                        {"pos": pos, "host_counts": host, "copied": copied, "cap": cap,
+                         "filled": recv_counts, "t": chunk.sizes[topo.group_index]},
+                        out_dtype=self._wire)
+
+    def _mapped_buffers(self, cap: int, B: int, H: int, device: torch.device) -> MappedBuffers:
+        """The buffers for this chunk's sizes; collective when they have to grow (every rank
+        derives the same sizes from the chunk)."""
+        cur = self._mapped
+        if cur is not None and cur.key[0] >= cap and cur.key[1:] == (B, H, self._wire):
+            return cur
+        cap = max(cap, cur.key[0] if cur is not None else 0)
+        self._mapped = MappedBuffers.create(self.topo.world_size, cap, B, H, self._wire, device,
+                                            None if cur is None else cur.memory)
+        return self._mapped
 
     def _counts_stream(self, device: torch.device):
         """Context for reading the counts back: a side stream of this dispatcher on CUDA."""
@@ -468,12 +642,29 @@ class All2AllDispatcher(Dispatcher):
         # tested); experts that reduce already wrote them in it (prep.out_dtype)
         out = out.to(prep.out_dtype).contiguous()  # [M, H]
         H, nb = out.shape[1], out.element_size()
-        back = out.new_empty(sum(st["send"]), H)  # [P, H]
-        dist.all_to_all_single(back, out, output_split_sizes=st["send"], input_split_sizes=st["recv"])
         me = topo.rank
-        stats.combine_bytes_sent += (sum(st["recv"]) - st["recv"][me]) * H * nb
-        stats.combine_bytes_recv += (sum(st["send"]) - st["send"][me]) * H * nb
-        back_split = [n * H * nb for n in st["recv"]]
+        if self.transport == "mapped":
+            send_back = _kernel_or_ref("ep_combine", "send_rows_back", out)
+            bufs = self._mapped
+            send_back(out, st["filled"], bufs.results, me)  # each result into its sender's buffer
+            bufs.memory.barrier(1)
+            back = bufs.results.views[me]  # [R * cap, H]: region r = results from rank r
+            if st["copied"] is not None:
+                st["copied"].synchronize()  # recorded before the experts ran: long done
+            send_l, recv_l = st["host_counts"].tolist()
+            P = sum(send_l)
+            layout_b = bufs.rows.views[0].shape[1]
+            stats.dispatch_bytes_sent += (P - send_l[me]) * layout_b + 8 * (topo.world_size - 1)
+            stats.add_split("dispatch_split_bytes", [n * layout_b for n in send_l])
+            stats.dispatch_bytes_recv += (sum(recv_l) - recv_l[me]) * layout_b + 8 * (topo.world_size - 1)
+            stats.tokens_received += sum(recv_l)
+        else:
+            back = out.new_empty(sum(st["send"]), H)  # [P, H]
+            dist.all_to_all_single(back, out, output_split_sizes=st["send"], input_split_sizes=st["recv"])
+            send_l, recv_l = st["send"], st["recv"]
+        stats.combine_bytes_sent += (sum(recv_l) - recv_l[me]) * H * nb
+        stats.combine_bytes_recv += (sum(send_l) - send_l[me]) * H * nb
+        back_split = [n * H * nb for n in recv_l]
         pos = st["pos"].t()  # [m, R]
         if topo.tp == 1:
             stats.add_split("combine_split_bytes", back_split)
@@ -496,6 +687,20 @@ class All2AllDispatcher(Dispatcher):
 
 
 DISPATCHERS: dict[str, type[Dispatcher]] = {"allgather": AllGatherDispatcher, "all2all": All2AllDispatcher}
+
+
+def choose_transport(requested: str, device: torch.device) -> str:
+    """The all2all transport for ``--transport`` (auto | collectives | mapped): auto is mapped
+    on CUDA when every rank runs on this host (LOCAL_WORLD_SIZE = WORLD_SIZE, as ``verify``'s
+    own spawn sets), collectives otherwise. Every rank decides the same."""
+    import os
+
+    one_host = os.environ.get("LOCAL_WORLD_SIZE") == str(dist.get_world_size())
+    if requested == "auto":
+        return "mapped" if device.type == "cuda" and one_host else "collectives"
+    if requested == "mapped" and not one_host:
+        raise MoetoolError("--transport mapped needs every rank on one host (LOCAL_WORLD_SIZE = WORLD_SIZE)")
+    return requested
 
 
 def get_dispatcher(name: str, topo: Topology, **kwargs) -> Dispatcher:

@@ -164,3 +164,118 @@ def test_pack_rows_matches_reference_byte_for_byte(device, m, H, R, k, dtype, gr
             assert torch.equal(row[offsets[2]:offsets[2] + 4 * k].view(torch.float32), weights[t])
             assert int(row[offsets[3]:offsets[3] + 8].view(torch.int64)) == 50 + t
     assert (ref[P:] == 0).all()  # rows past the last sent one are not touched
+
+
+# ---------------------------------------------------------------------------------------------
+# peer mode: R ranks simulated in one process, each "rank's" buffer a separate tensor
+# ---------------------------------------------------------------------------------------------
+
+
+def _peers(R: int, shape: tuple, dtype: torch.dtype, device: str, fill: int = 0xA5):
+    """R buffers pre-filled with stale bytes (what a previous chunk left), as PeerBuffers."""
+    from moetool.kernels.common import PeerBuffers
+
+    views = [torch.full(shape, fill, dtype=torch.uint8, device=device).view(dtype).reshape(shape)
+             if dtype.itemsize == 1 else torch.full(shape, -5, dtype=dtype, device=device) for _ in range(R)]
+    return PeerBuffers(views, torch.device(device))
+
+
+@pytest.mark.parametrize("m,E,R,k,redundant", CASES[:5])
+def test_route_tokens_stores_counts_into_every_peer(device, m, E, R, k, redundant):
+    table = _table(E, R, redundant)
+    ref_peers, got_peers = _peers(R, (R,), torch.int64, "cpu"), _peers(R, (R,), torch.int64, device)
+    sent = torch.zeros(R, R, dtype=torch.int64)  # [source, destination]
+    for me in range(R):  # each simulated rank routes its own tokens
+        ids = torch.stack([torch.randperm(E)[:k] for _ in range(m)])
+        tok = me * m + torch.arange(m)
+        counts_ref = torch.empty(R, dtype=torch.int64)
+        order_ref = ed.route_tokens_ref(ids, tok, table.rank, table.count, counts_ref, ref_peers, me)
+        counts = torch.empty(R, dtype=torch.int64, device=device)
+        order = ed.route_tokens(ids.to(device), tok.to(device), table.rank.to(device), table.count.to(device),
+                                counts, got_peers, me)
+        assert torch.equal(order.cpu(), order_ref) and torch.equal(counts.cpu(), counts_ref)
+        sent[me] = counts_ref
+    for r in range(R):  # rank r's copy holds what every source sends it
+        assert torch.equal(ref_peers.views[r], sent[:, r]) and torch.equal(got_peers.views[r].cpu(), sent[:, r])
+
+
+@pytest.mark.parametrize("m,H,R,k,dtype,group", PACK_CASES)
+def test_pack_rows_into_peer_buffers_byte_for_byte(device, m, H, R, k, dtype, group):
+    """Each simulated rank packs into every rank's receive buffer: same bytes as the kernel's
+    local mode puts in the send buffer, in region [me] of the destination, stale rows untouched."""
+    E = max(2 * R, k + 2)
+    table = _table(E, R, {0: [R - 1]})
+    offsets, B = _offsets(H, k, dtype, group)
+    cap = m + 3
+    ref_peers, got_peers = _peers(R, (R * cap, B), torch.uint8, "cpu"), _peers(R, (R * cap, B), torch.uint8, device)
+    stale = ref_peers.views[0].clone()
+    filled = torch.zeros(R, R, dtype=torch.int64)  # [destination, source]
+    for me in range(R):
+        ids = torch.stack([torch.randperm(E)[:k] for _ in range(m)])
+        tok = me * 100 + torch.arange(m)
+        x = torch.randn(m, H) * torch.logspace(-2, 1, m)[:, None]
+        weights = torch.rand(m, k)
+        counts = torch.empty(R, dtype=torch.int64)
+        order = ed.route_tokens_ref(ids, tok, table.rank, table.count, counts)
+        pos_ref = ed.pack_rows_ref(x, ids, weights, tok, order, counts, ref_peers, dtype, offsets, group, me)
+        pos = ed.pack_rows(x.to(device), ids.to(device), weights.to(device), tok.to(device), order.to(device),
+                           counts.to(device), got_peers, dtype, offsets, group, me)
+        assert torch.equal(pos.cpu(), pos_ref)
+        local = torch.full((int(counts.sum()), B), 0xA5, dtype=torch.uint8)  # padding bytes stay stale too
+        local_pos = ed.pack_rows_ref(x, ids, weights, tok, order, counts, local, dtype, offsets, group)
+        for r in range(R):
+            n = int(counts[r])
+            rows = ref_peers.views[r][me * cap:me * cap + n]
+            assert torch.equal(rows, local[local_pos[r][order[r] >= 0]])  # the same rows, tokens ascending
+            assert torch.equal(pos_ref[r][order[r] >= 0], r * cap + torch.arange(n))
+        filled[:, me] = counts
+    for r in range(R):
+        assert torch.equal(got_peers.views[r].cpu(), ref_peers.views[r])
+        for s in range(R):  # rows past what source s sent keep their stale bytes
+            n = int(filled[r, s])
+            assert torch.equal(ref_peers.views[r][s * cap + n:(s + 1) * cap], stale[s * cap + n:(s + 1) * cap])
+
+
+def test_local_slots_skip_stale_rows_of_regions(device):
+    """Rows past each region's count hold garbage (ids far out of range): never read, ids -1."""
+    E, R, k, cap = 12, 3, 4, 9
+    table = _table(E, R, {2: [0, 1]})
+    ids = torch.randint(-10**6, 10**6, (R * cap, k), dtype=torch.int32)  # stale
+    tok = torch.randint(-10**9, 10**9, (R * cap,))
+    filled = torch.tensor([4, 0, 9])
+    for s, n in enumerate(filled.tolist()):
+        ids[s * cap:s * cap + n] = torch.stack([torch.randperm(E)[:k] for _ in range(n)]).to(torch.int32) if n else ids[:0]
+        tok[s * cap:s * cap + n] = 100 * s + torch.arange(n)
+    for rank in range(R):
+        L = len(table.rank[table.rank == rank])
+        ref_ids, ref_counts = ed.local_slots_ref(ids, tok, table.rank, table.slot, table.count, rank, L, filled)
+        got_ids, got_counts = ed.local_slots(ids.to(device), tok.to(device), table.rank.to(device),
+                                             table.slot.to(device), table.count.to(device), rank, L, filled.to(device))
+        assert torch.equal(got_ids.cpu(), ref_ids) and torch.equal(got_counts.cpu(), ref_counts)
+        valid = torch.cat([torch.arange(cap) < n for n in filled.tolist()])
+        assert (ref_ids[~valid] == -1).all()
+        want, _ = ed.local_slots_ref(ids[valid], tok[valid], table.rank, table.slot, table.count, rank, L)
+        assert torch.equal(ref_ids[valid], want)
+    with pytest.raises(MoetoolError, match="equal regions"):
+        ed.local_slots(ids.to(device), tok.to(device), table.rank.to(device), table.slot.to(device),
+                       table.count.to(device), 0, 2, torch.tensor([1, 1], device=device))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_send_rows_back_into_peer_buffers(device, dtype):
+    from moetool.kernels import ep_combine as ec
+
+    R, cap, H = 3, 5, 200
+    ref_peers, got_peers = _peers(R, (R * cap, H), dtype, "cpu"), _peers(R, (R * cap, H), dtype, device)
+    for me in range(R):
+        rows = torch.randn(R * cap, H).to(dtype)
+        filled = torch.tensor([(me + s) % (cap + 1) for s in range(R)])
+        ec.send_rows_back_ref(rows, filled, ref_peers, me)
+        ec.send_rows_back(rows.to(device), filled.to(device), got_peers, me)
+        for s, n in enumerate(filled.tolist()):
+            assert torch.equal(ref_peers.views[s][me * cap:me * cap + n], rows[s * cap:s * cap + n])
+    for r in range(R):
+        assert torch.equal(got_peers.views[r].cpu(), ref_peers.views[r])
+    with pytest.raises(MoetoolError, match="do not match rows"):
+        ec.send_rows_back(torch.zeros(R * cap, H + 1, dtype=dtype, device=device), torch.zeros(R, dtype=torch.int64,
+                          device=device), got_peers, 0)

@@ -22,7 +22,8 @@ from moetool.verify.launch import spawn_world  # noqa: E402
 from moetool.verify.reference import reference_moe_forward, shared_forward, swiglu  # noqa: E402
 from moetool.verify.router import route  # noqa: E402
 
-DISPATCHERS = ("allgather", "all2all")
+#: all2all-mapped: the all2all dispatcher storing into the other ranks' shared memory
+DISPATCHERS = ("allgather", "all2all", "all2all-mapped")
 #: float32 rounding: relative to the largest output element
 RTOL = 1e-6
 #: bf16 tokens on the wire and bf16 returned sums: a few bf16 roundings (2^-8 each)
@@ -52,6 +53,7 @@ WORLDS = {
         dict(dp=1, router="v3-grouped", dispatcher=d, group_sizes=[19], chunk_size=c, fmt="fp8-block")
         for d in DISPATCHERS for c in (4096, 6)] + [
         dict(dp=1, router="softmax", dispatcher="all2all", group_sizes=[19], swap=(1, 0, 1), fault="swap"),
+        dict(dp=1, router="softmax", dispatcher="all2all-mapped", group_sizes=[19], swap=(0, 0, 1), fault="swap"),
         dict(dp=1, router="softmax", dispatcher="allgather", group_sizes=[19], scale=(0, 1), fault="scale"),
         dict(dp=1, router="v3-grouped", dispatcher="all2all", group_sizes=[19], fmt="fp8-block", scale=(1, 2),
              fault="scale"),
@@ -159,7 +161,7 @@ def test_every_token_expert_pair_computed_exactly_once(worlds, name):
         chunks = max(-(-t // case.get("chunk_size", 4096)) for t in case["group_sizes"])
         assert all(s["chunks"] == chunks for s in stats)
         assert all(s["tokens_in"] == case["group_sizes"][r // tp] for r, s in enumerate(stats))
-        if case["dispatcher"] == "all2all":
+        if case["dispatcher"].startswith("all2all"):
             # a token row reaches a rank at most once, however many of its experts live there
             assert sum(s["tokens_received"] for s in stats) <= sum(s["pairs_computed"] for s in stats)
             # the split matrices the benchmarks replay hold the same bytes as the counters
@@ -184,7 +186,7 @@ def test_redundant_replicas_all_serve_tokens(worlds):
 def test_fp8_block_quantizes_activations_and_stays_within_format_tolerance(worlds):
     world, cases, results = worlds["ep2"]
     fp8 = [(ci, c) for ci, c in enumerate(cases) if c.get("fmt") == "fp8-block" and not c.get("fault")]
-    assert len(fp8) == 4
+    assert len(fp8) == 2 * len(DISPATCHERS)
     outs = []
     for ci, case in fp8:
         assert all(results[r][ci]["stats"]["act_quant"] for r in range(world))

@@ -156,8 +156,9 @@ def run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
         sizes = case["group_sizes"]
         x = group_tokens(make_tokens(sum(sizes), case.get("seed", 0) + 1, case.get("probe", False)),
                          sizes, topo.group_index)
-        dispatcher = get_dispatcher(case["dispatcher"], topo,
-                                    comm_dtype=getattr(torch, case.get("comm_dtype", "float32")))
+        name, _, transport = case["dispatcher"].partition("-")  # "all2all-mapped": the mapped transport
+        dispatcher = get_dispatcher(name, topo, comm_dtype=getattr(torch, case.get("comm_dtype", "float32")),
+                                    **({"transport": transport} if transport else {}))
         if case.get("probe"):
             experts = ProbeExperts()
         elif case.get("experts") == "triton":
