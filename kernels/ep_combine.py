@@ -21,15 +21,18 @@ import triton.language as tl
 
 from moetool.errors import MoetoolError
 
-from .common import PeerBuffers, check_device, round_to_bf16
+from .common import PeerBuffers, check_device, launch, round_to_bf16
 
 OUT_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @triton.jit
-def _combine_rows_kernel(rows_ptr, pos_ptr, out_ptr, H, stride_rows, stride_pos_t, stride_pos_r, stride_out,
-                         R: tl.constexpr, BLOCK_H: tl.constexpr, OUT_BF16: tl.constexpr):
-    """Program (t, h-block): out[t, cols] = sum_r rows[pos[t, r], cols] over valid r."""
+def _combine_rows_kernel(rows_ptr, pos_ptr, out_ptr, peers_ptr, H, stride_rows, stride_pos_t, stride_pos_r,
+                         stride_out, n_peers, row0,
+                         R: tl.constexpr, BLOCK_H: tl.constexpr, OUT_BF16: tl.constexpr, TO_PEERS: tl.constexpr):
+    """Program (t, h-block): out[t, cols] = sum_r rows[pos[t, r], cols] over valid r; with
+    TO_PEERS the row goes to row row0 + t of each of the n_peers buffers at peers_ptr instead
+    (out_ptr then only gives the dtype)."""
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     in_h = cols < H
@@ -39,9 +42,15 @@ def _combine_rows_kernel(rows_ptr, pos_ptr, out_ptr, H, stride_rows, stride_pos_
         row = tl.load(rows_ptr + p * stride_rows + cols, mask=in_h & (p >= 0), other=0.0)
         acc += row.to(tl.float32)
     if OUT_BF16:
-        tl.store(out_ptr + t.to(tl.int64) * stride_out + cols, round_to_bf16(acc).to(tl.bfloat16), mask=in_h)
+        v = round_to_bf16(acc).to(tl.bfloat16)
     else:
-        tl.store(out_ptr + t.to(tl.int64) * stride_out + cols, acc, mask=in_h)
+        v = acc
+    if TO_PEERS:
+        for q in range(n_peers):
+            dst = tl.load(peers_ptr + q).to(tl.pointer_type(out_ptr.dtype.element_ty))
+            tl.store(dst + (row0 + t).to(tl.int64) * H + cols, v, mask=in_h)
+    else:
+        tl.store(out_ptr + t.to(tl.int64) * stride_out + cols, v, mask=in_h)
 
 
 def _check_args(rows: torch.Tensor, pos: torch.Tensor, out: torch.Tensor | None) -> None:
@@ -57,12 +66,29 @@ def _check_args(rows: torch.Tensor, pos: torch.Tensor, out: torch.Tensor | None)
                                f"contiguous rows, got {list(out.shape)}")
 
 
-def combine_rows(rows: torch.Tensor, pos: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def _check_gather(pos: torch.Tensor, rows: torch.Tensor, out, peers: PeerBuffers, row0: int) -> None:
+    v = peers.views[0]
+    if out is not None:
+        raise MoetoolError("combine: give out or peers, not both")
+    if v.dim() != 2 or v.dtype not in OUT_DTYPES or v.shape[1] != rows.shape[1] or not 0 <= row0 <= v.shape[0] - pos.shape[0]:
+        raise MoetoolError(f"combine: peer buffers {v.dtype} {list(v.shape)} cannot take {pos.shape[0]} rows of "
+                           f"{rows.shape[1]} at row {row0}")
+
+
+def combine_rows(rows: torch.Tensor, pos: torch.Tensor, out: torch.Tensor | None = None,
+                 peers: PeerBuffers | None = None, row0: int = 0) -> torch.Tensor | None:
     """rows float [P, H] (contiguous rows), pos int [m, R] (any strides; -1 = token not sent to that rank)
     -> out [m, H]: float32 unless ``out`` (float32 or bfloat16, row stride free) is given.
-    Positions must lie in [-1, P); they are not checked on the device."""
+    Positions must lie in [-1, P); they are not checked on the device.
+
+    ``peers`` (instead of out): buffers [N, H] float32 or bfloat16 of several ranks (a tp
+    group's all-gather targets); row t goes to row row0 + t of every one of them, and nothing
+    is returned: the all-gather done by the stores themselves."""
     _check_args(rows, pos, out)
-    if out is None:
+    if peers is not None:
+        _check_gather(pos, rows, out, peers, row0)
+        out = peers.views[0]
+    elif out is None:
         out = torch.empty(pos.shape[0], rows.shape[1], dtype=torch.float32, device=rows.device)
     check_device(_combine_rows_kernel, rows, pos, out)
     m, R = pos.shape
@@ -71,16 +97,26 @@ def combine_rows(rows: torch.Tensor, pos: torch.Tensor, out: torch.Tensor | None
         if rows.stride(1) != 1:
             rows = rows.contiguous()
         block_h = min(1024, triton.next_power_of_2(H))
-        _combine_rows_kernel[(m, triton.cdiv(H, block_h))](
-            rows, pos, out, H, rows.stride(0), pos.stride(0), pos.stride(1), out.stride(0),
-            R=R, BLOCK_H=block_h, OUT_BF16=out.dtype == torch.bfloat16, num_warps=4,
+        launch(
+            _combine_rows_kernel, (m, triton.cdiv(H, block_h)),
+            rows, pos, out, out if peers is None else peers.addresses, H, rows.stride(0), pos.stride(0),
+            pos.stride(1), out.stride(0), 0 if peers is None else len(peers), row0,
+            R=R, BLOCK_H=block_h, OUT_BF16=out.dtype == torch.bfloat16, TO_PEERS=peers is not None, num_warps=4,
         )
-    return out
+    return None if peers is not None else out
 
 
-def combine_rows_ref(rows: torch.Tensor, pos: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def combine_rows_ref(rows: torch.Tensor, pos: torch.Tensor, out: torch.Tensor | None = None,
+                     peers: PeerBuffers | None = None, row0: int = 0) -> torch.Tensor | None:
     """Pure-torch reference of :func:`combine_rows` (same arguments, same summation order)."""
     _check_args(rows, pos, out)
+    if peers is not None:
+        _check_gather(pos, rows, out, peers, row0)
+        v = peers.views[0]
+        part = combine_rows_ref(rows, pos, torch.empty(pos.shape[0], rows.shape[1], dtype=v.dtype, device=v.device))
+        for view in peers.views:
+            view[row0:row0 + pos.shape[0]] = part
+        return None
     m, R = pos.shape
     acc = torch.zeros(m, rows.shape[1], dtype=torch.float32, device=rows.device)
     for r in range(R):
@@ -141,8 +177,8 @@ def send_rows_back(rows: torch.Tensor, filled: torch.Tensor, peers: PeerBuffers,
     H = rows.shape[1]
     if rows.shape[0] and H:
         block_h = min(1024, triton.next_power_of_2(H))
-        _send_rows_back_kernel[(rows.shape[0], triton.cdiv(H, block_h))](
-            rows, filled, peers.addresses, H, cap, me, rows.stride(0), BLOCK_H=block_h, num_warps=4)
+        launch(_send_rows_back_kernel, (rows.shape[0], triton.cdiv(H, block_h)),
+               rows, filled, peers.addresses, H, cap, me, rows.stride(0), BLOCK_H=block_h, num_warps=4)
 
 
 def send_rows_back_ref(rows: torch.Tensor, filled: torch.Tensor, peers: PeerBuffers, me: int) -> None:

@@ -271,9 +271,11 @@ def _kernel_or_ref(module: str, name: str, like: torch.Tensor):
     return getattr(mod, f"{name}_ref")
 
 
-def _combine(rows: torch.Tensor, pos: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """rows [P, H], pos [m, R] -> sum of each token's rows in rank order (moetool.kernels.ep_combine)."""
-    return _kernel_or_ref("ep_combine", "combine_rows", rows)(rows, pos, out)
+def _combine(rows: torch.Tensor, pos: torch.Tensor, out: torch.Tensor | None = None,
+             peers: PeerBuffers | None = None, row0: int = 0) -> torch.Tensor | None:
+    """rows [P, H], pos [m, R] -> sum of each token's rows in rank order (moetool.kernels.ep_combine);
+    with ``peers``, stored at row row0 of each of those buffers instead."""
+    return _kernel_or_ref("ep_combine", "combine_rows", rows)(rows, pos, out, peers, row0)
 
 
 def _row_split(t: int, parts: int) -> list[int]:
@@ -358,30 +360,33 @@ class PeerMemory:
 
 @dataclass
 class MappedBuffers:
-    """The mapped all2all transport's three buffers for chunks of up to ``cap`` rows per rank:
+    """The mapped all2all transport's buffers for chunks of up to ``cap`` rows per rank:
     rows [R * cap, B] uint8 (region s: the rows rank s sent), counts int64 [R] (rows rank s
-    sent), results [R * cap, H] wire dtype (region r: results of the rows sent to rank r)."""
+    sent), results [R * cap, H] wire dtype (region r: results of the rows sent to rank r),
+    gathered [tp * cap, H] wire dtype (the tp group's combined rows, part i at row i * width)."""
 
     key: tuple  # (cap, B, H, wire dtype)
     memory: PeerMemory
     rows: PeerBuffers
     counts: PeerBuffers
     results: PeerBuffers
+    gathered: PeerBuffers  # only this rank's tp group
 
     @classmethod
-    def create(cls, R: int, cap: int, B: int, H: int, wire: torch.dtype, device: torch.device,
+    def create(cls, topo: Topology, cap: int, B: int, H: int, wire: torch.dtype,
                memory: PeerMemory | None = None) -> "MappedBuffers":
         """Collective when it allocates (every rank, same arguments); reuses ``memory`` when it is large enough."""
-        a = PeerMemory.ALIGN
-        sizes = [R * cap * B, R * 8, R * cap * H * wire.itemsize]
+        R, a = topo.world_size, PeerMemory.ALIGN
+        sizes = [R * cap * B, R * 8, R * cap * H * wire.itemsize, topo.tp * cap * H * wire.itemsize]
         offsets = [0]
         for n in sizes:
             offsets.append(offsets[-1] + -(-n // a) * a)
         if memory is None or memory.nbytes < offsets[-1]:
-            memory = PeerMemory(offsets[-1], device)
+            memory = PeerMemory(offsets[-1], topo.device)
+        gathered = [memory.view(r, offsets[3], (topo.tp * cap, H), wire) for r in topo.tp_ranks]
         return cls((cap, B, H, wire), memory, memory.peers(offsets[0], (R * cap, B), torch.uint8),
                    memory.peers(offsets[1], (R,), torch.int64),
-                   memory.peers(offsets[2], (R * cap, H), wire))
+                   memory.peers(offsets[2], (R * cap, H), wire), PeerBuffers(gathered, topo.device))
 
 
 # --------------------------------------------------------------------------- dispatchers
@@ -584,7 +589,7 @@ class All2AllDispatcher(Dispatcher):
                                                 for name in ("route_tokens", "pack_rows", "local_slots"))
         layout = self._row_layout(H, k, act_quant)
         cap = max(max(_row_split(n, topo.tp)) for n in chunk.sizes)
-        bufs = self._mapped_buffers(max(cap, 1), layout.row_bytes, H, x.device)
+        bufs = self._mapped_buffers(max(cap, 1), layout.row_bytes, H)
         cap = bufs.key[0]
         send_counts = torch.empty(R, dtype=torch.int64, device=x.device)
         order = route_tokens(topk_ids, token_index, table.rank, table.count, send_counts, bufs.counts, me)  # [R, m]
@@ -609,15 +614,14 @@ class All2AllDispatcher(Dispatcher):
                          "filled": recv_counts, "t": chunk.sizes[topo.group_index]},
                         out_dtype=self._wire)
 
-    def _mapped_buffers(self, cap: int, B: int, H: int, device: torch.device) -> MappedBuffers:
+    def _mapped_buffers(self, cap: int, B: int, H: int) -> MappedBuffers:
         """The buffers for this chunk's sizes; collective when they have to grow (every rank
         derives the same sizes from the chunk)."""
         cur = self._mapped
         if cur is not None and cur.key[0] >= cap and cur.key[1:] == (B, H, self._wire):
             return cur
         cap = max(cap, cur.key[0] if cur is not None else 0)
-        self._mapped = MappedBuffers.create(self.topo.world_size, cap, B, H, self._wire, device,
-                                            None if cur is None else cur.memory)
+        self._mapped = MappedBuffers.create(self.topo, cap, B, H, self._wire, None if cur is None else cur.memory)
         return self._mapped
 
     def _counts_stream(self, device: torch.device):
@@ -671,12 +675,19 @@ class All2AllDispatcher(Dispatcher):
             return _combine(back, pos)  # [m, H] fp32, summed over destinations in rank order
         split = _row_split(st["t"], topo.tp)
         width = max(split)
-        part = back.new_empty(width, H)  # the tp all-gather's input, written in place
-        _combine(back, pos, out=part[:pos.shape[0]])
-        if pos.shape[0] < width:
-            part[pos.shape[0]:].zero_()
-        full = part.new_empty(topo.tp * width, H)
-        all_gather_tensor(full, part, group=topo.tp_group)
+        if self.transport == "mapped":
+            # the combined rows go straight into every tp rank's gather buffer; the result
+            # aliases that buffer until the next prepare (run_moe_layer copies it out at once)
+            _combine(back, pos, peers=self._mapped.gathered, row0=topo.tp_index * width)
+            self._mapped.memory.barrier(2)
+            full = self._mapped.gathered.views[topo.tp_index][:topo.tp * width]
+        else:
+            part = back.new_empty(width, H)  # the tp all-gather's input, written in place
+            _combine(back, pos, out=part[:pos.shape[0]])
+            if pos.shape[0] < width:
+                part[pos.shape[0]:].zero_()
+            full = part.new_empty(topo.tp * width, H)
+            all_gather_tensor(full, part, group=topo.tp_group)
         stats.combine_bytes_sent += (topo.tp - 1) * width * H * nb
         stats.add_split("combine_split_bytes", [b + (width * H * nb if r in topo.tp_ranks and r != me else 0)
                                                 for r, b in enumerate(back_split)])

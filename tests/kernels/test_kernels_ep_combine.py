@@ -63,3 +63,46 @@ def test_combine_rows_rejects_bad_arguments(device):
                         out=torch.empty(2, 8, dtype=torch.float16, device=device))
     with pytest.raises(MoetoolError, match=r"out must be \[m, H\]"):
         ec.combine_rows(rows, torch.zeros(2, 2, dtype=torch.int64, device=device), out=torch.empty(3, 8, device=device))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the direct launch path runs on CUDA only")
+def test_direct_launch_keeps_each_specialization_apart():
+    """common.launch calls the compiled kernel directly from the second launch on: a misaligned
+    view or another R must get its own compiled kernel, each result still the reference's."""
+    from moetool.kernels import common
+
+    torch.manual_seed(1)
+    wide = torch.randn(41, 129, device="cuda")
+    for it in range(3):
+        for rows in (wide[:, :128], wide[:, 1:]):  # 16-byte aligned, then 4 bytes off
+            for R in (2, 3):
+                pos = torch.randint(-1, rows.shape[0], (7, R), device="cuda")
+                got = ec.combine_rows(rows, pos)
+                assert torch.equal(got, ec.combine_rows_ref(rows, pos)), (it, rows.data_ptr() % 16, R)
+    keys = [k for k in common._COMPILED if k[0] is ec._combine_rows_kernel]
+    assert len(keys) >= 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_combine_rows_into_peer_buffers_is_an_all_gather(device, dtype):
+    """Each simulated tp rank stores its combined part at row i * width of every rank's buffer."""
+    from moetool.kernels.common import PeerBuffers
+
+    tp, width, H, P = 3, 4, 72, 20
+    views_ref = [torch.full((tp * width + 2, H), 7.0, dtype=dtype) for _ in range(tp)]
+    views = [v.clone().to(device) for v in views_ref]
+    ref_peers, peers = PeerBuffers(views_ref, torch.device("cpu")), PeerBuffers(views, torch.device(device))
+    parts = []
+    for i in range(tp):
+        rows = torch.randn(P, H)
+        m = width - (i == tp - 1)  # the last part is shorter: its padding row keeps its old bytes
+        pos = torch.randint(-1, P, (m, 2))
+        ec.combine_rows_ref(rows, pos, peers=ref_peers, row0=i * width)
+        assert ec.combine_rows(rows.to(device), pos.to(device), peers=peers, row0=i * width) is None
+        parts.append(ec.combine_rows_ref(rows, pos, torch.empty(m, H, dtype=dtype)))
+    want = torch.cat([torch.cat([p, torch.full((width - p.shape[0], H), 7.0, dtype=dtype)]) for p in parts])
+    for v_ref, v in zip(views_ref, views):
+        assert torch.equal(v_ref[:tp * width], want) and torch.equal(v.cpu(), v_ref)
+    with pytest.raises(MoetoolError, match="cannot take"):
+        ec.combine_rows(torch.randn(P, H, device=device), torch.zeros(3, 2, dtype=torch.int64, device=device),
+                        peers=peers, row0=tp * width)
