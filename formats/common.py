@@ -71,47 +71,49 @@ def e4m3_table(device: torch.device) -> torch.Tensor:
     return table
 
 
-def e4m3_dequantize_band(q: torch.Tensor, scale: torch.Tensor, signs: torch.Tensor, codes: torch.Tensor,
-                         bits: torch.Tensor) -> torch.Tensor:
-    """``q.float() * scale`` into ``signs``, exactly, for a band of e4m3 codes (CPU).
+def e4m3_dequantize_band(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """``q.float() * scale`` into ``out``, exactly, for a band of e4m3 codes (CPU).
 
-    ``q`` float8_e4m3fn, any shape; ``scale`` float32, broadcastable to it; ``signs`` float32,
-    q's shape, holding values with q's signs (what q was rounded from) and overwritten with
-    the result; ``codes`` uint8 and ``bits`` int32 buffers of q's size. A code's 7 magnitude
-    bits shifted to bit 20 are a float32 (normal or subnormal) of exactly 2**-120 times its
-    value, so |q| * s = that float * (2**120 * s), one rounding as q.float() * s (two
-    multiplies where 2**120 * s would overflow); the sign bit comes from ``signs`` (a zero's
-    sign may differ, which no later difference or square sees). NaN codes are not handled
-    (the caller rejects non-finite weights). Six cheap passes, half the time of a table lookup."""
-    torch.bitwise_and(q.view(torch.uint8), 0x7F, out=codes.view(q.shape))
-    bits.copy_(codes)
-    magnitude = bits.bitwise_left_shift_(20).view(torch.float32).view(q.shape)
-    wide = scale * 2.0**120
-    if bool(torch.isinf(wide).any()):
-        magnitude.mul_(2.0**120).mul_(scale)
-    else:
-        magnitude.mul_(wide)
-    sign_bits = signs.view(torch.int32).bitwise_and_(-(1 << 31))
-    sign_bits.bitwise_or_(magnitude.view(torch.int32))
-    return signs
+    ``q`` float8_e4m3fn, any shape; ``scale`` float32, broadcastable to it, finite and below
+    2**120 (the fp8 quantizers' scales are amax / 448, at most float32 max / 448 < 2**119.2);
+    ``out`` float32 of q's shape (overwritten); ``bits`` an int32 buffer of q's size, used as
+    two int16 buffers.
+
+    A code shifted left by 7 holds its magnitude in bits 7..13 of a float16 and its sign in
+    bit 14; adding bit 14 to itself carries the sign into bit 15. That float16 is exactly
+    q * 2**-8 (normals and subnormals alike: the exponent biases of e4m3 and float16 differ
+    by 8), its conversion to float32 is exact, and so is 256 * s: q * s is that float times
+    (256 * s), rounded once as q.float() * s, signed zeros included. NaN codes are not
+    handled (the caller rejects non-finite weights). Four int16 passes, a conversion and a
+    multiply: 0.3 ms less per 3584x1024 linear than assembling the float32 bits (and 3x less
+    than a 256-entry table lookup)."""
+    n = q.numel()
+    halves = bits.view(torch.int16)
+    h, carry = halves[:n].view(q.shape), halves[n : 2 * n].view(q.shape)
+    h.copy_(q.view(torch.uint8))  # the code, 0..255
+    h.bitwise_left_shift_(7)
+    torch.bitwise_and(h, 1 << 14, out=carry)
+    h.add_(carry)  # sign bit 14 -> 15 (bit 14 of a magnitude is 0: exponents stay below 16)
+    out.copy_(h.view(torch.float16))  # q * 2**-8
+    return out.mul_(scale * 256.0)
 
 
-def fp8_band_buffers(elements: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def fp8_band_buffers(elements: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This thread's reused buffers of the fp8 band quantizers, ``elements`` each:
-    (ref float32, work float32, bits int32, codes uint8)."""
+    (ref float32, work float32, bits int32)."""
     from moetool.memory import scratch
 
     return (scratch("ref", elements, torch.float32), scratch("work", elements, torch.float32),
-            scratch("index", elements, torch.int32), scratch("codes", elements, torch.uint8))
+            scratch("index", elements, torch.int32))
 
 
 def fp8_band_error(ref: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, work: torch.Tensor,
-                   codes: torch.Tensor, bits: torch.Tensor) -> tuple[float, float]:
+                   bits: torch.Tensor) -> tuple[float, float]:
     """(sum ref^2, sum (q * scale - ref)^2) of one band, in float32 per element. ``ref`` float32
-    flat; ``q``, ``scale``, ``work`` as :func:`e4m3_dequantize_band` (``work`` holds the values q
-    was rounded from and is overwritten); ``codes``, ``bits`` flat buffers of the band's size."""
+    flat; ``q``, ``scale``, ``work`` as :func:`e4m3_dequantize_band` (``work`` is overwritten);
+    ``bits`` a flat int32 buffer of the band's size."""
     sig = float(torch.dot(ref, ref))
-    e4m3_dequantize_band(q, scale, work, codes, bits)  # q.float() * scale
+    e4m3_dequantize_band(q, scale, work, bits)  # q.float() * scale
     diff = work.view(-1).sub_(ref)
     return sig, float(torch.dot(diff, diff))
 

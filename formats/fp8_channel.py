@@ -58,11 +58,11 @@ def fp8_channel_quant_measured(
     rows = band_rows(n, k)
     q = torch.empty((n, k), dtype=torch.float8_e4m3fn)
     scale = torch.empty((n, 1), dtype=orig_dtype)
-    ref_buf, work_buf, index_buf, codes_buf = fp8_band_buffers(rows * k)
+    ref_buf, work_buf, bits_buf = fp8_band_buffers(rows * k)
     sig = noise = 0.0
     for r0 in range(0, n, rows):
         m = min(rows, n - r0)
-        ref, work, index, codes = (b[: m * k] for b in (ref_buf, work_buf, index_buf, codes_buf))
+        ref, work, bits = (b[: m * k] for b in (ref_buf, work_buf, bits_buf))
         ref2 = ref.view(m, k)
         ref2.copy_(w[r0 : r0 + m])
         s = scale_in_dtype(abs_max(ref2, 1)[:, None].clamp_(min=AMAX_FLOOR).div_(FP8_E4M3_MAX), orig_dtype)
@@ -70,7 +70,7 @@ def fp8_channel_quant_measured(
         qb = q[r0 : r0 + m]
         qb.copy_(work.view(m, k))
         scale[r0 : r0 + m] = s
-        band_sig, band_noise = fp8_band_error(ref, qb, s, work.view(m, k), codes, index)
+        band_sig, band_noise = fp8_band_error(ref, qb, s, work.view(m, k), bits)
         sig, noise = sig + band_sig, noise + band_noise
     return q, scale, sig, noise
 
