@@ -591,7 +591,8 @@ class All2AllDispatcher(Dispatcher):
         cap = max(max(_row_split(n, topo.tp)) for n in chunk.sizes)
         bufs = self._mapped_buffers(max(cap, 1), layout.row_bytes, H)
         cap = bufs.key[0]
-        send_counts = torch.empty(R, dtype=torch.int64, device=x.device)
+        counts = torch.empty(2, R, dtype=torch.int64, device=x.device)  # [sent to, received from] per rank
+        send_counts = counts[0]
         order = route_tokens(topk_ids, token_index, table.rank, table.count, send_counts, bufs.counts, me)  # [R, m]
         hidden_dtype = torch.float8_e4m3fn if act_quant else self.comm_dtype
         offsets = ([layout.offsets[1]] if act_quant else [None]) + layout.offsets[-4:-1]
@@ -602,16 +603,10 @@ class All2AllDispatcher(Dispatcher):
         hidden, *rest = layout.unpack(bufs.rows.views[me])  # [R * cap, ...] views
         local_ids, expert_counts = local_slots(rest[-3], rest[-1][:, 0], table.rank, table.slot, table.count,
                                                me, num_slots, recv_counts)
-        # the counts for the statistics reach the host while the experts run; read in finalize
-        host = torch.empty(2, R, dtype=torch.int64, pin_memory=x.is_cuda)
-        host[0].copy_(send_counts, non_blocking=True)
-        host[1].copy_(recv_counts, non_blocking=True)
-        copied = torch.cuda.Event() if x.is_cuda else None
-        if copied is not None:
-            copied.record()
+        counts[1].copy_(recv_counts)  # kept for the statistics: the next chunk's counts overwrite the buffer
         return Prepared(hidden, rest[0] if act_quant else None, local_ids, rest[-2].contiguous(), expert_counts,
-                        {"pos": pos, "host_counts": host, "copied": copied, "cap": cap,
-                         "filled": recv_counts, "t": chunk.sizes[topo.group_index]},
+                        {"pos": pos, "counts": counts, "cap": cap, "filled": recv_counts,
+                         "t": chunk.sizes[topo.group_index]},
                         out_dtype=self._wire)
 
     def _mapped_buffers(self, cap: int, B: int, H: int) -> MappedBuffers:
@@ -623,6 +618,22 @@ class All2AllDispatcher(Dispatcher):
         cap = max(cap, cur.key[0] if cur is not None else 0)
         self._mapped = MappedBuffers.create(self.topo, cap, B, H, self._wire, None if cur is None else cur.memory)
         return self._mapped
+
+    def _combine_stats(self, stats: CommStats, st: dict, send_l, recv_l, row_bytes: int, gather_bytes: int) -> None:
+        """Byte counters of one chunk; the mapped transport's row counts are read back here,
+        after every launch of the chunk (the one host synchronisation it has)."""
+        topo, me = self.topo, self.topo.rank
+        if send_l is None:
+            send_l, recv_l = st["counts"].tolist()
+            B = self._mapped.rows.views[0].shape[1]
+            stats.dispatch_bytes_sent += (sum(send_l) - send_l[me]) * B + 8 * (topo.world_size - 1)
+            stats.add_split("dispatch_split_bytes", [n * B for n in send_l])
+            stats.dispatch_bytes_recv += (sum(recv_l) - recv_l[me]) * B + 8 * (topo.world_size - 1)
+            stats.tokens_received += sum(recv_l)
+        stats.combine_bytes_sent += (sum(recv_l) - recv_l[me]) * row_bytes + (topo.tp - 1) * gather_bytes
+        stats.combine_bytes_recv += (sum(send_l) - send_l[me]) * row_bytes + (topo.tp - 1) * gather_bytes
+        stats.add_split("combine_split_bytes", [n * row_bytes + (gather_bytes if r in topo.tp_ranks and r != me else 0)
+                                                for r, n in enumerate(recv_l)])
 
     def _counts_stream(self, device: torch.device):
         """Context for reading the counts back: a side stream of this dispatcher on CUDA."""
@@ -653,26 +664,16 @@ class All2AllDispatcher(Dispatcher):
             send_back(out, st["filled"], bufs.results, me)  # each result into its sender's buffer
             bufs.memory.barrier(1)
             back = bufs.results.views[me]  # [R * cap, H]: region r = results from rank r
-            if st["copied"] is not None:
-                st["copied"].synchronize()  # recorded before the experts ran: long done
-            send_l, recv_l = st["host_counts"].tolist()
-            P = sum(send_l)
-            layout_b = bufs.rows.views[0].shape[1]
-            stats.dispatch_bytes_sent += (P - send_l[me]) * layout_b + 8 * (topo.world_size - 1)
-            stats.add_split("dispatch_split_bytes", [n * layout_b for n in send_l])
-            stats.dispatch_bytes_recv += (sum(recv_l) - recv_l[me]) * layout_b + 8 * (topo.world_size - 1)
-            stats.tokens_received += sum(recv_l)
+            send_l = recv_l = None  # read back after the last launch (the statistics only)
         else:
             back = out.new_empty(sum(st["send"]), H)  # [P, H]
             dist.all_to_all_single(back, out, output_split_sizes=st["send"], input_split_sizes=st["recv"])
             send_l, recv_l = st["send"], st["recv"]
-        stats.combine_bytes_sent += (sum(recv_l) - recv_l[me]) * H * nb
-        stats.combine_bytes_recv += (sum(send_l) - send_l[me]) * H * nb
-        back_split = [n * H * nb for n in recv_l]
         pos = st["pos"].t()  # [m, R]
         if topo.tp == 1:
-            stats.add_split("combine_split_bytes", back_split)
-            return _combine(back, pos)  # [m, H] fp32, summed over destinations in rank order
+            y = _combine(back, pos)  # [m, H] fp32, summed over destinations in rank order
+            self._combine_stats(stats, st, send_l, recv_l, H * nb, 0)
+            return y
         split = _row_split(st["t"], topo.tp)
         width = max(split)
         if self.transport == "mapped":
@@ -688,10 +689,7 @@ class All2AllDispatcher(Dispatcher):
                 part[pos.shape[0]:].zero_()
             full = part.new_empty(topo.tp * width, H)
             all_gather_tensor(full, part, group=topo.tp_group)
-        stats.combine_bytes_sent += (topo.tp - 1) * width * H * nb
-        stats.add_split("combine_split_bytes", [b + (width * H * nb if r in topo.tp_ranks and r != me else 0)
-                                                for r, b in enumerate(back_split)])
-        stats.combine_bytes_recv += (topo.tp - 1) * width * H * nb
+        self._combine_stats(stats, st, send_l, recv_l, H * nb, width * H * nb)
         if width * topo.tp == st["t"]:
             return full  # [t, H]
         return torch.cat([full[i * width:i * width + split[i]] for i in range(topo.tp)])  # [t, H]
