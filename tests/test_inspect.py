@@ -140,8 +140,9 @@ def test_inspect_ep_rank_folder(tiny, cli, tmp_path):
 
 
 def test_entry_point_output_and_exit_status(tiny, tmp_path):
-    """Through ``python -m moetool`` (the entry point, with its gc settings): stdout arrives
-    whole, a written output is complete, and the status is the command's."""
+    """Through ``python -m moetool`` (the entry point, with its gc settings and its exit without
+    interpreter shutdown): stdout arrives whole, a written output is complete (every file
+    matches its manifest), and the status is the command's."""
     import subprocess
     import sys
 
@@ -155,6 +156,12 @@ def test_entry_point_output_and_exit_status(tiny, tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert (out / "manifest.json").exists() and not list(out.rglob("*.incomplete"))
+    from moetool.writer import verify_manifest
+
+    verify_manifest(out)
+    assert "int4-group error over" in subprocess.run(
+        [sys.executable, "-m", "moetool", "quantize", str(src), str(out), "--int4", "--force"],
+        capture_output=True, text=True, timeout=120).stdout
     p = subprocess.run([sys.executable, "-m", "moetool", "quantize", str(src), str(tmp_path / "x")],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "--fp8-block" in p.stderr
