@@ -21,7 +21,7 @@ import triton.language as tl
 
 from moetool.errors import MoetoolError
 
-from .common import PeerBuffers, check_device, launch, round_to_bf16
+from .common import PeerBuffers, check_device, round_to_bf16
 
 OUT_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -97,8 +97,7 @@ def combine_rows(rows: torch.Tensor, pos: torch.Tensor, out: torch.Tensor | None
         if rows.stride(1) != 1:
             rows = rows.contiguous()
         block_h = min(1024, triton.next_power_of_2(H))
-        launch(
-            _combine_rows_kernel, (m, triton.cdiv(H, block_h)),
+        _combine_rows_kernel[(m, triton.cdiv(H, block_h))](
             rows, pos, out, out if peers is None else peers.addresses, H, rows.stride(0), pos.stride(0),
             pos.stride(1), out.stride(0), 0 if peers is None else len(peers), row0,
             R=R, BLOCK_H=block_h, OUT_BF16=out.dtype == torch.bfloat16, TO_PEERS=peers is not None, num_warps=4,
@@ -177,8 +176,8 @@ def send_rows_back(rows: torch.Tensor, filled: torch.Tensor, peers: PeerBuffers,
     H = rows.shape[1]
     if rows.shape[0] and H:
         block_h = min(1024, triton.next_power_of_2(H))
-        launch(_send_rows_back_kernel, (rows.shape[0], triton.cdiv(H, block_h)),
-               rows, filled, peers.addresses, H, cap, me, rows.stride(0), BLOCK_H=block_h, num_warps=4)
+        _send_rows_back_kernel[(rows.shape[0], triton.cdiv(H, block_h))](
+            rows, filled, peers.addresses, H, cap, me, rows.stride(0), BLOCK_H=block_h, num_warps=4)
 
 
 def send_rows_back_ref(rows: torch.Tensor, filled: torch.Tensor, peers: PeerBuffers, me: int) -> None:

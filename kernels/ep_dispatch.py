@@ -30,7 +30,7 @@ import triton.language as tl
 
 from moetool.errors import MoetoolError
 
-from .common import PeerBuffers, check_device, e4m3_rne, is_interpreted, launch, round_to_bf16
+from .common import PeerBuffers, check_device, e4m3_rne, is_interpreted, round_to_bf16
 
 _INTS = (torch.int32, torch.int64)
 #: elements of the [tokens, k, ranks or slots] one-hot block a program holds at once
@@ -125,10 +125,11 @@ def route_tokens(topk_ids: torch.Tensor, token_index: torch.Tensor, rank_tab: to
         # the whole chunk in one block where it fits: the running count is a chain of
         # dependent loads per block, and this kernel sits right before the count exchange
         bt = min(triton.next_power_of_2(max(m, 16)), max(16, _ROUTE_BUDGET // k_p2))
-        launch(_route_tokens_kernel, (R,), topk_ids, token_index, rank_tab, count_tab, order, counts,
-               counts if peer_counts is None else peer_counts.addresses, m, k, rank_tab.shape[1], me,
-               topk_ids.stride(0), token_index.stride(0), BLOCK_T=bt, K_P2=k_p2, TO_PEERS=peer_counts is not None,
-               num_warps=max(4, min(16, bt * k_p2 // 1024)))
+        _route_tokens_kernel[(R,)](
+            topk_ids, token_index, rank_tab, count_tab, order, counts,
+            counts if peer_counts is None else peer_counts.addresses, m, k, rank_tab.shape[1], me,
+            topk_ids.stride(0), token_index.stride(0), BLOCK_T=bt, K_P2=k_p2, TO_PEERS=peer_counts is not None,
+            num_warps=max(4, min(16, bt * k_p2 // 1024)))
     return order
 
 
@@ -321,8 +322,7 @@ def pack_rows(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     else:
         kind = {torch.bfloat16: 2, torch.float16: 3, torch.float32: 4}[hidden_dtype]
     ng = max(1, min(8, triton.next_power_of_2(-(-H // group))))
-    launch(
-        _pack_rows_kernel, (m, triton.cdiv(H, group * ng)),
+    _pack_rows_kernel[(m, triton.cdiv(H, group * ng))](
         x, topk_ids, topk_weights, token_index, order, counts, pos, out, H, k, R, m, me, cap,
         x.stride(0), topk_ids.stride(0), topk_weights.stride(0), token_index.stride(0),
         B=B, SCALE_OFF=offsets.scale or 0, IDS_OFF=offsets.ids, W_OFF=offsets.weights,
@@ -419,8 +419,7 @@ def local_slots(ids: torch.Tensor, token_index: torch.Tensor, rank_tab: torch.Te
         k_p2, l_p2 = triton.next_power_of_2(k), triton.next_power_of_2(max(num_slots, 1))
         bt = _block_tokens(k_p2, l_p2)
         regions = region_rows is not None
-        launch(
-            _local_slots_kernel, (triton.cdiv(M, bt),),
+        _local_slots_kernel[(triton.cdiv(M, bt),)](
             ids, token_index, rank_tab, slot_tab, count_tab, out, counts, region_rows if regions else counts,
             M, k, num_slots, rank_tab.shape[1], rank, M // region_rows.shape[0] if regions else M,
             ids.stride(0), token_index.stride(0), BLOCK_T=bt, K_P2=k_p2, L_P2=l_p2, REGIONS=regions)

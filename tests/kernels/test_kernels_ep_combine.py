@@ -65,24 +65,6 @@ def test_combine_rows_rejects_bad_arguments(device):
         ec.combine_rows(rows, torch.zeros(2, 2, dtype=torch.int64, device=device), out=torch.empty(3, 8, device=device))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the direct launch path runs on CUDA only")
-def test_direct_launch_keeps_each_specialization_apart():
-    """common.launch calls the compiled kernel directly from the second launch on: a misaligned
-    view or another R must get its own compiled kernel, each result still the reference's."""
-    from moetool.kernels import common
-
-    torch.manual_seed(1)
-    wide = torch.randn(41, 129, device="cuda")
-    for it in range(3):
-        for rows in (wide[:, :128], wide[:, 1:]):  # 16-byte aligned, then 4 bytes off
-            for R in (2, 3):
-                pos = torch.randint(-1, rows.shape[0], (7, R), device="cuda")
-                got = ec.combine_rows(rows, pos)
-                assert torch.equal(got, ec.combine_rows_ref(rows, pos)), (it, rows.data_ptr() % 16, R)
-    keys = [k for k in common._COMPILED if k[0] is ec._combine_rows_kernel]
-    assert len(keys) >= 4
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_combine_rows_into_peer_buffers_is_an_all_gather(device, dtype):
     """Each simulated tp rank stores its combined part at row i * width of every rank's buffer."""
