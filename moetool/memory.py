@@ -13,7 +13,6 @@ more than half the conversion speed.)
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import threading
 from typing import TYPE_CHECKING
@@ -29,7 +28,9 @@ M_TRIM_THRESHOLD = -1
 MMAP_THRESHOLD = 256 << 20
 
 try:
-    _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    # the running process's symbols, libc's among them (ctypes.util.find_library("c") runs
+    # `ldconfig -p` in a subprocess: ~5 ms of every start-up)
+    _libc = ctypes.CDLL(None)
     _mallopt, _malloc_trim = _libc.mallopt, _libc.malloc_trim
 except (OSError, AttributeError):  # not glibc
     _mallopt = _malloc_trim = None

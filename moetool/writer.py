@@ -9,7 +9,6 @@ visibly unfinished. The input folder is never written.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import hashlib
 import json
 import os
@@ -109,7 +108,7 @@ def _fsync_dir(path: Path) -> None:
 WRITEBACK_STEP = 16 << 20
 _SYNC_FILE_RANGE_WRITE = 2  # start writeback of dirty pages in the range; do not wait
 try:
-    _sync_file_range = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").sync_file_range
+    _sync_file_range = ctypes.CDLL(None).sync_file_range  # libc's, as moetool.memory finds it
     _sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
 except (OSError, AttributeError):  # not Linux / glibc: the fsync at the end does it all
     _sync_file_range = None
