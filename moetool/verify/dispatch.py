@@ -389,6 +389,85 @@ class MappedBuffers:
                    memory.peers(offsets[2], (R * cap, H), wire), PeerBuffers(gathered, topo.device))
 
 
+class GraphCache:
+    """CUDA graphs of a function with no host synchronisation, one per set of argument
+    addresses and shapes. Arguments listed in ``staged`` are copied into buffers of the graph
+    before each replay (small per-call tensors whose addresses change); the others are read
+    where they lie, so their addresses are part of the key. The first call of a new key runs
+    eagerly (which also compiles the Triton kernels) and captures; later calls replay.
+    Replays overwrite the outputs of the previous one, so a caller must be done with them
+    first (the dispatcher is: the chunk before has been combined). If keys keep changing (more
+    captures than ``max_graphs`` and fewer replays than half of them), or a capture fails,
+    it stops and the caller runs eagerly."""
+
+    def __init__(self, staged: tuple[int, ...] = (), max_graphs: int = 8):
+        self.enabled = True
+        self.staged = staged
+        self.max_graphs = max_graphs
+        self.captures = 0
+        self.replays = 0
+        self._graphs: dict = {}  # insertion order = age
+
+    def _key(self, args) -> tuple:
+        def one(a, staged=False):
+            if isinstance(a, torch.Tensor):
+                return (None if staged else a.data_ptr(), tuple(a.shape), a.stride(), a.dtype)
+            if isinstance(a, RouteTable):
+                return tuple(one(v) for v in (a.rank, a.slot, a.count))
+            if isinstance(a, MappedBuffers):  # kept by the dispatcher, which clears the cache when it grows
+                return id(a)
+            return a  # ints, bools, RowLayout (frozen, compared by value)
+        return tuple(one(a, i in self.staged) for i, a in enumerate(args))
+
+    def run(self, fn, args):
+        """fn(*args)'s outputs from a replay, or None when the caller should run fn itself
+        (a new key: this call captures for the next one)."""
+        key = self._key(args)
+        hit = self._graphs.get(key)
+        if hit is not None:
+            graph, buffers, out = hit
+            for i, buf in zip(self.staged, buffers):
+                buf.copy_(args[i])
+            graph.replay()
+            self.replays += 1
+            return out
+        if self.captures >= self.max_graphs and self.captures > 2 * self.replays:
+            self.enabled = False  # keys change nearly every call: capturing would only cost
+            self._graphs.clear()
+            return None
+        if len(self._graphs) >= self.max_graphs:
+            del self._graphs[next(iter(self._graphs))]
+        out = fn(*args)  # eager: compiles what needs compiling, and is this call's result
+        buffers = [args[i].clone() for i in self.staged]
+        graph_args = list(args)
+        for i, buf in zip(self.staged, buffers):
+            graph_args[i] = buf
+        # capture on a side stream, without torch.cuda.graph's empty_cache (which would hand the
+        # next call's tensors new addresses, and so a new key, every time)
+        side = self._stream = getattr(self, "_stream", None) or torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(side):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    captured = fn(*graph_args)
+                finally:
+                    graph.capture_end()
+            torch.cuda.current_stream().wait_stream(side)
+        except Exception as e:  # noqa: BLE001 - any capture problem: run eagerly from now on
+            warnings.warn(f"CUDA graph capture of the dispatch failed, running it eagerly: {e}")
+            self.enabled = False
+            return out
+        self.captures += 1
+        self._graphs[key] = (graph, buffers, captured)
+        return out
+
+    def clear(self) -> None:
+        """Forget every graph (their buffers are being replaced)."""
+        self._graphs.clear()
+
+
 # --------------------------------------------------------------------------- dispatchers
 
 
@@ -406,6 +485,15 @@ class Dispatcher:
         self.topo = topo
         self.quantize_activations = quantize_activations
         self.comm_dtype = comm_dtype
+        self._tables: dict[int, tuple[ExpertPlacement, RouteTable]] = {}
+
+    def route_table(self, placement: ExpertPlacement) -> RouteTable:
+        """The placement's RouteTable on this rank's device, built once per placement object
+        (the same tensors at every call, so captured graphs can read them in place)."""
+        cached = self._tables.get(id(placement))
+        if cached is None or cached[0] is not placement:
+            cached = self._tables[id(placement)] = (placement, RouteTable.build(placement, self.topo.device))
+        return cached[1]
 
     def act_quant_for(self, fmt_name: str) -> bool:
         if self.quantize_activations is False:
@@ -524,6 +612,8 @@ class All2AllDispatcher(Dispatcher):
             raise MoetoolError(f"unknown all2all transport {transport!r} (known: {', '.join(self.TRANSPORTS)})")
         self.transport = transport
         self._mapped: MappedBuffers | None = None
+        # prepare's topk ids, weights and token positions are new tensors every call: staged
+        self._graphs, self._combine_graphs = GraphCache(staged=(1, 2, 3)), GraphCache()
 
     def token_slice(self, t: int) -> slice:
         split = _row_split(t, self.topo.tp)
@@ -581,16 +671,30 @@ class All2AllDispatcher(Dispatcher):
     def _prepare_mapped(self, x, topk_ids, topk_weights, token_index, chunk, table, num_slots, act_quant, stats):
         """Every rank's receive buffer has one region of ``cap`` rows per source rank (cap: the
         most tokens any rank routes in this chunk, known everywhere), so a row's place there
-        needs only the sender's own order: route, pack into the peers' buffers, barrier."""
+        needs only the sender's own order: route, pack into the peers' buffers, barrier.
+
+        Nothing here waits for the host, so on CUDA the launches are captured once per set of
+        input addresses as a CUDA graph and replayed (one launch instead of a dozen)."""
+        topo = self.topo
+        layout = self._row_layout(x.shape[1], topk_ids.shape[1], act_quant)
+        cap = max(max(_row_split(n, topo.tp)) for n in chunk.sizes)
+        bufs = self._mapped_buffers(max(cap, 1), layout.row_bytes, x.shape[1])
+        args = (x, topk_ids, topk_weights, token_index, table, num_slots, act_quant, layout, bufs)
+        out = self._graphs.run(self._mapped_dispatch, args) if x.is_cuda and self._graphs.enabled else None
+        if out is None:
+            out = self._mapped_dispatch(*args)
+        pos, counts, recv_counts, hidden, scale, local_ids, weights, expert_counts = out
+        return Prepared(hidden, scale, local_ids, weights, expert_counts,
+                        {"pos": pos, "counts": counts, "cap": bufs.key[0], "filled": recv_counts,
+                         "t": chunk.sizes[topo.group_index]},
+                        out_dtype=self._wire)
+
+    def _mapped_dispatch(self, x, topk_ids, topk_weights, token_index, table, num_slots, act_quant, layout, bufs):
+        """The device work of the mapped prepare (no host synchronisation: capturable)."""
         topo = self.topo
         R, me = topo.world_size, topo.rank
-        H, k = x.shape[1], topk_ids.shape[1]
         route_tokens, pack_rows, local_slots = (_kernel_or_ref("ep_dispatch", name, x)
                                                 for name in ("route_tokens", "pack_rows", "local_slots"))
-        layout = self._row_layout(H, k, act_quant)
-        cap = max(max(_row_split(n, topo.tp)) for n in chunk.sizes)
-        bufs = self._mapped_buffers(max(cap, 1), layout.row_bytes, H)
-        cap = bufs.key[0]
         counts = torch.empty(2, R, dtype=torch.int64, device=x.device)  # [sent to, received from] per rank
         send_counts = counts[0]
         order = route_tokens(topk_ids, token_index, table.rank, table.count, send_counts, bufs.counts, me)  # [R, m]
@@ -604,10 +708,8 @@ class All2AllDispatcher(Dispatcher):
         local_ids, expert_counts = local_slots(rest[-3], rest[-1][:, 0], table.rank, table.slot, table.count,
                                                me, num_slots, recv_counts)
         counts[1].copy_(recv_counts)  # kept for the statistics: the next chunk's counts overwrite the buffer
-        return Prepared(hidden, rest[0] if act_quant else None, local_ids, rest[-2].contiguous(), expert_counts,
-                        {"pos": pos, "counts": counts, "cap": cap, "filled": recv_counts,
-                         "t": chunk.sizes[topo.group_index]},
-                        out_dtype=self._wire)
+        return (pos, counts, recv_counts, hidden, rest[0] if act_quant else None, local_ids, rest[-2].contiguous(),
+                expert_counts)
 
     def _mapped_buffers(self, cap: int, B: int, H: int) -> MappedBuffers:
         """The buffers for this chunk's sizes; collective when they have to grow (every rank
@@ -616,8 +718,26 @@ class All2AllDispatcher(Dispatcher):
         if cur is not None and cur.key[0] >= cap and cur.key[1:] == (B, H, self._wire):
             return cur
         cap = max(cap, cur.key[0] if cur is not None else 0)
+        self._graphs.clear()  # they store into the old buffers
+        self._combine_graphs.clear()
         self._mapped = MappedBuffers.create(self.topo, cap, B, H, self._wire, None if cur is None else cur.memory)
         return self._mapped
+
+    def _mapped_combine(self, out: torch.Tensor, filled: torch.Tensor, pos: torch.Tensor, width: int,
+                        bufs: MappedBuffers) -> torch.Tensor:
+        """The device work of the mapped finalize (capturable): results back into their
+        senders' buffers, barrier, each token's sum in rank order; with tp > 1 the sums go
+        straight into every tp rank's gather buffer ([tp * width, H], which the result aliases
+        until the next chunk: run_moe_layer copies it out at once)."""
+        topo, me = self.topo, self.topo.rank
+        _kernel_or_ref("ep_combine", "send_rows_back", out)(out, filled, bufs.results, me)
+        bufs.memory.barrier(1)
+        back = bufs.results.views[me]  # [R * cap, H]: region r = results from rank r
+        if topo.tp == 1:
+            return _combine(back, pos.t())  # [m, H] fp32
+        _combine(back, pos.t(), peers=bufs.gathered, row0=topo.tp_index * width)
+        bufs.memory.barrier(2)
+        return bufs.gathered.views[topo.tp_index][:topo.tp * width]
 
     def _combine_stats(self, stats: CommStats, st: dict, send_l, recv_l, row_bytes: int, gather_bytes: int) -> None:
         """Byte counters of one chunk; the mapped transport's row counts are read back here,
@@ -657,40 +777,29 @@ class All2AllDispatcher(Dispatcher):
         # tested); experts that reduce already wrote them in it (prep.out_dtype)
         out = out.to(prep.out_dtype).contiguous()  # [M, H]
         H, nb = out.shape[1], out.element_size()
-        me = topo.rank
-        if self.transport == "mapped":
-            send_back = _kernel_or_ref("ep_combine", "send_rows_back", out)
-            bufs = self._mapped
-            send_back(out, st["filled"], bufs.results, me)  # each result into its sender's buffer
-            bufs.memory.barrier(1)
-            back = bufs.results.views[me]  # [R * cap, H]: region r = results from rank r
-            send_l = recv_l = None  # read back after the last launch (the statistics only)
-        else:
-            back = out.new_empty(sum(st["send"]), H)  # [P, H]
-            dist.all_to_all_single(back, out, output_split_sizes=st["send"], input_split_sizes=st["recv"])
-            send_l, recv_l = st["send"], st["recv"]
-        pos = st["pos"].t()  # [m, R]
-        if topo.tp == 1:
-            y = _combine(back, pos)  # [m, H] fp32, summed over destinations in rank order
-            self._combine_stats(stats, st, send_l, recv_l, H * nb, 0)
-            return y
         split = _row_split(st["t"], topo.tp)
         width = max(split)
         if self.transport == "mapped":
-            # the combined rows go straight into every tp rank's gather buffer; the result
-            # aliases that buffer until the next prepare (run_moe_layer copies it out at once)
-            _combine(back, pos, peers=self._mapped.gathered, row0=topo.tp_index * width)
-            self._mapped.memory.barrier(2)
-            full = self._mapped.gathered.views[topo.tp_index][:topo.tp * width]
+            args = (out, st["filled"], st["pos"], width, self._mapped)
+            full = self._combine_graphs.run(self._mapped_combine, args) if out.is_cuda and self._graphs.enabled else None
+            if full is None:
+                full = self._mapped_combine(*args)
+            self._combine_stats(stats, st, None, None, H * nb, width * H * nb if topo.tp > 1 else 0)
         else:
-            part = back.new_empty(width, H)  # the tp all-gather's input, written in place
-            _combine(back, pos, out=part[:pos.shape[0]])
-            if pos.shape[0] < width:
-                part[pos.shape[0]:].zero_()
-            full = part.new_empty(topo.tp * width, H)
-            all_gather_tensor(full, part, group=topo.tp_group)
-        self._combine_stats(stats, st, send_l, recv_l, H * nb, width * H * nb)
-        if width * topo.tp == st["t"]:
+            back = out.new_empty(sum(st["send"]), H)  # [P, H]
+            dist.all_to_all_single(back, out, output_split_sizes=st["send"], input_split_sizes=st["recv"])
+            pos = st["pos"].t()  # [m, R]
+            if topo.tp == 1:
+                full = _combine(back, pos)  # [m, H] fp32, summed over destinations in rank order
+            else:
+                part = back.new_empty(width, H)  # the tp all-gather's input, written in place
+                _combine(back, pos, out=part[:pos.shape[0]])
+                if pos.shape[0] < width:
+                    part[pos.shape[0]:].zero_()
+                full = part.new_empty(topo.tp * width, H)
+                all_gather_tensor(full, part, group=topo.tp_group)
+            self._combine_stats(stats, st, st["send"], st["recv"], H * nb, width * H * nb if topo.tp > 1 else 0)
+        if topo.tp == 1 or width * topo.tp == st["t"]:
             return full  # [t, H]
         return torch.cat([full[i * width:i * width + split[i]] for i in range(topo.tp)])  # [t, H]
 

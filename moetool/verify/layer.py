@@ -17,7 +17,6 @@ from moetool.verify.dispatch import (
     ChunkInfo,
     CommStats,
     Dispatcher,
-    RouteTable,
     all_gather_tensor,
     check_local_experts,
     num_chunks,
@@ -98,7 +97,7 @@ def run_moe_layer(x_group: torch.Tensor, gate_weight: torch.Tensor,
     if shared is not None:
         shared = tuple(None if w is None else w.to(device=dev, dtype=torch.float32) for w in shared)
     experts.bind(local, dev)
-    table = RouteTable.build(placement, dev)
+    table = dispatcher.route_table(placement)
     num_slots = len(local.slot_to_global)
     act_quant = dispatcher.act_quant_for(local.fmt.name)
 

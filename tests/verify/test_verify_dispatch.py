@@ -219,7 +219,10 @@ def _gpu_cases(world):
                  shared=True)
             for dp, sizes in groups for d in DISPATCHERS for c in (4096, 64)
             for f in ("dense", "fp8-block") for e in ("torch", "triton")] + [
-        dict(dp=1, router="softmax", dispatcher=d, group_sizes=[50], chunk_size=8, probe=True) for d in DISPATCHERS]
+        dict(dp=1, router="softmax", dispatcher=d, group_sizes=[50], chunk_size=8, probe=True) for d in DISPATCHERS] + [
+        # the same layer four times on one dispatcher: the mapped transport replays CUDA graphs
+        dict(dp=dp, router="v3-grouped", dispatcher="all2all-mapped", group_sizes=sizes, chunk_size=4096,
+             fmt="fp8-block", experts="triton", repeat=4) for dp, sizes in groups]
 
 
 @pytest.mark.gpu
@@ -245,3 +248,8 @@ def test_nccl_torch_and_triton_experts():
             else:
                 limit = TOLERANCES["fp8-block"]["rel_err"] if case["fmt"] == "fp8-block" else 1e-2
             assert rel < limit, f"rank {r} rel err {rel:.3g}: {_label(case)}"
+        if case.get("repeat"):  # replays give the eager run's bytes
+            for r in range(world):
+                ys = results[r][ci]["ys"]
+                assert all(torch.equal(y, ys[0]) for y in ys[1:]), f"rank {r}: repeats differ: {_label(case)}"
+                assert results[r][ci]["graph_replays"] > 0, f"rank {r}: no CUDA graph replayed: {_label(case)}"

@@ -165,9 +165,14 @@ def run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
             experts = TritonExperts()
         else:
             experts = TorchExperts(reduce=case.get("reduce", True))
-        y, stats = run_moe_layer(x, layer["gate"], layer["bias"], layer["spec"], local, placement,
-                                 layer["shared"], dispatcher, experts, case.get("chunk_size", 4096))
-        results.append({"y": y, "stats": stats})
+        ys = []
+        for _ in range(case.get("repeat", 1)):  # the same dispatcher again: CUDA graph replays on GPUs
+            y, stats = run_moe_layer(x, layer["gate"], layer["bias"], layer["spec"], local, placement,
+                                     layer["shared"], dispatcher, experts, case.get("chunk_size", 4096))
+            ys.append(y)
+        graphs = getattr(dispatcher, "_graphs", None)
+        results.append({"y": y, "ys": ys, "stats": stats,
+                        "graph_replays": graphs.replays if graphs is not None else 0})
     return results
 
 
