@@ -10,7 +10,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_convert_bench_runs_and_reports_every_step(tmp_path):
     p = subprocess.run([sys.executable, str(ROOT / "bench" / "convert.py"), "--workdir", str(tmp_path), "--size-gib",
                         "0.004", "--shard-gib", "0.002", "--hidden", "128", "--intermediate", "128", "--repeat", "1",
-                        "--only", "cp,start-up,fp8-block,int4-group,shard,repack", "--json"],
+                        "--only", "cp,start-up,fp8-block,int4-group,shard,repack", "--json",
+                        "--idle-wait", "0", "--retries", "0"],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     rows = {r["step"]: r for r in json.loads(p.stdout)["rows"]}
