@@ -9,7 +9,6 @@ import json
 import os
 import pickle
 import struct
-from pathlib import Path
 
 import pytest
 import torch
@@ -293,7 +292,7 @@ def test_missing_expert_tensor_names_the_expert(bad, cli):
     rewrite_file(file_of(bad, name), lambda t: t.pop(name))
     r = cli("inspect", bad)
     assert r.code == 2
-    assert r.error_line == f"model.layers.1.mlp: expert 2 tensor model.layers.1.mlp.experts.2.up_proj.weight not found (4 experts expected)"
+    assert r.error_line == "model.layers.1.mlp: expert 2 tensor model.layers.1.mlp.experts.2.up_proj.weight not found (4 experts expected)"
 
 
 def test_missing_router(bad, cli):
@@ -364,7 +363,7 @@ def test_header_reader_never_reads_data(tmp_path):
 @pytest.fixture
 def hub_home(tmp_path, monkeypatch):
     """An empty HF cache, offline; huggingface_hub's constants follow the env at call time."""
-    hf = pytest.importorskip("huggingface_hub")
+    pytest.importorskip("huggingface_hub")
     home = tmp_path / "hf_home"
     home.mkdir()
     monkeypatch.setenv("HF_HOME", str(home))
