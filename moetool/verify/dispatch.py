@@ -311,8 +311,12 @@ class PeerMemory:
                 with warnings.catch_warnings():  # needed before torch 2.9, deprecated since
                     warnings.simplefilter("ignore")
                     enable(group_name)
-            self._local = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
-            self._handle = symm_mem.rendezvous(self._local, group_name)
+            try:
+                self._local = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+                self._handle = symm_mem.rendezvous(self._local, group_name)
+            except Exception as e:  # noqa: BLE001 - any reason: say what to use instead
+                raise MoetoolError(f"rank {self.rank}: --transport mapped needs CUDA symmetric memory between "
+                                   f"the GPUs ({type(e).__name__}: {e}); use --transport collectives") from e
             self._maps = None
         elif device.type == "cpu":
             self._handle = None
@@ -815,10 +819,16 @@ def choose_transport(requested: str, device: torch.device) -> str:
 
     one_host = os.environ.get("LOCAL_WORLD_SIZE") == str(dist.get_world_size())
     if requested == "auto":
-        return "mapped" if device.type == "cuda" and one_host else "collectives"
+        return "mapped" if device.type == "cuda" and one_host and _all_peers_reachable() else "collectives"
     if requested == "mapped" and not one_host:
         raise MoetoolError("--transport mapped needs every rank on one host (LOCAL_WORLD_SIZE = WORLD_SIZE)")
     return requested
+
+
+def _all_peers_reachable() -> bool:
+    """Every pair of this host's GPUs can map each other's memory (NVLink or PCIe P2P)."""
+    n = torch.cuda.device_count()
+    return all(torch.cuda.can_device_access_peer(a, b) for a in range(n) for b in range(n) if a != b)
 
 
 def get_dispatcher(name: str, topo: Topology, **kwargs) -> Dispatcher:
