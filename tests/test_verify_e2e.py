@@ -217,6 +217,22 @@ def test_cli_report_json_and_exit_status(chain, tmp_path_factory, cli):
     assert r.error_line.startswith("verification failed: layer 2: layer rel err")
 
 
+def test_cli_all2all_transports(chain, tmp_path_factory, cli):
+    """--transport mapped on CPU ranks (shared-memory files) passes and says so; auto is
+    collectives off CUDA; a bad name is one error line."""
+    model = chain[0]
+    sh = _shards(chain, tmp_path_factory, "fp8-block", 2, layout="stacked")
+    base = ["verify", sh, "--ref", model, "--ep", "2", "--tokens", TOKENS, "--layers", "2", "--all2all", "all2all"]
+    r = cli(*base, "--transport", "mapped")
+    assert r.code == 0, r.err
+    assert "dispatch all2all (mapped)" in r.out and "PASSED: 1/1 layers" in r.out
+    r = cli(*base, "--json")
+    assert r.code == 0, r.err
+    assert json.loads(r.out)["options"]["transport"] == "collectives"
+    r = cli(*base, "--transport", "nvlink")
+    assert r.code == 2 and r.error_line == "--transport 'nvlink': expected auto, collectives or mapped"
+
+
 def test_torchrun_launch(chain, tmp_path_factory):
     """The multi-node entry: the same command under torchrun (here 2 local processes)."""
     model = chain[0]
