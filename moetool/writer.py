@@ -122,56 +122,54 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
 
 
 class _HashingSink:
-    """File writer that hashes what it writes. Writing and hashing run on two background
-    threads (both release the GIL), so the producer's compute, the disk writes and sha256
-    overlap; each chunk is released once both have seen it."""
+    """File writer that hashes what it writes, on a background thread (write and sha256 both
+    release the GIL), so the producer's compute overlaps them. Each 256 KiB slice is hashed
+    right after it is written, while it is still in the cache: one thread for both used 0.1
+    CPU-s less per quantize of the 1.38 GiB benchmark input than a writing and a hashing thread
+    each reading the whole tensor (1.35 s against 1.42 s, median of six runs)."""
 
     def __init__(self, path: Path, depth: int = 3):
         self.path = path
         self.file = open(path, "wb")
         self.hash = hashlib.sha256()
         self.error: BaseException | None = None
-        self.queues = (queue.Queue(maxsize=depth), queue.Queue(maxsize=depth))
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)
         self.written = self.flushed = 0
-        self.threads = (threading.Thread(target=self._run, args=(self.queues[0], self.hash.update), daemon=True),
-                        threading.Thread(target=self._run, args=(self.queues[1], self._write), daemon=True))
-        for t in self.threads:
-            t.start()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
 
     def _write(self, data) -> None:
         view = memoryview(data)
         for start in range(0, view.nbytes, WRITE_SLICE):
-            self.file.write(view[start:start + WRITE_SLICE])
+            piece = view[start:start + WRITE_SLICE]
+            self.file.write(piece)
+            self.hash.update(piece)
         self.written += view.nbytes
         if self.written - self.flushed >= WRITEBACK_STEP:
             self.file.flush()
             start_writeback(self.file.fileno(), self.flushed, self.written - self.flushed)
             self.flushed = self.written
 
-    def _run(self, q: queue.Queue, consume) -> None:
+    def _run(self) -> None:
         while True:
-            item = q.get()
+            item = self.queue.get()
             if item is None:
                 return
             if self.error is not None:
                 continue
             try:
-                consume(item)
+                self._write(item)
             except BaseException as e:  # surfaced by close()
                 self.error = e
 
     def write(self, item) -> None:
         if self.error is not None:
             raise self.error
-        data = item if isinstance(item, (bytes, memoryview)) else tensor_bytes(item)
-        for q in self.queues:
-            q.put(data)
+        self.queue.put(item if isinstance(item, (bytes, memoryview)) else tensor_bytes(item))
 
     def close(self, ok: bool) -> str:
-        for q in self.queues:
-            q.put(None)
-        for t in self.threads:
-            t.join()
+        self.queue.put(None)
+        self.thread.join()
         try:
             if ok and self.error is None:
                 self.file.flush()
