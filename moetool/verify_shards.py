@@ -304,6 +304,8 @@ def check_options(opts: VerifyOptions, shards: EPShards) -> None:
         raise MoetoolError(f"--experts {opts.experts!r}: expected torch or triton")
     if opts.transport not in ("auto", "collectives", "mapped"):
         raise MoetoolError(f"--transport {opts.transport!r}: expected auto, collectives or mapped")
+    if opts.transport == "mapped" and opts.dispatch != "all2all":
+        raise MoetoolError(f"--transport mapped is a transport of --all2all all2all, not {opts.dispatch}")
 
 
 def check_files_present(shards: EPShards) -> None:

@@ -231,6 +231,8 @@ def test_cli_all2all_transports(chain, tmp_path_factory, cli):
     assert json.loads(r.out)["options"]["transport"] == "collectives"
     r = cli(*base, "--transport", "nvlink")
     assert r.code == 2 and r.error_line == "--transport 'nvlink': expected auto, collectives or mapped"
+    r = cli(*base[:-1], "allgather", "--transport", "mapped")
+    assert r.code == 2 and r.error_line == "--transport mapped is a transport of --all2all all2all, not allgather"
 
 
 def test_torchrun_launch(chain, tmp_path_factory):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import secrets
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -329,17 +330,26 @@ class PeerMemory:
         import tempfile
 
         folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        tag = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+        tag = torch.tensor([secrets.randbits(62) if self.rank == 0 else 0], dtype=torch.int64)
         dist.broadcast(tag, src=0)  # one name for this buffer on every rank
         names = [os.path.join(folder, f"moetool-peer-{int(tag)}-{r}") for r in range(self.world)]
-        with open(names[self.rank], "wb") as f:
-            f.truncate(max(nbytes, 1))
+        mine, created = names[self.rank], False
         try:
+            fd = os.open(mine, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            created = True
+            try:  # allocate now: a sparse file on a full tmpfs would SIGBUS at the first store
+                os.posix_fallocate(fd, 0, max(nbytes, 1))
+            finally:
+                os.close(fd)
             dist.barrier()
             maps = [torch.from_file(n, shared=True, size=max(nbytes, 1), dtype=torch.uint8) for n in names]
             dist.barrier()  # every rank mapped every file: the names can go
+        except OSError as e:
+            raise MoetoolError(f"rank {self.rank}: --transport mapped: cannot map {nbytes} bytes of shared memory "
+                               f"in {folder} ({e.strerror or e}); use --transport collectives") from e
         finally:
-            os.unlink(names[self.rank])
+            if created:
+                os.unlink(mine)
         return maps
 
     def view(self, rank: int, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -426,6 +436,8 @@ class GraphCache:
     def run(self, fn, args):
         """fn(*args)'s outputs from a replay, or None when the caller should run fn itself
         (a new key: this call captures for the next one)."""
+        if not self.enabled:
+            return None
         key = self._key(args)
         hit = self._graphs.get(key)
         if hit is not None:
@@ -684,7 +696,7 @@ class All2AllDispatcher(Dispatcher):
         cap = max(max(_row_split(n, topo.tp)) for n in chunk.sizes)
         bufs = self._mapped_buffers(max(cap, 1), layout.row_bytes, x.shape[1])
         args = (x, topk_ids, topk_weights, token_index, table, num_slots, act_quant, layout, bufs)
-        out = self._graphs.run(self._mapped_dispatch, args) if x.is_cuda and self._graphs.enabled else None
+        out = self._graphs.run(self._mapped_dispatch, args) if x.is_cuda else None
         if out is None:
             out = self._mapped_dispatch(*args)
         pos, counts, recv_counts, hidden, scale, local_ids, weights, expert_counts = out
@@ -785,7 +797,7 @@ class All2AllDispatcher(Dispatcher):
         width = max(split)
         if self.transport == "mapped":
             args = (out, st["filled"], st["pos"], width, self._mapped)
-            full = self._combine_graphs.run(self._mapped_combine, args) if out.is_cuda and self._graphs.enabled else None
+            full = self._combine_graphs.run(self._mapped_combine, args) if out.is_cuda else None
             if full is None:
                 full = self._mapped_combine(*args)
             self._combine_stats(stats, st, None, None, H * nb, width * H * nb if topo.tp > 1 else 0)
@@ -812,23 +824,32 @@ DISPATCHERS: dict[str, type[Dispatcher]] = {"allgather": AllGatherDispatcher, "a
 
 
 def choose_transport(requested: str, device: torch.device) -> str:
-    """The all2all transport for ``--transport`` (auto | collectives | mapped): auto is mapped
-    on CUDA when every rank runs on this host (LOCAL_WORLD_SIZE = WORLD_SIZE, as ``verify``'s
-    own spawn sets), collectives otherwise. Every rank decides the same."""
+    """The all2all transport for ``--transport`` (auto | collectives | mapped). Collective:
+    every rank calls it, and all take the same answer. auto is mapped when, on every rank,
+    the ranks all run on this host (LOCAL_WORLD_SIZE = WORLD_SIZE, as ``verify``'s own spawn
+    sets), on distinct GPUs that can all access each other; collectives otherwise."""
     import os
 
     one_host = os.environ.get("LOCAL_WORLD_SIZE") == str(dist.get_world_size())
-    if requested == "auto":
-        return "mapped" if device.type == "cuda" and one_host and _all_peers_reachable() else "collectives"
-    if requested == "mapped" and not one_host:
-        raise MoetoolError("--transport mapped needs every rank on one host (LOCAL_WORLD_SIZE = WORLD_SIZE)")
-    return requested
-
-
-def _all_peers_reachable() -> bool:
-    """Every pair of this host's GPUs can map each other's memory (NVLink or PCIe P2P)."""
-    n = torch.cuda.device_count()
-    return all(torch.cuda.can_device_access_peer(a, b) for a in range(n) for b in range(n) if a != b)
+    if requested == "collectives":
+        return requested
+    able = one_host and (requested == "mapped" or device.type == "cuda")
+    if able and device.type == "cuda":
+        able = _all_peers_reachable()
+    vote = torch.tensor([int(able)], dtype=torch.int64, device=device)
+    dist.all_reduce(vote, op=dist.ReduceOp.MIN)
+    if device.type == "cuda" and int(vote):  # distinct GPUs: not one cuda:0 per process
+        index = torch.tensor([device.index if device.index is not None else torch.cuda.current_device()],
+                             dtype=torch.int64, device=device)
+        indices = torch.empty(dist.get_world_size(), dtype=torch.int64, device=device)
+        all_gather_tensor(indices, index)
+        vote.fill_(int(len(set(indices.tolist())) == dist.get_world_size()))
+    if int(vote):
+        return "mapped"
+    if requested == "mapped":
+        raise MoetoolError("--transport mapped needs every rank on one host (LOCAL_WORLD_SIZE = WORLD_SIZE), "
+                           "each on its own GPU with peer access to the others")
+    return "collectives"
 
 
 def get_dispatcher(name: str, topo: Topology, **kwargs) -> Dispatcher:

@@ -253,3 +253,13 @@ def test_nccl_torch_and_triton_experts():
                 ys = results[r][ci]["ys"]
                 assert all(torch.equal(y, ys[0]) for y in ys[1:]), f"rank {r}: repeats differ: {_label(case)}"
                 assert results[r][ci]["graph_replays"] > 0, f"rank {r}: no CUDA graph replayed: {_label(case)}"
+
+
+def test_mapped_transport_without_shared_memory_room_is_one_error():
+    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    msgs = spawn_world(vw.shm_full, 2, timeout_s=60)
+    for rank, msg in enumerate(msgs):
+        assert msg.startswith(f"rank {rank}: --transport mapped: cannot map 1048576 bytes of shared memory"), msg
+        assert msg.endswith("(No space left on device); use --transport collectives"), msg
+    after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    assert not {n for n in after - before if n.startswith("moetool-peer-")}

@@ -201,3 +201,22 @@ def hang_on(rank: int, world: int, bad_rank: int) -> int:
     t = torch.ones(4)
     torch.distributed.all_reduce(t)
     return rank
+
+
+def shm_full(rank: int, world: int) -> str:
+    """PeerMemory on CPU ranks when the shared-memory folder has no room: one MoetoolError,
+    no file left behind."""
+    import errno
+
+    from moetool.errors import MoetoolError
+    from moetool.verify.dispatch import PeerMemory
+
+    def no_space(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    os.posix_fallocate = no_space
+    try:
+        PeerMemory(1 << 20, torch.device("cpu"))
+    except MoetoolError as e:
+        return str(e)
+    return "no error"
