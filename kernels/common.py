@@ -106,4 +106,3 @@ class PeerBuffers:
 
     def __len__(self) -> int:
         return len(self.views)
-

@@ -90,7 +90,7 @@ def combine_rows(rows: torch.Tensor, pos: torch.Tensor, out: torch.Tensor | None
         out = peers.views[0]
     elif out is None:
         out = torch.empty(pos.shape[0], rows.shape[1], dtype=torch.float32, device=rows.device)
-    check_device(_combine_rows_kernel, rows, pos, out)
+    check_device(_combine_rows_kernel, rows, pos, out, *([] if peers is None else [peers.addresses]))
     m, R = pos.shape
     H = rows.shape[1]
     if m and H:
