@@ -852,6 +852,12 @@ def choose_transport(requested: str, device: torch.device) -> str:
     return "collectives"
 
 
+def _all_peers_reachable() -> bool:
+    """Every pair of this host's GPUs can map each other's memory (NVLink or PCIe P2P)."""
+    n = torch.cuda.device_count()
+    return all(torch.cuda.can_device_access_peer(a, b) for a in range(n) for b in range(n) if a != b)
+
+
 def get_dispatcher(name: str, topo: Topology, **kwargs) -> Dispatcher:
     """A dispatcher by CLI name: "allgather" or "all2all"."""
     if name not in DISPATCHERS:

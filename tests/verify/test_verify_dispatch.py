@@ -263,3 +263,17 @@ def test_mapped_transport_without_shared_memory_room_is_one_error():
         assert msg.endswith("(No space left on device); use --transport collectives"), msg
     after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     assert not {n for n in after - before if n.startswith("moetool-peer-")}
+
+
+def test_transport_choice_is_the_same_on_every_rank(monkeypatch):
+    results = spawn_world(vw.transports, 2, timeout_s=60)
+    for out in results:  # rank 1 alone "on another host": both ranks refuse mapped
+        assert out[:3] == ["collectives", "mapped", "collectives"]
+        assert out[3].startswith("--transport mapped needs every rank on one host"), out[3]
+    from moetool.verify import dispatch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: (a, b) != (2, 0))
+    assert not dispatch._all_peers_reachable()
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
+    assert dispatch._all_peers_reachable()

@@ -220,3 +220,19 @@ def shm_full(rank: int, world: int) -> str:
     except MoetoolError as e:
         return str(e)
     return "no error"
+
+
+def transports(rank: int, world: int) -> list[str]:
+    """choose_transport on CPU ranks: auto, explicit mapped, and mapped with a rank not on this host."""
+    from moetool.errors import MoetoolError
+    from moetool.verify.dispatch import choose_transport
+
+    cpu = torch.device("cpu")
+    out = [choose_transport("auto", cpu), choose_transport("mapped", cpu), choose_transport("collectives", cpu)]
+    if rank == 1:
+        os.environ["LOCAL_WORLD_SIZE"] = "1"  # as torchrun on two hosts would set it
+    try:
+        out.append(choose_transport("mapped", cpu))
+    except MoetoolError as e:
+        out.append(str(e))
+    return out
