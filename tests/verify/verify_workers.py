@@ -236,3 +236,10 @@ def transports(rank: int, world: int) -> list[str]:
     except MoetoolError as e:
         out.append(str(e))
     return out
+
+
+def transports_cuda(rank: int, world: int) -> str:
+    """choose_transport("auto") on NCCL ranks, one GPU each."""
+    from moetool.verify.dispatch import choose_transport
+
+    return choose_transport("auto", torch.device("cuda", torch.cuda.current_device()))
