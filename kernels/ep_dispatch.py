@@ -394,6 +394,14 @@ def _local_slots_kernel(ids_ptr, tok_ptr, rank_ptr, slot_ptr, count_ptr, out_ptr
     tl.atomic_add(counts_ptr + slots, tl.sum(tl.sum(hit, axis=1), axis=0).to(tl.int64), mask=slots < L)
 
 
+def _check_regions(M: int, region_rows: torch.Tensor | None) -> None:
+    if region_rows is None:
+        return
+    _check_counts(region_rows)
+    if not region_rows.shape[0] or M % region_rows.shape[0]:
+        raise MoetoolError(f"local_slots: {M} rows are not {region_rows.shape[0]} equal regions")
+
+
 def local_slots(ids: torch.Tensor, token_index: torch.Tensor, rank_tab: torch.Tensor, slot_tab: torch.Tensor,
                 count_tab: torch.Tensor, rank: int, num_slots: int,
                 region_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -406,10 +414,7 @@ def local_slots(ids: torch.Tensor, token_index: torch.Tensor, rank_tab: torch.Te
     _check_ids(ids, token_index)
     _check_tables(rank_tab, slot_tab, count_tab)
     M, k = ids.shape
-    if region_rows is not None:
-        _check_counts(region_rows)
-        if not region_rows.shape[0] or M % region_rows.shape[0]:
-            raise MoetoolError(f"local_slots: {M} rows are not {region_rows.shape[0]} equal regions")
+    _check_regions(M, region_rows)
     dev = ids.device
     out = torch.empty(M, k, dtype=torch.int64, device=dev)
     counts = torch.zeros(num_slots, dtype=torch.int64, device=dev)
@@ -432,10 +437,8 @@ def local_slots_ref(ids, token_index, rank_tab, slot_tab, count_tab, rank, num_s
     _check_tables(rank_tab, slot_tab, count_tab)
     M = ids.shape[0]
     filled = torch.ones(M, dtype=torch.bool, device=ids.device)
+    _check_regions(M, region_rows)
     if region_rows is not None:
-        _check_counts(region_rows)
-        if not region_rows.shape[0] or M % region_rows.shape[0]:
-            raise MoetoolError(f"local_slots: {M} rows are not {region_rows.shape[0]} equal regions")
         cap = M // region_rows.shape[0]
         row = torch.arange(M, device=ids.device)
         filled = row % cap < region_rows[row // cap]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import secrets
 import warnings
 from dataclasses import dataclass, field
@@ -326,7 +327,6 @@ class PeerMemory:
             raise MoetoolError(f"mapped transport: no peer memory on {device}")
 
     def _map_shared_files(self, nbytes: int) -> list[torch.Tensor]:
-        import os
         import tempfile
 
         folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
@@ -421,6 +421,7 @@ class GraphCache:
         self.captures = 0
         self.replays = 0
         self._graphs: dict = {}  # insertion order = age
+        self._stream: torch.cuda.Stream | None = None  # where captures run
 
     def _key(self, args) -> tuple:
         def one(a, staged=False):
@@ -460,7 +461,7 @@ class GraphCache:
             graph_args[i] = buf
         # capture on a side stream, without torch.cuda.graph's empty_cache (which would hand the
         # next call's tensors new addresses, and so a new key, every time)
-        side = self._stream = getattr(self, "_stream", None) or torch.cuda.Stream()
+        side = self._stream = self._stream or torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         try:
             graph = torch.cuda.CUDAGraph()
@@ -659,27 +660,21 @@ class All2AllDispatcher(Dispatcher):
         # min(k, R) ranks), so nothing here waits for the host.
         layout = self._row_layout(x.shape[1], k, act_quant)
         send = torch.empty(x.shape[0] * min(k, R), layout.row_bytes, dtype=torch.uint8, device=x.device)
-        hidden_dtype = torch.float8_e4m3fn if act_quant else self.comm_dtype
-        offsets = ([layout.offsets[1]] if act_quant else [None]) + layout.offsets[-4:-1]  # scale, ids, weights, token
-        pos = pack_rows(x, topk_ids, topk_weights, token_index, order, send_counts, send, hidden_dtype,
-                        tuple(offsets), ACT_GROUP)  # [R, m] send row of (r, t) or -1
+        pos = pack_rows(x, topk_ids, topk_weights, token_index, order, send_counts, send,
+                        *self._pack_format(layout, act_quant), ACT_GROUP)  # [R, m] send row of (r, t) or -1
         # the one host synchronisation: on a side stream on CUDA, so the host learns the counts
         # as soon as they arrive while the packing may still run on the compute stream
         with self._counts_stream(x.device):
             counts_sent.wait()
             send_l, recv_l = counts_buf.tolist()
-        P = sum(send_l)
         B = layout.row_bytes
         recv = send.new_empty(sum(recv_l), B)
-        dist.all_to_all_single(recv, send[:P], output_split_sizes=recv_l, input_split_sizes=send_l)
-        stats.dispatch_bytes_sent += (P - send_l[me]) * B + 8 * (R - 1)
-        stats.add_split("dispatch_split_bytes", [n * B for n in send_l])
-        stats.dispatch_bytes_recv += (sum(recv_l) - recv_l[me]) * B + 8 * (R - 1)
+        dist.all_to_all_single(recv, send[:sum(send_l)], output_split_sizes=recv_l, input_split_sizes=send_l)
+        self._dispatch_stats(stats, send_l, recv_l, B)
         hidden, *rest = layout.unpack(recv)
         scale = rest[0] if act_quant else None
         local_ids, expert_counts = local_slots(rest[-3], rest[-1][:, 0], table.rank, table.slot, table.count,
                                                me, num_slots)  # [M, k], [L]
-        stats.tokens_received += recv.shape[0]
         return Prepared(hidden, scale, local_ids, rest[-2].contiguous(), expert_counts,
                         {"pos": pos, "send": send_l, "recv": recv_l, "t": chunk.sizes[topo.group_index]},
                         out_dtype=self._wire)
@@ -701,7 +696,7 @@ class All2AllDispatcher(Dispatcher):
             out = self._mapped_dispatch(*args)
         pos, counts, recv_counts, hidden, scale, local_ids, weights, expert_counts = out
         return Prepared(hidden, scale, local_ids, weights, expert_counts,
-                        {"pos": pos, "counts": counts, "cap": bufs.key[0], "filled": recv_counts,
+                        {"pos": pos, "counts": counts, "filled": recv_counts,
                          "t": chunk.sizes[topo.group_index]},
                         out_dtype=self._wire)
 
@@ -714,10 +709,8 @@ class All2AllDispatcher(Dispatcher):
         counts = torch.empty(2, R, dtype=torch.int64, device=x.device)  # [sent to, received from] per rank
         send_counts = counts[0]
         order = route_tokens(topk_ids, token_index, table.rank, table.count, send_counts, bufs.counts, me)  # [R, m]
-        hidden_dtype = torch.float8_e4m3fn if act_quant else self.comm_dtype
-        offsets = ([layout.offsets[1]] if act_quant else [None]) + layout.offsets[-4:-1]
-        pos = pack_rows(x, topk_ids, topk_weights, token_index, order, send_counts, bufs.rows, hidden_dtype,
-                        tuple(offsets), ACT_GROUP, me)  # [R, m]: r * cap + order, or -1
+        pos = pack_rows(x, topk_ids, topk_weights, token_index, order, send_counts, bufs.rows,
+                        *self._pack_format(layout, act_quant), ACT_GROUP, me)  # [R, m]: r * cap + order, or -1
         bufs.memory.barrier(0)  # every rank's rows and counts have arrived
         recv_counts = bufs.counts.views[me]  # [R] rows from each source, first in its region
         hidden, *rest = layout.unpack(bufs.rows.views[me])  # [R * cap, ...] views
@@ -755,17 +748,19 @@ class All2AllDispatcher(Dispatcher):
         bufs.memory.barrier(2)
         return bufs.gathered.views[topo.tp_index][:topo.tp * width]
 
-    def _combine_stats(self, stats: CommStats, st: dict, send_l, recv_l, row_bytes: int, gather_bytes: int) -> None:
-        """Byte counters of one chunk; the mapped transport's row counts are read back here,
-        after every launch of the chunk (the one host synchronisation it has)."""
+    def _dispatch_stats(self, stats: CommStats, send_l: list[int], recv_l: list[int], B: int) -> None:
+        """Dispatch counters of one chunk: rows of B bytes sent to / received from each rank,
+        plus the 8-byte counts to every other rank."""
+        R, me = self.topo.world_size, self.topo.rank
+        stats.dispatch_bytes_sent += (sum(send_l) - send_l[me]) * B + 8 * (R - 1)
+        stats.add_split("dispatch_split_bytes", [n * B for n in send_l])
+        stats.dispatch_bytes_recv += (sum(recv_l) - recv_l[me]) * B + 8 * (R - 1)
+        stats.tokens_received += sum(recv_l)
+
+    def _combine_stats(self, stats: CommStats, send_l: list[int], recv_l: list[int], row_bytes: int,
+                       gather_bytes: int) -> None:
+        """Combine counters of one chunk: result rows back, plus the tp all-gather's parts."""
         topo, me = self.topo, self.topo.rank
-        if send_l is None:
-            send_l, recv_l = st["counts"].tolist()
-            B = self._mapped.rows.views[0].shape[1]
-            stats.dispatch_bytes_sent += (sum(send_l) - send_l[me]) * B + 8 * (topo.world_size - 1)
-            stats.add_split("dispatch_split_bytes", [n * B for n in send_l])
-            stats.dispatch_bytes_recv += (sum(recv_l) - recv_l[me]) * B + 8 * (topo.world_size - 1)
-            stats.tokens_received += sum(recv_l)
         stats.combine_bytes_sent += (sum(recv_l) - recv_l[me]) * row_bytes + (topo.tp - 1) * gather_bytes
         stats.combine_bytes_recv += (sum(send_l) - send_l[me]) * row_bytes + (topo.tp - 1) * gather_bytes
         stats.add_split("combine_split_bytes", [n * row_bytes + (gather_bytes if r in topo.tp_ranks and r != me else 0)
@@ -778,6 +773,11 @@ class All2AllDispatcher(Dispatcher):
         if getattr(self, "_side_stream", None) is None:
             self._side_stream = torch.cuda.Stream(device)
         return torch.cuda.stream(self._side_stream)
+
+    def _pack_format(self, layout: RowLayout, act_quant: bool) -> tuple[torch.dtype, tuple]:
+        """pack_rows' hidden dtype and byte offsets (scale, ids, weights, token) for ``layout``."""
+        hidden_dtype = torch.float8_e4m3fn if act_quant else self.comm_dtype
+        return hidden_dtype, tuple(([layout.offsets[1]] if act_quant else [None]) + layout.offsets[-4:-1])
 
     def _row_layout(self, H: int, k: int, act_quant: bool) -> RowLayout:
         """payload (fp8 codes + fp32 scales, or the wire dtype), int32 ids, fp32 weights, int64 position."""
@@ -800,7 +800,9 @@ class All2AllDispatcher(Dispatcher):
             full = self._combine_graphs.run(self._mapped_combine, args) if out.is_cuda else None
             if full is None:
                 full = self._mapped_combine(*args)
-            self._combine_stats(stats, st, None, None, H * nb, width * H * nb if topo.tp > 1 else 0)
+            # the mapped transport's row counts reach the host here, after every launch of the chunk
+            send_l, recv_l = st["counts"].tolist()
+            self._dispatch_stats(stats, send_l, recv_l, self._mapped.rows.views[0].shape[1])
         else:
             back = out.new_empty(sum(st["send"]), H)  # [P, H]
             dist.all_to_all_single(back, out, output_split_sizes=st["send"], input_split_sizes=st["recv"])
@@ -814,7 +816,8 @@ class All2AllDispatcher(Dispatcher):
                     part[pos.shape[0]:].zero_()
                 full = part.new_empty(topo.tp * width, H)
                 all_gather_tensor(full, part, group=topo.tp_group)
-            self._combine_stats(stats, st, st["send"], st["recv"], H * nb, width * H * nb if topo.tp > 1 else 0)
+            send_l, recv_l = st["send"], st["recv"]
+        self._combine_stats(stats, send_l, recv_l, H * nb, width * H * nb if topo.tp > 1 else 0)
         if topo.tp == 1 or width * topo.tp == st["t"]:
             return full  # [t, H]
         return torch.cat([full[i * width:i * width + split[i]] for i in range(topo.tp)])  # [t, H]
@@ -828,8 +831,6 @@ def choose_transport(requested: str, device: torch.device) -> str:
     every rank calls it, and all take the same answer. auto is mapped when, on every rank,
     the ranks all run on this host (LOCAL_WORLD_SIZE = WORLD_SIZE, as ``verify``'s own spawn
     sets), on distinct GPUs that can all access each other; collectives otherwise."""
-    import os
-
     one_host = os.environ.get("LOCAL_WORLD_SIZE") == str(dist.get_world_size())
     if requested == "collectives":
         return requested
