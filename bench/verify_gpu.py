@@ -105,17 +105,25 @@ def main() -> None:
     from moetool.verify_shards import VerifyOptions, verify_many
 
     gpu = args.backend == "nccl"
+    started = time.perf_counter()
+
+    def stage(what: str) -> None:
+        """Progress on stderr, so a run cut off by a timeout still says how far it got."""
+        print(f"[{time.perf_counter() - started:7.1f} s] {what}", file=sys.stderr, flush=True)
+
     out: dict = {"device": torch.cuda.get_device_name(0) if gpu else "cpu", "gpus": torch.cuda.device_count(), "args": {
         k: str(v) for k, v in vars(args).items()}}
     w = args.workdir
     shutil.rmtree(w, ignore_errors=True)
     src, q8, shards = w / "model", w / "fp8", w / f"fp8-ep{args.ep}"
+    stage("writing the bf16 checkpoint")
     t0 = time.perf_counter()
     make_tiny_checkpoint(src, "deepseek_v3", hidden=args.hidden, intermediate=args.intermediate,
                          experts=args.experts, top_k=args.top_k, layers=2, shards=4)
     out["write_s"] = time.perf_counter() - t0
     in_bytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
     subprocess.run(["sync"])
+    stage("cp")
     t0 = time.perf_counter()
     subprocess.run(["cp", "-r", str(src), str(w / "cp")], check=True)
     out["cp_s"] = time.perf_counter() - t0
@@ -123,6 +131,7 @@ def main() -> None:
     devices = (["cuda"] if args.skip_cpu else ["cuda", "cpu"]) if gpu else ["cpu"]
     for dev in devices:
         dst = q8 if dev == devices[0] else w / "fp8-cpu"
+        stage(f"quantize --fp8-block on {dev}")
         t0 = time.perf_counter()
         summary = quantize(src, dst, "fp8-block", device=dev, progress=False)
         out[f"quantize_{dev}_s"] = time.perf_counter() - t0
@@ -134,6 +143,7 @@ def main() -> None:
         shutil.rmtree(w / "fp8-cpu")
     out["quantize_cuda_equals_cpu"] = same
     out["input_gb"] = in_bytes / 1e9
+    stage(f"shard --ep {args.ep}")
     t0 = time.perf_counter()
     shard(q8, shards, args.ep, progress=False)
     out["shard_s"] = time.perf_counter() - t0
@@ -146,6 +156,7 @@ def main() -> None:
                                                 tokens=args.tokens, chunk_size=args.tokens, warmup=args.warmup,
                                                 repeat=args.repeat, backend=args.backend,
                                                 transport=transport or "collectives")))
+    stage(f"verify: {args.backends}")
     t0 = time.perf_counter()
     reports = verify_many(jobs)
     out["verify_s"] = time.perf_counter() - t0
@@ -155,6 +166,7 @@ def main() -> None:
                     for k in ("dispatch_bytes_sent", "combine_bytes_sent")})
     matrices = {f"{ri}/{l.layer}/{key}": l.bytes_moved[key] for ri, r in enumerate(reports) for l in r.layers
                 for key in ("dispatch_split_bytes", "combine_split_bytes") if key in l.bytes_moved}
+    stage("raw collectives")
     raw = spawn_world(raw_collectives, args.ep, args.backend, args=(args.hidden, 4096, sizes, matrices),
                       timeout_s=600)[0]
     out["raw"] = raw
