@@ -150,6 +150,7 @@ def worker(rank: int, world: int, opts: dict) -> dict:
             _, c, cw = _timed(lambda: disp.finalize(out, prep, True, stats), cuda)
             if it >= opts["warmup"]:
                 d_ms.append(d), c_ms.append(c), d_wall.append(dw), c_wall.append(cw)
+        stats.settle()  # the mapped transport counts after the timed calls
         if cuda and opts.get("profile_dir"):  # every rank records its own trace (rank skew shows)
             from torch.profiler import ProfilerActivity, profile
 

@@ -19,12 +19,13 @@ sent, M = rows received, H = hidden, k = top-k, L = local slots, G = ceil(H/128)
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import secrets
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -179,9 +180,24 @@ class CommStats:
     dispatch_split_bytes: list[int] = field(default_factory=list)
     combine_split_bytes: list[int] = field(default_factory=list)
 
+    #: counting left for later (see :meth:`defer`), run by :meth:`settle`
+    pending: list[Callable[[], None]] = field(default_factory=list)
+
     def add_split(self, name: str, per_rank: list[int]) -> None:
         cur = getattr(self, name)
         setattr(self, name, [a + b for a, b in zip(cur, per_rank)] if cur else list(per_rank))
+
+    def defer(self, count: Callable[[], None]) -> None:
+        """Count later: ``count()`` reads device tensors back, which would make the host wait
+        for the GPU inside a timed phase."""
+        self.pending.append(count)
+
+    def settle(self) -> "CommStats":
+        """Run the deferred counting (one host synchronisation); call before reading the counters."""
+        pending, self.pending = self.pending, []
+        for count in pending:
+            count()
+        return self
 
 
 # --------------------------------------------------------------------------- helpers
@@ -757,6 +773,12 @@ class All2AllDispatcher(Dispatcher):
         stats.dispatch_bytes_recv += (sum(recv_l) - recv_l[me]) * B + 8 * (R - 1)
         stats.tokens_received += sum(recv_l)
 
+    def _count_mapped(self, stats: CommStats, counts: torch.Tensor, B: int, row_bytes: int, gather_bytes: int) -> None:
+        """Both counters of one mapped chunk, from its [2, R] device counts (sent to, received from)."""
+        send_l, recv_l = counts.tolist()
+        self._dispatch_stats(stats, send_l, recv_l, B)
+        self._combine_stats(stats, send_l, recv_l, row_bytes, gather_bytes)
+
     def _combine_stats(self, stats: CommStats, send_l: list[int], recv_l: list[int], row_bytes: int,
                        gather_bytes: int) -> None:
         """Combine counters of one chunk: result rows back, plus the tp all-gather's parts."""
@@ -800,9 +822,13 @@ class All2AllDispatcher(Dispatcher):
             full = self._combine_graphs.run(self._mapped_combine, args) if out.is_cuda else None
             if full is None:
                 full = self._mapped_combine(*args)
-            # the mapped transport's row counts reach the host here, after every launch of the chunk
-            send_l, recv_l = st["counts"].tolist()
-            self._dispatch_stats(stats, send_l, recv_l, self._mapped.rows.views[0].shape[1])
+            # the row counts stay on the device until the counters are read (CommStats.settle), so
+            # nothing here waits for the GPU; the graph's counts buffer is reused by the next replay
+            counts = st["counts"].clone() if out.is_cuda else st["counts"]
+            stats.defer(functools.partial(self._count_mapped, stats, counts, self._mapped.rows.views[0].shape[1],
+                                          H * nb, width * H * nb if topo.tp > 1 else 0))
+            if not out.is_cuda:
+                stats.settle()
         else:
             back = out.new_empty(sum(st["send"]), H)  # [P, H]
             dist.all_to_all_single(back, out, output_split_sizes=st["send"], input_split_sizes=st["recv"])
@@ -816,8 +842,7 @@ class All2AllDispatcher(Dispatcher):
                     part[pos.shape[0]:].zero_()
                 full = part.new_empty(topo.tp * width, H)
                 all_gather_tensor(full, part, group=topo.tp_group)
-            send_l, recv_l = st["send"], st["recv"]
-        self._combine_stats(stats, send_l, recv_l, H * nb, width * H * nb if topo.tp > 1 else 0)
+            self._combine_stats(stats, st["send"], st["recv"], H * nb, width * H * nb if topo.tp > 1 else 0)
         if topo.tp == 1 or width * topo.tp == st["t"]:
             return full  # [t, H]
         return torch.cat([full[i * width:i * width + split[i]] for i in range(topo.tp)])  # [t, H]

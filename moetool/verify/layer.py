@@ -143,6 +143,7 @@ def run_moe_layer(x_group: torch.Tensor, gate_weight: torch.Tensor,
                 with timer.phase("shared"):
                     y_c = y_c + shared_forward(x_group[lo:lo + sizes[g]], shared)
             y[lo:lo + sizes[g]] = y_c
+    stats.settle()
     stats.pairs_computed = sum(stats.expert_tokens)
     return y, _stats(topo, dispatcher, experts, stats, timer, x_group.shape[0], chunks,
                      time.perf_counter() - t_start, act_quant, local)
