@@ -68,6 +68,105 @@ def test_tensors_larger_than_one_write(tmp_path):
     assert rec.sha256 == sha256_file(tmp_path / "o" / "m.safetensors")
 
 
+def _sink_pieces():
+    g = torch.Generator().manual_seed(2)
+    return [b"header bytes, not a multiple of 8", torch.randn(3000, generator=g),  # 12000 B
+            torch.arange(7, dtype=torch.int16), torch.zeros(0), torch.randn(5000, generator=g).bfloat16()[::2],
+            b"", torch.randint(0, 255, (8192 * 3,), generator=g, dtype=torch.uint8)]
+
+
+def _expected_bytes(pieces) -> bytes:
+    return b"".join(p if isinstance(p, bytes) else bytes(tensor_bytes(p)) for p in pieces)
+
+
+def _write_sink(path, pieces, **kw):
+    from moetool.writer import _HashingSink
+
+    sink = _HashingSink(path, **kw)
+    for p in pieces:
+        sink.write(p)
+    return sink, sink.close(True)
+
+
+@pytest.mark.parametrize("folder", ["tmp", "shm"])
+def test_direct_io_sink_writes_and_hashes_the_same_bytes(tmp_path, monkeypatch, folder):
+    """The O_DIRECT sink (small staging buffers here: many of them, a ragged tail written
+    through the page cache) gives the bytes and sha256 of the plain one; on a file system
+    without O_DIRECT (tmpfs on older kernels) it falls back to plain writes."""
+    import hashlib
+    import os
+    from pathlib import Path
+
+    import moetool.writer as w
+
+    if folder == "shm":
+        if not os.path.isdir("/dev/shm") or not os.access("/dev/shm", os.W_OK):
+            pytest.skip("no writable /dev/shm")
+        import tempfile
+
+        tmp_path = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    try:
+        monkeypatch.setattr(w, "DIRECT_STAGE", 8192)
+        pieces = _sink_pieces()
+        want = _expected_bytes(pieces)
+        sink, digest = _write_sink(tmp_path / "direct", pieces)
+        plain, plain_digest = _write_sink(tmp_path / "plain", pieces, direct=False)
+        assert not plain.direct
+        assert (tmp_path / "direct").read_bytes() == want == (tmp_path / "plain").read_bytes()
+        assert digest == plain_digest == hashlib.sha256(want).hexdigest()
+        if folder == "tmp" and w._O_DIRECT:
+            assert sink.direct  # ext4 / xfs / btrfs take it: the path above was the direct one
+    finally:
+        if folder == "shm":
+            import shutil
+
+            shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_direct_io_sink_falls_back_when_a_direct_write_is_refused(tmp_path, monkeypatch):
+    """A direct write the file refuses (EINVAL: unaligned, forced here by a 1-byte alignment)
+    switches the file to plain writes; the bytes and sha256 are the same."""
+    import hashlib
+
+    import moetool.writer as w
+
+    monkeypatch.setattr(w, "DIRECT_STAGE", 8192)
+    monkeypatch.setattr(w, "DIRECT_ALIGN", 1)
+    pieces = _sink_pieces()
+    want = _expected_bytes(pieces)
+    sink, digest = _write_sink(tmp_path / "f", pieces)
+    if not sink.direct:
+        pytest.skip("this file system does not take O_DIRECT")
+    assert (tmp_path / "f").read_bytes() == want and digest == hashlib.sha256(want).hexdigest()
+    assert not sink.o_direct
+
+
+def test_direct_io_sink_error_leaves_the_file_unfinished(tmp_path, monkeypatch):
+    """A failing write surfaces from close() (the output stays .incomplete in OutputDir)."""
+    import os
+
+    import moetool.writer as w
+    from moetool.writer import _HashingSink
+
+    monkeypatch.setattr(w, "DIRECT_STAGE", 8192)
+
+    def refuse(fd, data, offset):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", refuse)
+    sink = _HashingSink(tmp_path / "f")
+    if not sink.direct:
+        sink.close(False)
+        pytest.skip("this file system does not take O_DIRECT")
+    for p in _sink_pieces():
+        try:
+            sink.write(p)
+        except OSError:
+            break
+    with pytest.raises(OSError, match="No space"):
+        sink.close(True)
+
+
 def test_streams_a_tensor_in_several_chunks(tmp_path):
     big = torch.arange(1000, dtype=torch.float32).reshape(10, 100)
     small = torch.ones(7, dtype=torch.bfloat16)
