@@ -112,6 +112,43 @@ def host_costs(disp, x, ids, w, token_index, table, num_slots, world: int, reps:
     return out
 
 
+def mapped_host_costs(disp, x, ids, w, token_index, info, table, num_slots, act_quant: bool, fake_out,
+                      reps: int = 50) -> dict[str, float]:
+    """Host microseconds per call of the mapped prepare and finalize once their CUDA graphs
+    replay, and of the pieces of a replay (key, one staged copy, the graph launch); each loop
+    ends with a synchronize outside the timing, so the GPU never holds the host back."""
+    from moetool.verify.dispatch import CommStats
+
+    stats = CommStats(expert_tokens=[0] * num_slots)
+    prep = disp.prepare(x, ids, w, token_index, info, table, num_slots, act_quant, stats)
+    out = fake_out[prep.out_dtype][:prep.hidden.shape[0]]
+    disp.finalize(out, prep, True, stats)
+    torch.cuda.synchronize()
+    cache = disp._graphs
+    args = (x, ids, w, token_index, table, num_slots, act_quant, disp._row_layout(x.shape[1], ids.shape[1], act_quant),
+            disp._mapped)  # as _prepare_mapped passes them
+    graph, buffers, _ = next(iter(cache._graphs.values()))
+    steps = {
+        "prepare": lambda: disp.prepare(x, ids, w, token_index, info, table, num_slots, act_quant, stats),
+        "finalize": lambda: disp.finalize(out, prep, True, stats),
+        "graph key": lambda: cache._key(args),
+        "one staged copy": lambda: buffers[0].copy_(ids),
+        "graph replay": graph.replay,
+    }
+    res = {}
+    for name, fn in steps.items():
+        times = []
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e6)
+            torch.cuda.synchronize()
+        res[name] = statistics.median(times)
+    stats.pending.clear()
+    return res
+
+
 def worker(rank: int, world: int, opts: dict) -> dict:
     import torch.distributed as dist
 
@@ -205,6 +242,9 @@ def worker(rank: int, world: int, opts: dict) -> dict:
                 if it >= opts["warmup"]:
                     times.append(t)
             res.setdefault("raw_tp_exchange_as_a2a_ms", statistics.median(times))
+        if name == "all2all-mapped" and cuda:
+            res["mapped_host_us"] = mapped_host_costs(disp, x, ids, w, token_index, info, table, num_slots,
+                                                      opts["act_quant"], fake_out)
         if name == "all2all" and (cuda or os.environ.get("TRITON_INTERPRET") == "1"):
             res["host_us"] = host_costs(disp, x, ids, w, token_index, table, num_slots, world, 50 if cuda else 1)
         res[name] = {"raw_exact_dispatch_ms": exact.get("dispatch_split_bytes", float("nan")),
@@ -269,6 +309,9 @@ def main() -> None:
     if "host_us" in per_rank[0]:
         print("host time per call, microseconds (max over ranks): " + ", ".join(
             f"{key} {max(pr['host_us'][key] for pr in per_rank):.0f}" for key in per_rank[0]["host_us"]))
+    if "mapped_host_us" in per_rank[0]:
+        print("all2all-mapped, host time per call once the graphs replay, microseconds (max over ranks): " + ", ".join(
+            f"{key} {max(pr['mapped_host_us'][key] for pr in per_rank):.0f}" for key in per_rank[0]["mapped_host_us"]))
     if args.out:
         (args.out / "dispatch_gpu.json").write_text(json.dumps({"args": vars(args) | {"out": str(args.out)},
                                                                  "max_over_ranks": rows, "per_rank": per_rank},
