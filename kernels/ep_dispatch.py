@@ -35,8 +35,6 @@ from .common import PeerBuffers, check_device, e4m3_rne, is_interpreted, round_t
 _INTS = (torch.int32, torch.int64)
 #: elements of the [tokens, k, ranks or slots] one-hot block a program holds at once
 _ONEHOT_BUDGET = 4096
-#: elements of the [tokens, k] block one route_tokens program scans at once
-_ROUTE_BUDGET = 8192
 
 
 def _block_tokens(k_p2: int, n_p2: int) -> int:
@@ -98,9 +96,48 @@ def _route_tokens_kernel(ids_ptr, tok_ptr, rank_ptr, count_ptr, order_ptr, count
         tl.store(tl.load(peer_counts_ptr + r).to(tl.pointer_type(tl.int64)) + me, running)
 
 
+@triton.jit
+def _route_hits_kernel(ids_ptr, tok_ptr, rank_ptr, count_ptr, hits_ptr, block_sums_ptr, m, k, W, R, n_blocks,
+                       stride_ids, stride_tok, BLOCK_T: tl.constexpr, K_P2: tl.constexpr):
+    """Program b (several-block chunks, pass 1): for token block b, hits[r, t] = 1 if token t
+    goes to rank r else 0 (into the order buffer, which pass 2 overwrites), and the block's
+    number of such tokens per rank into block_sums[r, b]."""
+    b = tl.program_id(0)
+    t = b * BLOCK_T + tl.arange(0, BLOCK_T)
+    j = tl.arange(0, K_P2)
+    valid = (t[:, None] < m) & (j[None, :] < k)
+    at = _replica(ids_ptr, tok_ptr, count_ptr, t, j, valid, m, W, stride_ids, stride_tok)
+    dest = tl.load(rank_ptr + at, mask=valid, other=-1)  # [BT, KP2]: the dependent loads, once
+    for r in range(R):
+        hit = tl.max((dest == r).to(tl.int64), axis=1)  # [BT]
+        tl.store(hits_ptr + r * m + t, hit, mask=t < m)  # R * m stays far below 2**31
+        tl.store(block_sums_ptr + r * n_blocks + b, tl.sum(hit, axis=0))
+
+
+@triton.jit
+def _route_order_kernel(order_ptr, block_sums_ptr, counts_ptr, peer_counts_ptr, m, n_blocks, me,
+                        BLOCK_T: tl.constexpr, NB_P2: tl.constexpr, TO_PEERS: tl.constexpr):
+    """Program (b, r) (pass 2): the hits of block b become each token's index among those sent
+    to rank r (the earlier blocks' sums, then a scan); the last block also writes the count."""
+    b = tl.program_id(0)
+    r = tl.program_id(1)
+    nb = tl.arange(0, NB_P2)
+    before = tl.sum(tl.load(block_sums_ptr + r * n_blocks + nb, mask=nb < b, other=0), axis=0)
+    t = b * BLOCK_T + tl.arange(0, BLOCK_T)
+    row = order_ptr + r.to(tl.int64) * m + t
+    hit = tl.load(row, mask=t < m, other=0)
+    order = before + tl.cumsum(hit, axis=0) - 1
+    tl.store(row, tl.where(hit > 0, order, -1), mask=t < m)
+    if b == n_blocks - 1:
+        total = before + tl.sum(hit, axis=0)
+        tl.store(counts_ptr + r, total)
+        if TO_PEERS:
+            tl.store(tl.load(peer_counts_ptr + r).to(tl.pointer_type(tl.int64)) + me, total)
+
+
 def route_tokens(topk_ids: torch.Tensor, token_index: torch.Tensor, rank_tab: torch.Tensor,
                  count_tab: torch.Tensor, counts: torch.Tensor, peer_counts: PeerBuffers | None = None,
-                 me: int = 0) -> torch.Tensor:
+                 me: int = 0, block_elements: int = 4096) -> torch.Tensor:
     """topk_ids int [m, k] (global experts), token_index int64 [m] -> order int64 [R, m]: the
     index of token t among the tokens sent to rank r (ascending), -1 = none of its experts'
     replicas is on r. Writes the tokens per rank into ``counts`` (int64 [R], contiguous; a
@@ -110,7 +147,10 @@ def route_tokens(topk_ids: torch.Tensor, token_index: torch.Tensor, rank_tab: to
 
     ``peer_counts`` (int64 [R] on every rank, see :class:`PeerBuffers`): each count is also
     stored at [me] of the destination rank's copy, so after a barrier rank r holds the rows
-    every rank sends it, with no collective."""
+    every rank sends it, with no collective.
+
+    ``block_elements``: [tokens, k] elements per program (a tuning knob; any value gives the
+    same result)."""
     _check_ids(topk_ids, token_index)
     _check_tables(rank_tab, None, count_tab)
     _check_counts(counts)
@@ -120,20 +160,33 @@ def route_tokens(topk_ids: torch.Tensor, token_index: torch.Tensor, rank_tab: to
     order = torch.empty(R, m, dtype=torch.int64, device=topk_ids.device)
     check_device(_route_tokens_kernel, topk_ids, token_index, rank_tab, count_tab, counts,
                  *([] if peer_counts is None else [peer_counts.addresses]))
-    if R:
-        k_p2 = triton.next_power_of_2(max(k, 1))
-        # the whole chunk in one block where it fits: the running count is a chain of
-        # dependent loads per block, and this kernel sits right before the count exchange
-        bt = min(triton.next_power_of_2(max(m, 16)), max(16, _ROUTE_BUDGET // k_p2))
+    if not R:
+        return order
+    k_p2 = triton.next_power_of_2(max(k, 1))
+    bt = min(triton.next_power_of_2(max(m, 16)), max(16, block_elements // k_p2))
+    n_blocks = triton.cdiv(m, bt)
+    peers = counts if peer_counts is None else peer_counts.addresses
+    warps = max(4, min(16, bt * k_p2 // 1024))
+    if n_blocks <= 1:  # one block: one program per rank, one pass
         _route_tokens_kernel[(R,)](
-            topk_ids, token_index, rank_tab, count_tab, order, counts,
-            counts if peer_counts is None else peer_counts.addresses, m, k, rank_tab.shape[1], me,
+            topk_ids, token_index, rank_tab, count_tab, order, counts, peers, m, k, rank_tab.shape[1], me,
             topk_ids.stride(0), token_index.stride(0), BLOCK_T=bt, K_P2=k_p2, TO_PEERS=peer_counts is not None,
-            num_warps=max(4, min(16, bt * k_p2 // 1024)))
+            num_warps=warps)
+        return order
+    # several blocks: a running count over them would be a chain of dependent loads per block in
+    # one program per rank; instead every block finds its hits, then every (block, rank) scans
+    # its hits after the earlier blocks' sums
+    block_sums = torch.empty(R, n_blocks, dtype=torch.int64, device=topk_ids.device)
+    _route_hits_kernel[(n_blocks,)](
+        topk_ids, token_index, rank_tab, count_tab, order, block_sums, m, k, rank_tab.shape[1], R, n_blocks,
+        topk_ids.stride(0), token_index.stride(0), BLOCK_T=bt, K_P2=k_p2, num_warps=warps)
+    _route_order_kernel[(n_blocks, R)](
+        order, block_sums, counts, peers, m, n_blocks, me, BLOCK_T=bt,
+        NB_P2=triton.next_power_of_2(n_blocks), TO_PEERS=peer_counts is not None, num_warps=4)
     return order
 
 
-def route_tokens_ref(topk_ids, token_index, rank_tab, count_tab, counts, peer_counts=None, me=0):
+def route_tokens_ref(topk_ids, token_index, rank_tab, count_tab, counts, peer_counts=None, me=0, block_elements=4096):
     """Reference of :func:`route_tokens` (same arguments)."""
     _check_ids(topk_ids, token_index)
     _check_tables(rank_tab, None, count_tab)
@@ -373,25 +426,30 @@ def pack_rows_ref(x, topk_ids, topk_weights, token_index, order, counts, out, hi
 
 @triton.jit
 def _local_slots_kernel(ids_ptr, tok_ptr, rank_ptr, slot_ptr, count_ptr, out_ptr, counts_ptr, rows_ptr,
-                        M, k, L, W, me, cap, stride_ids, stride_tok,
+                        M, k, L, W, me, cap, stride_ids, stride_tok, n_blocks, n_programs,
                         BLOCK_T: tl.constexpr, K_P2: tl.constexpr, L_P2: tl.constexpr, REGIONS: tl.constexpr):
-    """REGIONS: the rows are regions of ``cap`` rows, region s holding rows_ptr[s] valid rows
+    """Program p: token blocks p, p + n_programs, ...; their per-slot counts are summed here
+    and added to counts once (one atomic per slot and program, not per block).
+    REGIONS: the rows are regions of ``cap`` rows, region s holding rows_ptr[s] valid rows
     first; the rest (stale bytes) get local ids -1 and their ids are not read."""
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     j = tl.arange(0, K_P2)
-    inside = (t[:, None] < M) & (j[None, :] < k)
-    valid = inside
-    if REGIONS:
-        filled = tl.load(rows_ptr + t // cap, mask=t < M, other=0)
-        valid = valid & ((t % cap) < filled)[:, None]
-    at = _replica(ids_ptr, tok_ptr, count_ptr, t, j, valid, M, W, stride_ids, stride_tok)
-    r = tl.load(rank_ptr + at, mask=valid, other=-1)
-    s = tl.load(slot_ptr + at, mask=valid, other=-1)
-    local = tl.where(r == me, s, -1)  # [BT, KP2]
-    tl.store(out_ptr + t[:, None].to(tl.int64) * k + j[None, :], local, mask=inside)
     slots = tl.arange(0, L_P2)
-    hit = (local[:, :, None] == slots[None, None, :]).to(tl.int32)  # [BT, KP2, LP2]
-    tl.atomic_add(counts_ptr + slots, tl.sum(tl.sum(hit, axis=1), axis=0).to(tl.int64), mask=slots < L)
+    per_slot = tl.zeros((L_P2,), dtype=tl.int32)
+    for blk in range(tl.program_id(0), n_blocks, n_programs):
+        t = blk * BLOCK_T + tl.arange(0, BLOCK_T)
+        inside = (t[:, None] < M) & (j[None, :] < k)
+        valid = inside
+        if REGIONS:
+            filled = tl.load(rows_ptr + t // cap, mask=t < M, other=0)
+            valid = valid & ((t % cap) < filled)[:, None]
+        at = _replica(ids_ptr, tok_ptr, count_ptr, t, j, valid, M, W, stride_ids, stride_tok)
+        r = tl.load(rank_ptr + at, mask=valid, other=-1)
+        s = tl.load(slot_ptr + at, mask=valid, other=-1)
+        local = tl.where(r == me, s, -1)  # [BT, KP2]
+        tl.store(out_ptr + t[:, None].to(tl.int64) * k + j[None, :], local, mask=inside)
+        hit = (local[:, :, None] == slots[None, None, :]).to(tl.int32)  # [BT, KP2, LP2]
+        per_slot += tl.sum(tl.sum(hit, axis=1), axis=0)
+    tl.atomic_add(counts_ptr + slots, per_slot.to(tl.int64), mask=slots < L)
 
 
 def _check_regions(M: int, region_rows: torch.Tensor | None) -> None:
@@ -404,13 +462,16 @@ def _check_regions(M: int, region_rows: torch.Tensor | None) -> None:
 
 def local_slots(ids: torch.Tensor, token_index: torch.Tensor, rank_tab: torch.Tensor, slot_tab: torch.Tensor,
                 count_tab: torch.Tensor, rank: int, num_slots: int,
-                region_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                region_rows: torch.Tensor | None = None, max_programs: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
     """ids int [M, k] (global experts; rows may be strided views), token_index int64 [M] (may be
     strided) -> (local_ids int64 [M, k], expert_num_tokens int64 [L]).
 
     ``region_rows`` int64 [R]: the rows are R regions of M / R rows (one per source rank, as
     :func:`pack_rows` fills peer buffers) and only the first region_rows[s] rows of region s
-    were sent; the others hold stale bytes, get local ids -1 and are not read."""
+    were sent; the others hold stale bytes, get local ids -1 and are not read.
+
+    ``max_programs``: programs at most, each taking every max_programs-th token block (fewer
+    atomic additions into the counts; any value gives the same result)."""
     _check_ids(ids, token_index)
     _check_tables(rank_tab, slot_tab, count_tab)
     M, k = ids.shape
@@ -424,14 +485,18 @@ def local_slots(ids: torch.Tensor, token_index: torch.Tensor, rank_tab: torch.Te
         k_p2, l_p2 = triton.next_power_of_2(k), triton.next_power_of_2(max(num_slots, 1))
         bt = _block_tokens(k_p2, l_p2)
         regions = region_rows is not None
-        _local_slots_kernel[(triton.cdiv(M, bt),)](
+        n_blocks = triton.cdiv(M, bt)
+        n_programs = min(n_blocks, max_programs)
+        _local_slots_kernel[(n_programs,)](
             ids, token_index, rank_tab, slot_tab, count_tab, out, counts, region_rows if regions else counts,
             M, k, num_slots, rank_tab.shape[1], rank, M // region_rows.shape[0] if regions else M,
-            ids.stride(0), token_index.stride(0), BLOCK_T=bt, K_P2=k_p2, L_P2=l_p2, REGIONS=regions)
+            ids.stride(0), token_index.stride(0), n_blocks, n_programs,
+            BLOCK_T=bt, K_P2=k_p2, L_P2=l_p2, REGIONS=regions)
     return out, counts
 
 
-def local_slots_ref(ids, token_index, rank_tab, slot_tab, count_tab, rank, num_slots, region_rows=None):
+def local_slots_ref(ids, token_index, rank_tab, slot_tab, count_tab, rank, num_slots, region_rows=None,
+                    max_programs=256):
     """Reference of :func:`local_slots` (same arguments)."""
     _check_ids(ids, token_index)
     _check_tables(rank_tab, slot_tab, count_tab)

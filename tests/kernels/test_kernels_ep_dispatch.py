@@ -20,20 +20,23 @@ def _table(E: int, R: int, redundant: dict | None = None) -> RouteTable:
 
 
 # (tokens, experts, ranks, k, redundant copies)
-# (1300, k 8) and (2100, k 3) run route_tokens over several token blocks (512 / 1024 per block)
+# (1300, k 8) and (2100, k 3) run route_tokens over several token blocks (512 / 1024 per block);
+# block_elements 64 / 32 below make several blocks of the small cases too
 CASES = [(37, 8, 4, 2, {1: [0, 2], 5: [3]}), (1, 4, 1, 1, None), (300, 64, 4, 8, {3: [1, 2, 3]}),
          (64, 16, 8, 3, None), (5, 6, 3, 6, {0: [1]}), (1300, 16, 4, 8, {2: [0]}), (2100, 12, 3, 3, None)]
 
 
+@pytest.mark.parametrize("block_elements", [4096, 64])  # 64: several blocks even for small m (two passes)
 @pytest.mark.parametrize("m,E,R,k,redundant", CASES)
-def test_route_tokens_matches_reference(device, m, E, R, k, redundant):
+def test_route_tokens_matches_reference(device, m, E, R, k, redundant, block_elements):
     table = _table(E, R, redundant)
     ids = torch.stack([torch.randperm(E)[:k] for _ in range(m)])  # distinct experts per token
     tok = 1000 + torch.arange(m)
     counts_ref = torch.full((R,), -7, dtype=torch.int64)
     order_ref = ed.route_tokens_ref(ids, tok, table.rank, table.count, counts_ref)
     counts = torch.full((R,), -7, dtype=torch.int64, device=device)
-    order = ed.route_tokens(ids.to(device), tok.to(device), table.rank.to(device), table.count.to(device), counts)
+    order = ed.route_tokens(ids.to(device), tok.to(device), table.rank.to(device), table.count.to(device), counts,
+                            block_elements=block_elements)
     assert torch.equal(order.cpu(), order_ref) and torch.equal(counts.cpu(), counts_ref)
     # the same choice as RouteTable.destinations; tokens ascending per rank, each counted once
     dest, _ = table.destinations(ids, tok)
@@ -44,8 +47,9 @@ def test_route_tokens_matches_reference(device, m, E, R, k, redundant):
         assert order_ref[r, sent].tolist() == list(range(len(sent)))
 
 
+@pytest.mark.parametrize("max_programs", [256, 3])  # 3: each program loops over several token blocks
 @pytest.mark.parametrize("m,E,R,k,redundant", CASES)
-def test_local_slots_match_reference_on_strided_views(device, m, E, R, k, redundant):
+def test_local_slots_match_reference_on_strided_views(device, m, E, R, k, redundant, max_programs):
     table = _table(E, R, redundant)
     ids = torch.stack([torch.randperm(E)[:k] for _ in range(m)]).to(torch.int32)
     tok = 7 + torch.arange(m) * 3
@@ -57,7 +61,8 @@ def test_local_slots_match_reference_on_strided_views(device, m, E, R, k, redund
         L = len(table.rank[table.rank == rank])
         ref_ids, ref_counts = ed.local_slots_ref(ids, tok, table.rank, table.slot, table.count, rank, L)
         got_ids, got_counts = ed.local_slots(wide.to(device)[:, 2:2 + k], toks.to(device)[:, 1], table.rank.to(device),
-                                             table.slot.to(device), table.count.to(device), rank, L)
+                                             table.slot.to(device), table.count.to(device), rank, L,
+                                             max_programs=max_programs)
         assert torch.equal(got_ids.cpu(), ref_ids) and torch.equal(got_counts.cpu(), ref_counts)
         # the same choice as RouteTable.destinations
         r, s = table.destinations(ids.long(), tok)
@@ -180,8 +185,9 @@ def _peers(R: int, shape: tuple, dtype: torch.dtype, device: str, fill: int = 0x
     return PeerBuffers(views, torch.device(device))
 
 
+@pytest.mark.parametrize("block_elements", [4096, 32])
 @pytest.mark.parametrize("m,E,R,k,redundant", CASES[:5])
-def test_route_tokens_stores_counts_into_every_peer(device, m, E, R, k, redundant):
+def test_route_tokens_stores_counts_into_every_peer(device, m, E, R, k, redundant, block_elements):
     table = _table(E, R, redundant)
     ref_peers, got_peers = _peers(R, (R,), torch.int64, "cpu"), _peers(R, (R,), torch.int64, device)
     sent = torch.zeros(R, R, dtype=torch.int64)  # [source, destination]
@@ -192,7 +198,7 @@ def test_route_tokens_stores_counts_into_every_peer(device, m, E, R, k, redundan
         order_ref = ed.route_tokens_ref(ids, tok, table.rank, table.count, counts_ref, ref_peers, me)
         counts = torch.empty(R, dtype=torch.int64, device=device)
         order = ed.route_tokens(ids.to(device), tok.to(device), table.rank.to(device), table.count.to(device),
-                                counts, got_peers, me)
+                                counts, got_peers, me, block_elements=block_elements)
         assert torch.equal(order.cpu(), order_ref) and torch.equal(counts.cpu(), counts_ref)
         sent[me] = counts_ref
     for r in range(R):  # rank r's copy holds what every source sends it
@@ -236,7 +242,8 @@ def test_pack_rows_into_peer_buffers_byte_for_byte(device, m, H, R, k, dtype, gr
             assert torch.equal(ref_peers.views[r][s * cap + n:(s + 1) * cap], stale[s * cap + n:(s + 1) * cap])
 
 
-def test_local_slots_skip_stale_rows_of_regions(device):
+@pytest.mark.parametrize("max_programs", [256, 1])
+def test_local_slots_skip_stale_rows_of_regions(device, max_programs):
     """Rows past each region's count hold garbage (ids far out of range): never read, ids -1."""
     E, R, k, cap = 12, 3, 4, 9
     table = _table(E, R, {2: [0, 1]})
@@ -250,7 +257,8 @@ def test_local_slots_skip_stale_rows_of_regions(device):
         L = len(table.rank[table.rank == rank])
         ref_ids, ref_counts = ed.local_slots_ref(ids, tok, table.rank, table.slot, table.count, rank, L, filled)
         got_ids, got_counts = ed.local_slots(ids.to(device), tok.to(device), table.rank.to(device),
-                                             table.slot.to(device), table.count.to(device), rank, L, filled.to(device))
+                                             table.slot.to(device), table.count.to(device), rank, L, filled.to(device),
+                                             max_programs=max_programs)
         assert torch.equal(got_ids.cpu(), ref_ids) and torch.equal(got_counts.cpu(), ref_counts)
         valid = torch.cat([torch.arange(cap) < n for n in filled.tolist()])
         assert (ref_ids[~valid] == -1).all()
