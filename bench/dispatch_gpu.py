@@ -112,6 +112,16 @@ def host_costs(disp, x, ids, w, token_index, table, num_slots, world: int, reps:
     return out
 
 
+def _expert_output(prep, fake_out: dict) -> torch.Tensor:
+    """The stand-in expert output, where real experts would have written it: into the
+    dispatcher's buffer when it names one (the mapped pull combine; untimed, as the experts'
+    own writes are), else the random rows themselves."""
+    rows = fake_out[prep.out_dtype][:prep.hidden.shape[0]]
+    if prep.out_buffer is None:
+        return rows
+    return prep.out_buffer.copy_(rows)
+
+
 def mapped_host_costs(disp, x, ids, w, token_index, info, table, num_slots, act_quant: bool, fake_out,
                       reps: int = 50) -> dict[str, float]:
     """Host microseconds per call of the mapped prepare and finalize once their CUDA graphs
@@ -121,7 +131,7 @@ def mapped_host_costs(disp, x, ids, w, token_index, info, table, num_slots, act_
 
     stats = CommStats(expert_tokens=[0] * num_slots)
     prep = disp.prepare(x, ids, w, token_index, info, table, num_slots, act_quant, stats)
-    out = fake_out[prep.out_dtype][:prep.hidden.shape[0]]
+    out = _expert_output(prep, fake_out)
     disp.finalize(out, prep, True, stats)
     torch.cuda.synchronize()
     cache = disp._graphs
@@ -172,7 +182,10 @@ def worker(rank: int, world: int, opts: dict) -> dict:
     res = {}
     for name in opts["dispatchers"]:
         base, _, transport = name.partition("-")  # all2all-mapped: the mapped transport
+        transport, _, combine = transport.partition("-")  # all2all-mapped-push: its push combine
         disp = get_dispatcher(base, topo, comm_dtype=torch.bfloat16, **({"transport": transport} if transport else {}))
+        if combine:
+            disp.mapped_combine = combine
         rows = disp.token_slice(T)
         x = x_group[rows]
         ids, w = ids_group[rows].contiguous(), w_group[rows].contiguous()
@@ -183,7 +196,7 @@ def worker(rank: int, world: int, opts: dict) -> dict:
             stats = CommStats(expert_tokens=[0] * num_slots)
             prep, d, dw = _timed(lambda: disp.prepare(x, ids, w, token_index, info, table, num_slots,
                                                       opts["act_quant"], stats), cuda)
-            out = fake_out[prep.out_dtype][:prep.hidden.shape[0]]
+            out = _expert_output(prep, fake_out)
             _, c, cw = _timed(lambda: disp.finalize(out, prep, True, stats), cuda)
             if it >= opts["warmup"]:
                 d_ms.append(d), c_ms.append(c), d_wall.append(dw), c_wall.append(cw)
@@ -196,8 +209,7 @@ def worker(rank: int, world: int, opts: dict) -> dict:
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
                 prep = disp.prepare(x, ids, w, token_index, info, table, num_slots, opts["act_quant"],
                                     CommStats(expert_tokens=[0] * num_slots))
-                disp.finalize(fake_out[prep.out_dtype][:prep.hidden.shape[0]], prep, True,
-                              CommStats(expert_tokens=[0] * num_slots))
+                disp.finalize(_expert_output(prep, fake_out), prep, True, CommStats(expert_tokens=[0] * num_slots))
                 torch.cuda.synchronize()
             if rank == 0:
                 table_txt = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
@@ -266,8 +278,9 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--no-act-quant", action="store_true", help="send bf16 rows instead of fp8 + scales")
-    ap.add_argument("--dispatchers", default="all2all,all2all-mapped,allgather",
-                    help="all2all-mapped: the all2all dispatcher with the mapped transport")
+    ap.add_argument("--dispatchers", default="all2all,all2all-mapped,all2all-mapped-push,allgather",
+                    help="all2all-mapped: the all2all dispatcher with the mapped transport (its pull combine), "
+                         "all2all-mapped-push: the same with the push combine")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--backend", default="nccl")
@@ -285,7 +298,7 @@ def main() -> None:
     print(f"--ep {args.ep} --dp {args.dp}, {args.tokens} tokens per dp group, hidden {args.hidden}, "
           f"top-{args.top_k} of {args.experts}, {'fp8' if opts['act_quant'] else 'bf16'} rows, {args.backend}; "
           f"max over ranks of each rank's median (ms)")
-    print(f"{'dispatcher':<14} {'dispatch':>9} {'combine':>8} {'wall d/c':>12} {'MB/rank d':>9} {'MB/rank c':>9} "
+    print(f"{'dispatcher':<19} {'dispatch':>9} {'combine':>8} {'wall d/c':>12} {'MB/rank d':>9} {'MB/rank c':>9} "
           f"{'raw a2a d':>9} {'raw a2a c':>9} {'ratio':>6} {'raw tp gather':>13}")
     rows = {}
     for name in opts["dispatchers"]:
@@ -294,7 +307,7 @@ def main() -> None:
         r["ratio"] = ratio
         r["ratio_exact"] = (r["dispatch_ms"] + r["combine_ms"]) / (r["raw_exact_dispatch_ms"] + r["raw_exact_combine_ms"])
         rows[name] = r
-        print(f"{name:<14} {r['dispatch_ms']:>9.3f} {r['combine_ms']:>8.3f} "
+        print(f"{name:<19} {r['dispatch_ms']:>9.3f} {r['combine_ms']:>8.3f} "
               f"{r['dispatch_wall_ms']:>5.2f}/{r['combine_wall_ms']:<6.2f} {r['dispatch_bytes'] / 1e6:>9.1f} "
               f"{r['combine_bytes'] / 1e6:>9.1f} {r['raw_dispatch_ms']:>9.3f} {r['raw_combine_ms']:>9.3f} {ratio:>6.2f} "
               f"{r['raw_tp_gather_ms']:>13.3f}")

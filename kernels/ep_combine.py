@@ -9,9 +9,12 @@ The sum runs in fp32 from 0.0 in rank order, in both the kernel and its referenc
 agree bit for bit. The kernel writes fp32, or rounds once to bfloat16 (round to nearest even)
 so the result can go straight into a bf16 collective buffer.
 
-Where ranks map each other's buffers (:class:`~moetool.kernels.common.PeerBuffers`),
-:func:`send_rows_back` first stores each received row's result straight into the buffer of
-the rank that sent the row, at the row that rank's ``pos`` names.
+Where ranks map each other's buffers (:class:`~moetool.kernels.common.PeerBuffers`), there
+are two ways to get the rows back. Push: :func:`send_rows_back` stores each received row's
+result straight into the buffer of the rank that sent the row, at the row that rank's ``pos``
+names, and :func:`combine_rows` sums them there. Pull: :func:`combine_from_peers` reads each
+token's rows where the experts of every rank left them and sums them in one pass, the same
+sum bit for bit, with no intermediate copy.
 """
 from __future__ import annotations
 
@@ -185,3 +188,89 @@ def send_rows_back_ref(rows: torch.Tensor, filled: torch.Tensor, peers: PeerBuff
     cap = _check_send_back(rows, filled, peers, me)
     for s, n in enumerate(filled.tolist()):
         peers.views[s][me * cap:me * cap + n] = rows[s * cap:s * cap + n]
+
+
+# ---------------------------------------------------------------------------------------------
+# the sums read straight from the ranks' expert outputs, through mapped peer memory
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _combine_from_peers_kernel(sources_ptr, mine_ptr, pos_ptr, out_ptr, peers_ptr, H, cap, me, stride_pos_t,
+                               stride_pos_r, stride_out, n_peers, row0,
+                               R: tl.constexpr, BLOCK_H: tl.constexpr, OUT_BF16: tl.constexpr,
+                               TO_PEERS: tl.constexpr):
+    """Program (t, h-block): out[t, cols] = sum over valid r of sources[r][me * cap + pos[t, r] - r * cap, cols]
+    (r ascending, fp32 from 0); TO_PEERS as in _combine_rows_kernel. mine_ptr gives the
+    sources' element type."""
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    in_h = cols < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for r in tl.static_range(R):
+        p = tl.load(pos_ptr + t * stride_pos_t + r * stride_pos_r).to(tl.int64) + tl.zeros((BLOCK_H,), dtype=tl.int64)
+        src = tl.load(sources_ptr + r).to(tl.pointer_type(mine_ptr.dtype.element_ty))
+        row = tl.load(src + (p + (me - r) * cap) * H + cols, mask=in_h & (p >= 0), other=0.0)
+        acc += row.to(tl.float32)
+    if OUT_BF16:
+        v = round_to_bf16(acc).to(tl.bfloat16)
+    else:
+        v = acc
+    if TO_PEERS:
+        for q in range(n_peers):
+            dst = tl.load(peers_ptr + q).to(tl.pointer_type(out_ptr.dtype.element_ty))
+            tl.store(dst + (row0 + t).to(tl.int64) * H + cols, v, mask=in_h)
+    else:
+        tl.store(out_ptr + t.to(tl.int64) * stride_out + cols, v, mask=in_h)
+
+
+def _check_sources(sources: PeerBuffers, pos: torch.Tensor, me: int) -> int:
+    R = len(sources)
+    v = sources.views[0]
+    if v.dim() != 2 or not v.is_floating_point() or v.shape[0] % max(R, 1):
+        raise MoetoolError(f"combine_from_peers: sources must be R = {R} float buffers [R * cap, H], got "
+                           f"{v.dtype} {list(v.shape)}")
+    if pos.dim() != 2 or pos.dtype not in (torch.int32, torch.int64) or pos.shape[1] != R:
+        raise MoetoolError(f"combine_from_peers: pos must be int32/int64 [m, {R}], got {pos.dtype} {list(pos.shape)}")
+    if not 0 <= me < R:
+        raise MoetoolError(f"combine_from_peers: rank {me} is not in [0, {R})")
+    return v.shape[0] // R
+
+
+def combine_from_peers(sources: PeerBuffers, pos: torch.Tensor, me: int, out: torch.Tensor | None = None,
+                       peers: PeerBuffers | None = None, row0: int = 0) -> torch.Tensor | None:
+    """sources: every rank's expert output [R * cap, H] float (region s = the rows rank s sent
+    it, in order), pos int [m, R] (any strides): r * cap + j for the j-th row this rank sent to
+    rank r, -1 = token not sent there, as :func:`~moetool.kernels.ep_dispatch.pack_rows`
+    returns it (transposed) -> out[t] = sum over r of sources[r][me * cap + j], in rank order:
+    what :func:`send_rows_back` then :func:`combine_rows` give, bit for bit, with the rows read
+    where the experts wrote them. ``out`` and ``peers`` as in :func:`combine_rows`. Positions
+    must lie in [-1, R * cap); they are not checked on the device."""
+    cap = _check_sources(sources, pos, me)
+    H = sources.views[0].shape[1]
+    mine = sources.views[me]
+    _check_args(mine, pos, out)
+    if peers is not None:
+        _check_gather(pos, mine, out, peers, row0)
+        out = peers.views[0]
+    elif out is None:
+        out = torch.empty(pos.shape[0], H, dtype=torch.float32, device=mine.device)
+    check_device(_combine_from_peers_kernel, sources.addresses, pos, out, *([] if peers is None else [peers.addresses]))
+    m, R = pos.shape
+    if m and H:
+        block_h = min(1024, triton.next_power_of_2(H))
+        _combine_from_peers_kernel[(m, triton.cdiv(H, block_h))](
+            sources.addresses, mine, pos, out, out if peers is None else peers.addresses, H, cap, me, pos.stride(0),
+            pos.stride(1), out.stride(0), 0 if peers is None else len(peers), row0,
+            R=R, BLOCK_H=block_h, OUT_BF16=out.dtype == torch.bfloat16, TO_PEERS=peers is not None, num_warps=4,
+        )
+    return None if peers is not None else out
+
+
+def combine_from_peers_ref(sources: PeerBuffers, pos: torch.Tensor, me: int, out: torch.Tensor | None = None,
+                           peers: PeerBuffers | None = None, row0: int = 0) -> torch.Tensor | None:
+    """Reference of :func:`combine_from_peers` (same arguments): the rows gathered into this
+    rank's layout (region r = rank r's results for this rank), then :func:`combine_rows_ref`."""
+    cap = _check_sources(sources, pos, me)
+    back = torch.cat([v[me * cap:(me + 1) * cap] for v in sources.views])  # [R * cap, H]
+    return combine_rows_ref(back, pos, out, peers, row0)

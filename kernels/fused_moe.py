@@ -559,16 +559,17 @@ def _moe_sum_kernel(c_ptr, ids_ptr, out_ptr, H, stride_cp, stride_ch, stride_ot,
 OUT_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def moe_sum(c: torch.Tensor, topk_ids: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def moe_sum(c: torch.Tensor, topk_ids: torch.Tensor, out_dtype: torch.dtype = torch.float32,
+            out: torch.Tensor | None = None) -> torch.Tensor:
     """c [T*k, H] (rows of dropped pairs may hold anything), topk_ids [T, k] -> [T, H] out_dtype
-    (fp32, or bf16 rounded from the fp32 sum)."""
+    (fp32, or bf16 rounded from the fp32 sum), into ``out`` when given (out_dtype, [T, H])."""
     _check(out_dtype in OUT_DTYPES, f"moe_sum: out_dtype must be float32 or bfloat16, got {out_dtype}")
     _check(topk_ids.dim() == 2 and topk_ids.is_contiguous(), "moe_sum: topk_ids must be [T, k], contiguous")
     T, k = topk_ids.shape
     _check(c.dim() == 2 and c.shape[0] == T * k and c.is_contiguous(), "moe_sum: c must be [T*k, H], contiguous")
-    check_device(_moe_sum_kernel, c, topk_ids)
     H = c.shape[1]
-    out = torch.empty((T, H), dtype=out_dtype, device=c.device)
+    out = _check_out(out, T, H, out_dtype, c.device)
+    check_device(_moe_sum_kernel, c, topk_ids, out)
     if T and H:
         if k == 0:
             return out.zero_()
@@ -577,6 +578,15 @@ def moe_sum(c: torch.Tensor, topk_ids: torch.Tensor, out_dtype: torch.dtype = to
             c, topk_ids, out, H, c.stride(0), c.stride(1), out.stride(0), out.stride(1),
             TOPK=k, BLOCK_H=block_h, OUT_BF16=out_dtype == torch.bfloat16, num_warps=4,
         )
+    return out
+
+
+def _check_out(out: torch.Tensor | None, T: int, H: int, out_dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``out`` checked against [T, H] out_dtype, or a new tensor."""
+    if out is None:
+        return torch.empty((T, H), dtype=out_dtype, device=device)
+    _check(out.dtype == out_dtype and tuple(out.shape) == (T, H),
+           f"out must be {out_dtype} [{T}, {H}], got {out.dtype} {list(out.shape)}")
     return out
 
 
@@ -641,9 +651,11 @@ def fused_experts(
     check_ids: bool = True,
     soft_fp8: bool | None = None,
     out_dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One rank's routed experts with Triton kernels -> out [T, H] out_dtype (float32, or
-    bfloat16 rounded once from the fp32 sum, e.g. for a bf16 combine).
+    bfloat16 rounded once from the fp32 sum, e.g. for a bf16 combine); written into ``out``
+    when given (out_dtype [T, H], rows may be strided), e.g. a buffer other ranks read.
 
     hidden [T, H] fp16/bf16/fp32, or float8_e4m3fn with hidden_scale fp32 [T, ceil(H/128)]
     (rows of hidden and hidden_scale may be strided, e.g. views into a received buffer)
@@ -664,6 +676,8 @@ def fused_experts(
     w2p = _parse_weights(fmt_name, w2, "w2", E, H, N, group_size, None)
     _check(hidden.stride(1) == 1 and topk_ids.is_contiguous(), "hidden needs contiguous rows and topk_ids must be contiguous")
     _check(out_dtype in OUT_DTYPES, f"out_dtype must be float32 or bfloat16, got {out_dtype}")
+    if out is not None:
+        _check_out(out, T, H, out_dtype, hidden.device)
     tensors = [hidden, topk_ids, w13p.main, w2p.main]
     if apply_router_weight:
         _check(topk_weights.is_contiguous(), "topk_weights must be contiguous")
@@ -671,7 +685,7 @@ def fused_experts(
     check_device(_moe_gemm_kernel, *tensors)
     dev = hidden.device
     if T == 0 or k == 0 or E == 0 or N == 0 or H == 0:
-        return torch.zeros((T, H), dtype=out_dtype, device=dev)
+        return _check_out(out, T, H, out_dtype, dev).zero_()
     if check_ids:
         top = int(topk_ids.max())
         _check(top < E, f"topk_ids holds local expert {top} but only {E} experts are on this rank")
@@ -701,7 +715,7 @@ def fused_experts(
     cache3 = torch.empty((P, H), dtype=torch.float32, device=dev)
     _invoke_gemm(a2, a2_scale, w2p, cache3, weights, sorted_ids, expert_ids, num_post_pad,
                  P, 1, H, apply_router_weight, group_size, cfg)
-    return moe_sum(cache3, topk_ids, out_dtype)
+    return moe_sum(cache3, topk_ids, out_dtype, out)
 
 
 def dequantize_stacked(fmt_name: str, t: dict[str, torch.Tensor], e: int, rows: int, cols: int,

@@ -59,12 +59,14 @@ class ExpertsBackend:
 
     def apply(self, hidden: torch.Tensor, hidden_scale: torch.Tensor | None, local_ids: torch.Tensor,
               topk_weights: torch.Tensor, expert_num_tokens: torch.Tensor,
-              out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+              out_dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [M, H] (float, or float8_e4m3fn with hidden_scale float32 [M, G]; rows may be
         strided views), local_ids int64 [M, k] (-1: not here), topk_weights float32 [M, k],
         expert_num_tokens int64 [L] (rows per local slot) -> see applies_weights_and_reduces.
         out_dtype: dtype of the reduced [M, H] result (float32, or bfloat16 rounded once from
-        the fp32 sum, what a bf16 combine sends); unreduced outputs are always float32."""
+        the fp32 sum, what a bf16 combine sends); unreduced outputs are always float32.
+        out: where to write the reduced result (out_dtype [M, H], e.g. a buffer the other ranks
+        read); ignored by backends that do not reduce."""
         raise NotImplementedError
 
     def release(self) -> None:
@@ -122,7 +124,8 @@ class TorchExperts(ExpertsBackend):
         self._bound = None
         self._gate, self._up, self._down = [], [], []
 
-    def apply(self, hidden, hidden_scale, local_ids, topk_weights, expert_num_tokens, out_dtype=torch.float32):
+    def apply(self, hidden, hidden_scale, local_ids, topk_weights, expert_num_tokens, out_dtype=torch.float32,
+              out=None):
         if self._bound is None:
             raise MoetoolError("TorchExperts.apply before bind")
         L = len(self._gate)
@@ -130,7 +133,7 @@ class TorchExperts(ExpertsBackend):
         x = dequant_activations(hidden, hidden_scale) if hidden_scale is not None else hidden.float()  # [M, H]
         M, k = local_ids.shape
         H = x.shape[1]
-        out = x.new_zeros((M, H) if self._reduce else (M, k, H))
+        acc = x.new_zeros((M, H) if self._reduce else (M, k, H))
         for s in range(L):
             if int(expert_num_tokens[s]) == 0:
                 continue
@@ -138,10 +141,14 @@ class TorchExperts(ExpertsBackend):
             h = F.silu(x[tok] @ self._gate[s].t()) * (x[tok] @ self._up[s].t())  # [n, N]
             y = h @ self._down[s].t()  # [n, H]
             if self._reduce:
-                out.index_add_(0, tok, y * topk_weights[tok, j].float()[:, None])
+                acc.index_add_(0, tok, y * topk_weights[tok, j].float()[:, None])
             else:
-                out[tok, j] = y
-        return out.to(out_dtype) if self._reduce else out
+                acc[tok, j] = y
+        if not self._reduce:
+            return acc
+        if out is None:
+            return acc.to(out_dtype)
+        return out.copy_(acc)  # rounds to nearest even, as .to(out_dtype)
 
 
 class TritonExperts(ExpertsBackend):
@@ -172,17 +179,18 @@ class TritonExperts(ExpertsBackend):
     def release(self) -> None:
         self._bound, self._w13, self._w2 = None, {}, {}
 
-    def apply(self, hidden, hidden_scale, local_ids, topk_weights, expert_num_tokens, out_dtype=torch.float32):
+    def apply(self, hidden, hidden_scale, local_ids, topk_weights, expert_num_tokens, out_dtype=torch.float32,
+              out=None):
         if self._bound is None:
             raise MoetoolError("TritonExperts.apply before bind")
         from moetool.kernels.fused_moe import fused_experts  # lazy: needs triton + CUDA
 
         _check_ids(local_ids, self._num_slots)
         if local_ids.shape[0] == 0:
-            return torch.zeros(0, hidden.shape[1], dtype=out_dtype, device=hidden.device)
+            return torch.zeros(0, hidden.shape[1], dtype=out_dtype, device=hidden.device) if out is None else out
         return fused_experts(hidden, self._w13, self._w2, self._fmt_name, local_ids, topk_weights,
                              hidden_scale=hidden_scale, apply_router_weight=True, check_ids=False,
-                             group_size=self._group_size, out_dtype=out_dtype)
+                             group_size=self._group_size, out_dtype=out_dtype, out=out)
 
 
 EXPERTS: dict[str, type[ExpertsBackend]] = {"torch": TorchExperts, "triton": TritonExperts}

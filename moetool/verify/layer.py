@@ -133,7 +133,7 @@ def run_moe_layer(x_group: torch.Tensor, gate_weight: torch.Tensor,
                                       num_slots, act_quant, stats)
         with timer.phase("experts"):
             out = experts.apply(prep.hidden, prep.hidden_scale, prep.local_ids, prep.topk_weights,
-                                prep.expert_num_tokens, out_dtype=prep.out_dtype)
+                                prep.expert_num_tokens, out_dtype=prep.out_dtype, out=prep.out_buffer)
         for s, n in enumerate(prep.expert_num_tokens.tolist()):
             stats.expert_tokens[s] += n
         with timer.phase("combine"):

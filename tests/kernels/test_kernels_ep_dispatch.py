@@ -2,6 +2,7 @@
 import pytest
 import torch
 from moetool.kernels import ep_dispatch as ed
+from moetool.kernels.common import PeerBuffers
 
 from moetool.errors import MoetoolError
 from moetool.placement import linear_placement
@@ -178,7 +179,6 @@ def test_pack_rows_matches_reference_byte_for_byte(device, m, H, R, k, dtype, gr
 
 def _peers(R: int, shape: tuple, dtype: torch.dtype, device: str, fill: int = 0xA5):
     """R buffers pre-filled with stale bytes (what a previous chunk left), as PeerBuffers."""
-    from moetool.kernels.common import PeerBuffers
 
     views = [torch.full(shape, fill, dtype=torch.uint8, device=device).view(dtype).reshape(shape)
              if dtype.itemsize == 1 else torch.full(shape, -5, dtype=dtype, device=device) for _ in range(R)]
@@ -287,3 +287,45 @@ def test_send_rows_back_into_peer_buffers(device, dtype):
     with pytest.raises(MoetoolError, match="do not match rows"):
         ec.send_rows_back(torch.zeros(R * cap, H + 1, dtype=dtype, device=device), torch.zeros(R, dtype=torch.int64,
                           device=device), got_peers, 0)
+
+
+@pytest.mark.parametrize("dtype,out_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                             (torch.bfloat16, torch.bfloat16)])
+def test_combine_from_peers_equals_push_then_combine(device, dtype, out_dtype):
+    """Pull (every rank reads the rows where the experts left them) against push (results back
+    into the senders' buffers, then summed there): the same bytes, also into tp gather buffers."""
+    from moetool.kernels import ep_combine as ec
+
+    R, m, H = 3, 7, 300
+    cap = m
+    sent = torch.rand(R, m, R) < 0.6  # [source, token, destination]
+    sent[:, 0] = False  # a token sent nowhere sums to 0
+    order = torch.where(sent, torch.cumsum(sent.long(), 1) - 1, -1)  # index among the tokens to that rank
+    pos = torch.where(sent, torch.arange(R)[None, None, :] * cap + order, -1)  # [s, m, R]
+    expert_out = _peers(R, (R * cap, H), dtype, device)  # rank r's results: region s = the rows s sent it
+    for v in expert_out.views:
+        v.copy_(torch.randn(R * cap, H).to(dtype))  # stale rows included: never read
+    back = _peers(R, (R * cap, H), dtype, device)
+    for r in range(R):  # push
+        filled = sent[:, :, r].sum(1).to(device)
+        ec.send_rows_back(expert_out.views[r], filled, back, r)
+    for s in range(R):
+        pos_s = pos[s].to(device)
+        push = ec.combine_rows(back.views[s], pos_s, out=torch.empty(m, H, dtype=out_dtype, device=device))
+        pull = ec.combine_from_peers(expert_out, pos_s, s, out=torch.empty(m, H, dtype=out_dtype, device=device))
+        ref = ec.combine_from_peers_ref(_cpu(expert_out), pos[s], s, out=torch.empty(m, H, dtype=out_dtype))
+        assert torch.equal(pull.cpu(), push.cpu()) and torch.equal(pull.cpu(), ref)
+        assert not pull[0].any()
+    # into every tp rank's gather buffer at row0, as combine_rows does (tp group = ranks 0 and 1)
+    gathered, want = _peers(2, (2 * m, H), dtype, device), _peers(2, (2 * m, H), dtype, device)
+    for s in range(2):
+        ec.combine_from_peers(expert_out, pos[s].to(device), s, peers=gathered, row0=s * m)
+        ec.combine_rows(back.views[s], pos[s].to(device), peers=want, row0=s * m)
+    for g, w in zip(gathered.views, want.views):
+        assert torch.equal(g.cpu(), w.cpu())
+    with pytest.raises(MoetoolError, match=r"pos must be int32/int64 \[m, 3\]"):
+        ec.combine_from_peers(expert_out, pos[0][:, :2].to(device), 0)
+
+
+def _cpu(peers: PeerBuffers) -> PeerBuffers:
+    return PeerBuffers([v.cpu() for v in peers.views], torch.device("cpu"))

@@ -149,6 +149,14 @@ def test_row_strided_hidden_and_bf16_output(case, device):
                            out_dtype=torch.bfloat16)
     assert got.dtype == torch.bfloat16
     assert torch.equal(got.cpu(), want.cpu().to(torch.bfloat16))
+    # into a given buffer (e.g. one the other ranks read): the same bytes, written there
+    buf = torch.full((T, H), 7.0, dtype=torch.bfloat16, device=device)
+    into = fm.fused_experts(strided, w13, w2, fmt, ids, tw, hidden_scale=strided_scale, group_size=group,
+                            out_dtype=torch.bfloat16, out=buf)
+    assert into.data_ptr() == buf.data_ptr() and torch.equal(buf.cpu(), got.cpu())
+    with pytest.raises(MoetoolError, match=r"out must be torch.bfloat16 \["):
+        fm.fused_experts(x, w13, w2, fmt, ids, tw, hidden_scale=xs, group_size=group, out_dtype=torch.bfloat16,
+                         out=buf[:1])
 
 
 def test_dropped_and_idle_experts_are_never_computed(device):

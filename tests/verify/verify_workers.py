@@ -71,7 +71,8 @@ class ProbeExperts(ExpertsBackend):
     def bind(self, local, device):
         self.codes = 2.0 ** torch.tensor(local.slot_to_global, dtype=torch.float32, device=device)
 
-    def apply(self, hidden, hidden_scale, local_ids, topk_weights, expert_num_tokens, out_dtype=torch.float32):
+    def apply(self, hidden, hidden_scale, local_ids, topk_weights, expert_num_tokens, out_dtype=torch.float32,
+              out=None):  # out ignored: finalize copies into its buffer itself (that path is tested too)
         x = hidden.float()
         out = torch.zeros_like(x)
         for j in range(local_ids.shape[1]):
