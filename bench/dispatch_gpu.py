@@ -114,7 +114,7 @@ def host_costs(disp, x, ids, w, token_index, table, num_slots, world: int, reps:
 
 def _expert_output(prep, fake_out: dict) -> torch.Tensor:
     """The stand-in expert output, where real experts would have written it: into the
-    dispatcher's buffer when it names one (the mapped pull combine; untimed, as the experts'
+    dispatcher's buffer when it names one (the mapped transport; untimed, as the experts'
     own writes are), else the random rows themselves."""
     rows = fake_out[prep.out_dtype][:prep.hidden.shape[0]]
     if prep.out_buffer is None:
@@ -182,10 +182,7 @@ def worker(rank: int, world: int, opts: dict) -> dict:
     res = {}
     for name in opts["dispatchers"]:
         base, _, transport = name.partition("-")  # all2all-mapped: the mapped transport
-        transport, _, combine = transport.partition("-")  # all2all-mapped-push: its push combine
         disp = get_dispatcher(base, topo, comm_dtype=torch.bfloat16, **({"transport": transport} if transport else {}))
-        if combine:
-            disp.mapped_combine = combine
         rows = disp.token_slice(T)
         x = x_group[rows]
         ids, w = ids_group[rows].contiguous(), w_group[rows].contiguous()
@@ -278,9 +275,8 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--no-act-quant", action="store_true", help="send bf16 rows instead of fp8 + scales")
-    ap.add_argument("--dispatchers", default="all2all,all2all-mapped,all2all-mapped-push,allgather",
-                    help="all2all-mapped: the all2all dispatcher with the mapped transport (its pull combine), "
-                         "all2all-mapped-push: the same with the push combine")
+    ap.add_argument("--dispatchers", default="all2all,all2all-mapped,allgather",
+                    help="all2all-mapped: the all2all dispatcher with the mapped transport")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--backend", default="nccl")

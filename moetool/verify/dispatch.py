@@ -649,10 +649,6 @@ class All2AllDispatcher(Dispatcher):
             raise MoetoolError(f"unknown all2all transport {transport!r} (known: {', '.join(self.TRANSPORTS)})")
         self.transport = transport
         self._mapped: MappedBuffers | None = None
-        #: how the mapped combine gets the results: "pull" (each rank reads its tokens' rows from
-        #: the experts' outputs of every rank, one pass) or "push" (results stored back into the
-        #: senders' buffers, then summed there); same bytes
-        self.mapped_combine = "pull"
         self._layouts: dict[tuple, RowLayout] = {}  # per (H, k, act_quant): built once, the same object for the graph key
         # prepare's topk ids, weights and token positions are new tensors every call: staged
         self._graphs, self._combine_graphs = GraphCache(staged=(1, 2, 3)), GraphCache()
@@ -721,10 +717,8 @@ class All2AllDispatcher(Dispatcher):
             out = self._mapped_dispatch(*args)
         pos, counts, recv_counts, hidden, scale, local_ids, weights, expert_counts = out
         return Prepared(hidden, scale, local_ids, weights, expert_counts,
-                        {"pos": pos, "counts": counts, "filled": recv_counts,
-                         "t": chunk.sizes[topo.group_index]},
-                        out_dtype=self._wire,
-                        out_buffer=bufs.results.views[topo.rank] if self.mapped_combine == "pull" else None)
+                        {"pos": pos, "counts": counts, "t": chunk.sizes[topo.group_index]},
+                        out_dtype=self._wire, out_buffer=bufs.results.views[topo.rank])
 
     def _mapped_dispatch(self, x, topk_ids, topk_weights, token_index, table, num_slots, act_quant, layout, bufs):
         """The device work of the mapped prepare (no host synchronisation: capturable)."""
@@ -758,27 +752,12 @@ class All2AllDispatcher(Dispatcher):
         self._mapped = MappedBuffers.create(self.topo, cap, B, H, self._wire, None if cur is None else cur.memory)
         return self._mapped
 
-    def _mapped_combine(self, out: torch.Tensor, filled: torch.Tensor, pos: torch.Tensor, width: int,
-                        bufs: MappedBuffers) -> torch.Tensor:
-        """The device work of the mapped finalize (capturable), push: results back into their
-        senders' buffers, barrier, each token's sum in rank order; with tp > 1 the sums go
-        straight into every tp rank's gather buffer ([tp * width, H], which the result aliases
-        until the next chunk: run_moe_layer copies it out at once)."""
-        topo, me = self.topo, self.topo.rank
-        _kernel_or_ref("ep_combine", "send_rows_back", out)(out, filled, bufs.results, me)
-        bufs.memory.barrier(1)
-        back = bufs.results.views[me]  # [R * cap, H]: region r = results from rank r
-        if topo.tp == 1:
-            return _combine(back, pos.t())  # [m, H] fp32
-        _combine(back, pos.t(), peers=bufs.gathered, row0=topo.tp_index * width)
-        bufs.memory.barrier(2)
-        return bufs.gathered.views[topo.tp_index][:topo.tp * width]
-
-    def _mapped_combine_pull(self, pos: torch.Tensor, width: int, bufs: MappedBuffers) -> torch.Tensor:
-        """The device work of the mapped finalize (capturable), pull: every rank's experts have
+    def _mapped_combine(self, pos: torch.Tensor, width: int, bufs: MappedBuffers) -> torch.Tensor:
+        """The device work of the mapped finalize (capturable): every rank's experts have
         written their results buffer (barrier), then each token's rows are read from the ranks
-        that computed them and summed in rank order, into every tp rank's gather buffer when
-        tp > 1 (as :meth:`_mapped_combine`). A rank's results buffer is next written after the
+        that computed them and summed in rank order; with tp > 1 the sums go straight into every
+        tp rank's gather buffer ([tp * width, H], which the result aliases until the next chunk:
+        run_moe_layer copies it out at once). A rank's results buffer is next written after the
         next chunk's dispatch barrier, which every rank reaches only after this read."""
         topo, me = self.topo, self.topo.rank
         combine = _kernel_or_ref("ep_combine", "combine_from_peers", bufs.results.views[me])
@@ -847,16 +826,13 @@ class All2AllDispatcher(Dispatcher):
         split = _row_split(st["t"], topo.tp)
         width = max(split)
         if self.transport == "mapped":
-            bufs = self._mapped
-            if prep.out_buffer is not None:  # pull: the other ranks read the results where they lie
-                if out.data_ptr() != prep.out_buffer.data_ptr():
-                    prep.out_buffer.copy_(out)  # experts that do not write into out_buffer
-                fn, args = self._mapped_combine_pull, (st["pos"], width, bufs)
-            else:
-                fn, args = self._mapped_combine, (out, st["filled"], st["pos"], width, bufs)
-            full = self._combine_graphs.run(fn, args) if out.is_cuda else None
+            # the other ranks read the results where they lie: in the mapped results buffer
+            if out.data_ptr() != prep.out_buffer.data_ptr():
+                prep.out_buffer.copy_(out)  # experts that did not write into it
+            args = (st["pos"], width, self._mapped)
+            full = self._combine_graphs.run(self._mapped_combine, args) if out.is_cuda else None
             if full is None:
-                full = fn(*args)
+                full = self._mapped_combine(*args)
             # the row counts stay on the device until the counters are read (CommStats.settle), so
             # nothing here waits for the GPU; the graph's counts buffer is reused by the next replay
             counts = st["counts"].clone() if out.is_cuda else st["counts"]

@@ -269,31 +269,12 @@ def test_local_slots_skip_stale_rows_of_regions(device, max_programs):
                        table.count.to(device), 0, 2, torch.tensor([1, 1], device=device))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_send_rows_back_into_peer_buffers(device, dtype):
-    from moetool.kernels import ep_combine as ec
-
-    R, cap, H = 3, 5, 200
-    ref_peers, got_peers = _peers(R, (R * cap, H), dtype, "cpu"), _peers(R, (R * cap, H), dtype, device)
-    for me in range(R):
-        rows = torch.randn(R * cap, H).to(dtype)
-        filled = torch.tensor([(me + s) % (cap + 1) for s in range(R)])
-        ec.send_rows_back_ref(rows, filled, ref_peers, me)
-        ec.send_rows_back(rows.to(device), filled.to(device), got_peers, me)
-        for s, n in enumerate(filled.tolist()):
-            assert torch.equal(ref_peers.views[s][me * cap:me * cap + n], rows[s * cap:s * cap + n])
-    for r in range(R):
-        assert torch.equal(got_peers.views[r].cpu(), ref_peers.views[r])
-    with pytest.raises(MoetoolError, match="do not match rows"):
-        ec.send_rows_back(torch.zeros(R * cap, H + 1, dtype=dtype, device=device), torch.zeros(R, dtype=torch.int64,
-                          device=device), got_peers, 0)
-
-
 @pytest.mark.parametrize("dtype,out_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
                                              (torch.bfloat16, torch.bfloat16)])
-def test_combine_from_peers_equals_push_then_combine(device, dtype, out_dtype):
-    """Pull (every rank reads the rows where the experts left them) against push (results back
-    into the senders' buffers, then summed there): the same bytes, also into tp gather buffers."""
+def test_combine_from_peers_equals_rows_sent_back_then_combined(device, dtype, out_dtype):
+    """Every rank reads its tokens' rows where the experts left them and sums them: the same bytes
+    as sending the rows back into the sender's layout first and summing there (combine_rows),
+    also into tp gather buffers."""
     from moetool.kernels import ep_combine as ec
 
     R, m, H = 3, 7, 300
@@ -305,10 +286,10 @@ def test_combine_from_peers_equals_push_then_combine(device, dtype, out_dtype):
     expert_out = _peers(R, (R * cap, H), dtype, device)  # rank r's results: region s = the rows s sent it
     for v in expert_out.views:
         v.copy_(torch.randn(R * cap, H).to(dtype))  # stale rows included: never read
-    back = _peers(R, (R * cap, H), dtype, device)
-    for r in range(R):  # push
-        filled = sent[:, :, r].sum(1).to(device)
-        ec.send_rows_back(expert_out.views[r], filled, back, r)
+    back = _peers(R, (R * cap, H), dtype, device)  # region r of rank s: rank r's results for s, in order
+    for r in range(R):
+        for s, n in enumerate(sent[:, :, r].sum(1).tolist()):
+            back.views[s][r * cap:r * cap + n] = expert_out.views[r][s * cap:s * cap + n]
     for s in range(R):
         pos_s = pos[s].to(device)
         push = ec.combine_rows(back.views[s], pos_s, out=torch.empty(m, H, dtype=out_dtype, device=device))
