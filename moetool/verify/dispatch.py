@@ -396,7 +396,8 @@ class PeerMemory:
 class MappedBuffers:
     """The mapped all2all transport's buffers for chunks of up to ``cap`` rows per rank:
     rows [R * cap, B] uint8 (region s: the rows rank s sent), counts int64 [R] (rows rank s
-    sent), results [R * cap, H] wire dtype (region r: results of the rows sent to rank r),
+    sent), results [R * cap, H] wire dtype (this rank's expert output; region s: the results
+    of the rows rank s sent, which rank s reads),
     gathered [tp * cap, H] wire dtype (the tp group's combined rows, part i at row i * width)."""
 
     key: tuple  # (cap, B, H, wire dtype)
@@ -640,10 +641,10 @@ class All2AllDispatcher(Dispatcher):
                  comm_dtype: torch.dtype = torch.float32, transport: str = "collectives"):
         """``transport``: "collectives" = a count exchange, the host reads the counts, then
         ``all_to_all_single`` of exactly the rows (any backend, any number of hosts);
-        "mapped" = ranks of one host store rows, counts and results straight into each other's
-        mapped buffers (CUDA symmetric memory over NVLink; shared memory between CPU ranks),
-        with a barrier where the collectives were and no host synchronisation (DeepEP's
-        intranode idea)."""
+        "mapped" = ranks of one host store rows and counts straight into each other's mapped
+        buffers and read their tokens' results straight from them (CUDA symmetric memory over
+        NVLink; shared memory between CPU ranks), with a barrier where the collectives were and
+        no host synchronisation (DeepEP's intranode idea)."""
         super().__init__(topo, quantize_activations, comm_dtype)
         if transport not in self.TRANSPORTS:
             raise MoetoolError(f"unknown all2all transport {transport!r} (known: {', '.join(self.TRANSPORTS)})")
