@@ -29,6 +29,23 @@ OUT_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @triton.jit
+def _store_sum(acc, out_ptr, peers_ptr, t, cols, in_h, H, stride_out, n_peers, row0,
+               OUT_BF16: tl.constexpr, TO_PEERS: tl.constexpr):
+    """Token t's fp32 sum (columns cols) into out[t], or into row row0 + t of each of the
+    n_peers buffers at peers_ptr (out_ptr then only gives the dtype); bf16 rounded to nearest even."""
+    if OUT_BF16:
+        v = round_to_bf16(acc).to(tl.bfloat16)
+    else:
+        v = acc
+    if TO_PEERS:
+        for q in range(n_peers):
+            dst = tl.load(peers_ptr + q).to(tl.pointer_type(out_ptr.dtype.element_ty))
+            tl.store(dst + (row0 + t).to(tl.int64) * H + cols, v, mask=in_h)
+    else:
+        tl.store(out_ptr + t.to(tl.int64) * stride_out + cols, v, mask=in_h)
+
+
+@triton.jit
 def _combine_rows_kernel(rows_ptr, pos_ptr, out_ptr, peers_ptr, H, stride_rows, stride_pos_t, stride_pos_r,
                          stride_out, n_peers, row0,
                          R: tl.constexpr, BLOCK_H: tl.constexpr, OUT_BF16: tl.constexpr, TO_PEERS: tl.constexpr):
@@ -43,16 +60,7 @@ def _combine_rows_kernel(rows_ptr, pos_ptr, out_ptr, peers_ptr, H, stride_rows, 
         p = tl.load(pos_ptr + t * stride_pos_t + r * stride_pos_r).to(tl.int64) + tl.zeros((BLOCK_H,), dtype=tl.int64)
         row = tl.load(rows_ptr + p * stride_rows + cols, mask=in_h & (p >= 0), other=0.0)
         acc += row.to(tl.float32)
-    if OUT_BF16:
-        v = round_to_bf16(acc).to(tl.bfloat16)
-    else:
-        v = acc
-    if TO_PEERS:
-        for q in range(n_peers):
-            dst = tl.load(peers_ptr + q).to(tl.pointer_type(out_ptr.dtype.element_ty))
-            tl.store(dst + (row0 + t).to(tl.int64) * H + cols, v, mask=in_h)
-    else:
-        tl.store(out_ptr + t.to(tl.int64) * stride_out + cols, v, mask=in_h)
+    _store_sum(acc, out_ptr, peers_ptr, t, cols, in_h, H, stride_out, n_peers, row0, OUT_BF16, TO_PEERS)
 
 
 def _check_args(rows: torch.Tensor, pos: torch.Tensor, out: torch.Tensor | None) -> None:
@@ -152,16 +160,7 @@ def _combine_from_peers_kernel(sources_ptr, mine_ptr, pos_ptr, out_ptr, peers_pt
         src = tl.load(sources_ptr + r).to(tl.pointer_type(mine_ptr.dtype.element_ty))
         row = tl.load(src + (p + (me - r) * cap) * H + cols, mask=in_h & (p >= 0), other=0.0)
         acc += row.to(tl.float32)
-    if OUT_BF16:
-        v = round_to_bf16(acc).to(tl.bfloat16)
-    else:
-        v = acc
-    if TO_PEERS:
-        for q in range(n_peers):
-            dst = tl.load(peers_ptr + q).to(tl.pointer_type(out_ptr.dtype.element_ty))
-            tl.store(dst + (row0 + t).to(tl.int64) * H + cols, v, mask=in_h)
-    else:
-        tl.store(out_ptr + t.to(tl.int64) * stride_out + cols, v, mask=in_h)
+    _store_sum(acc, out_ptr, peers_ptr, t, cols, in_h, H, stride_out, n_peers, row0, OUT_BF16, TO_PEERS)
 
 
 def _check_sources(sources: PeerBuffers, pos: torch.Tensor, me: int) -> int:
