@@ -44,8 +44,12 @@ def e4m3_to_float(q: torch.Tensor) -> torch.Tensor:
 
 
 #: elements of one band of rows that the fused CPU quantizers process at a time: their
-#: float32 temporaries (a few such bands per thread) stay in the caches and are reused
-BAND_ELEMENTS = 1 << 18
+#: float32 temporaries (a few such bands per thread) are reused. Two converting threads in
+#: one process hand the GIL over at every torch call, so fewer, larger bands convert faster
+#: there even though 256K elements are as fast for one thread alone (2 cores, in-process
+#: quantize of the bench input, interleaved runs: fp8-block 1.19-1.36 s at 256K, 1.20-1.25
+#: at 512K, 1.23-1.35 at 1M; int4 1.12-1.22 -> 0.91-0.96 at 512K)
+BAND_ELEMENTS = 1 << 19
 
 def band_rows(n: int, k: int, multiple: int = 1) -> int:
     """Rows per band of an [N, K] weight: about ``BAND_ELEMENTS`` elements, a multiple of
