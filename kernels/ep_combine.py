@@ -29,10 +29,27 @@ OUT_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @triton.jit
-def _store_sum(acc, out_ptr, peers_ptr, t, cols, in_h, H, stride_out, n_peers, row0,
-               OUT_BF16: tl.constexpr, TO_PEERS: tl.constexpr):
-    """Token t's fp32 sum (columns cols) into out[t], or into row row0 + t of each of the
-    n_peers buffers at peers_ptr (out_ptr then only gives the dtype); bf16 rounded to nearest even."""
+def _combine_kernel(rows_ptr, sources_ptr, pos_ptr, out_ptr, peers_ptr, H, stride_rows, cap, me, stride_pos_t,
+                    stride_pos_r, stride_out, n_peers, row0,
+                    R: tl.constexpr, BLOCK_H: tl.constexpr, OUT_BF16: tl.constexpr, TO_PEERS: tl.constexpr,
+                    PULL: tl.constexpr):
+    """Program (t, h-block): out[t, cols] = sum over valid r (pos[t, r] >= 0, r ascending, fp32
+    from 0) of rows[pos[t, r], cols], or with PULL of sources[r][me * cap + pos[t, r] - r * cap, cols]
+    (sources_ptr: the address table; rows_ptr then only gives their dtype). With TO_PEERS the
+    sum goes to row row0 + t of each of the n_peers buffers at peers_ptr instead (out_ptr then
+    only gives the dtype); bf16 out is rounded once, to nearest even."""
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    in_h = cols < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for r in tl.static_range(R):
+        p = tl.load(pos_ptr + t * stride_pos_t + r * stride_pos_r).to(tl.int64) + tl.zeros((BLOCK_H,), dtype=tl.int64)
+        if PULL:
+            src = tl.load(sources_ptr + r).to(tl.pointer_type(rows_ptr.dtype.element_ty))
+            at = src + (p + (me - r) * cap) * H + cols
+        else:
+            at = rows_ptr + p * stride_rows + cols
+        acc += tl.load(at, mask=in_h & (p >= 0), other=0.0).to(tl.float32)
     if OUT_BF16:
         v = round_to_bf16(acc).to(tl.bfloat16)
     else:
@@ -45,22 +62,9 @@ def _store_sum(acc, out_ptr, peers_ptr, t, cols, in_h, H, stride_out, n_peers, r
         tl.store(out_ptr + t.to(tl.int64) * stride_out + cols, v, mask=in_h)
 
 
-@triton.jit
-def _combine_rows_kernel(rows_ptr, pos_ptr, out_ptr, peers_ptr, H, stride_rows, stride_pos_t, stride_pos_r,
-                         stride_out, n_peers, row0,
-                         R: tl.constexpr, BLOCK_H: tl.constexpr, OUT_BF16: tl.constexpr, TO_PEERS: tl.constexpr):
-    """Program (t, h-block): out[t, cols] = sum_r rows[pos[t, r], cols] over valid r; with
-    TO_PEERS the row goes to row row0 + t of each of the n_peers buffers at peers_ptr instead
-    (out_ptr then only gives the dtype)."""
-    t = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    in_h = cols < H
-    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for r in tl.static_range(R):
-        p = tl.load(pos_ptr + t * stride_pos_t + r * stride_pos_r).to(tl.int64) + tl.zeros((BLOCK_H,), dtype=tl.int64)
-        row = tl.load(rows_ptr + p * stride_rows + cols, mask=in_h & (p >= 0), other=0.0)
-        acc += row.to(tl.float32)
-    _store_sum(acc, out_ptr, peers_ptr, t, cols, in_h, H, stride_out, n_peers, row0, OUT_BF16, TO_PEERS)
+# the one kernel under each public function's name (``_<name>_kernel``, what callers check
+# for the Triton interpreter)
+_combine_rows_kernel = _combine_from_peers_kernel = _combine_kernel
 
 
 def _check_args(rows: torch.Tensor, pos: torch.Tensor, out: torch.Tensor | None) -> None:
@@ -100,17 +104,18 @@ def combine_rows(rows: torch.Tensor, pos: torch.Tensor, out: torch.Tensor | None
         out = peers.views[0]
     elif out is None:
         out = torch.empty(pos.shape[0], rows.shape[1], dtype=torch.float32, device=rows.device)
-    check_device(_combine_rows_kernel, rows, pos, out, *([] if peers is None else [peers.addresses]))
+    check_device(_combine_kernel, rows, pos, out, *([] if peers is None else [peers.addresses]))
     m, R = pos.shape
     H = rows.shape[1]
     if m and H:
         if rows.stride(1) != 1:
             rows = rows.contiguous()
         block_h = min(1024, triton.next_power_of_2(H))
-        _combine_rows_kernel[(m, triton.cdiv(H, block_h))](
-            rows, pos, out, out if peers is None else peers.addresses, H, rows.stride(0), pos.stride(0),
+        _combine_kernel[(m, triton.cdiv(H, block_h))](
+            rows, pos, pos, out, out if peers is None else peers.addresses, H, rows.stride(0), 0, 0, pos.stride(0),
             pos.stride(1), out.stride(0), 0 if peers is None else len(peers), row0,
-            R=R, BLOCK_H=block_h, OUT_BF16=out.dtype == torch.bfloat16, TO_PEERS=peers is not None, num_warps=4,
+            R=R, BLOCK_H=block_h, OUT_BF16=out.dtype == torch.bfloat16, TO_PEERS=peers is not None, PULL=False,
+            num_warps=4,
         )
     return None if peers is not None else out
 
@@ -141,26 +146,6 @@ def combine_rows_ref(rows: torch.Tensor, pos: torch.Tensor, out: torch.Tensor | 
 # ---------------------------------------------------------------------------------------------
 # the sums read straight from the ranks' expert outputs, through mapped peer memory
 # ---------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _combine_from_peers_kernel(sources_ptr, mine_ptr, pos_ptr, out_ptr, peers_ptr, H, cap, me, stride_pos_t,
-                               stride_pos_r, stride_out, n_peers, row0,
-                               R: tl.constexpr, BLOCK_H: tl.constexpr, OUT_BF16: tl.constexpr,
-                               TO_PEERS: tl.constexpr):
-    """Program (t, h-block): out[t, cols] = sum over valid r of sources[r][me * cap + pos[t, r] - r * cap, cols]
-    (r ascending, fp32 from 0); TO_PEERS as in _combine_rows_kernel. mine_ptr gives the
-    sources' element type."""
-    t = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    in_h = cols < H
-    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for r in tl.static_range(R):
-        p = tl.load(pos_ptr + t * stride_pos_t + r * stride_pos_r).to(tl.int64) + tl.zeros((BLOCK_H,), dtype=tl.int64)
-        src = tl.load(sources_ptr + r).to(tl.pointer_type(mine_ptr.dtype.element_ty))
-        row = tl.load(src + (p + (me - r) * cap) * H + cols, mask=in_h & (p >= 0), other=0.0)
-        acc += row.to(tl.float32)
-    _store_sum(acc, out_ptr, peers_ptr, t, cols, in_h, H, stride_out, n_peers, row0, OUT_BF16, TO_PEERS)
 
 
 def _check_sources(sources: PeerBuffers, pos: torch.Tensor, me: int) -> int:
@@ -194,14 +179,15 @@ def combine_from_peers(sources: PeerBuffers, pos: torch.Tensor, me: int, out: to
         out = peers.views[0]
     elif out is None:
         out = torch.empty(pos.shape[0], H, dtype=torch.float32, device=mine.device)
-    check_device(_combine_from_peers_kernel, sources.addresses, pos, out, *([] if peers is None else [peers.addresses]))
+    check_device(_combine_kernel, sources.addresses, pos, out, *([] if peers is None else [peers.addresses]))
     m, R = pos.shape
     if m and H:
         block_h = min(1024, triton.next_power_of_2(H))
-        _combine_from_peers_kernel[(m, triton.cdiv(H, block_h))](
-            sources.addresses, mine, pos, out, out if peers is None else peers.addresses, H, cap, me, pos.stride(0),
-            pos.stride(1), out.stride(0), 0 if peers is None else len(peers), row0,
-            R=R, BLOCK_H=block_h, OUT_BF16=out.dtype == torch.bfloat16, TO_PEERS=peers is not None, num_warps=4,
+        _combine_kernel[(m, triton.cdiv(H, block_h))](
+            mine, sources.addresses, pos, out, out if peers is None else peers.addresses, H, mine.stride(0), cap, me,
+            pos.stride(0), pos.stride(1), out.stride(0), 0 if peers is None else len(peers), row0,
+            R=R, BLOCK_H=block_h, OUT_BF16=out.dtype == torch.bfloat16, TO_PEERS=peers is not None, PULL=True,
+            num_warps=4,
         )
     return None if peers is not None else out
 
