@@ -293,11 +293,9 @@ def _kernel_or_ref(module: str, name: str, like: torch.Tensor):
     return getattr(mod, f"{name}_ref")
 
 
-def _combine(rows: torch.Tensor, pos: torch.Tensor, out: torch.Tensor | None = None,
-             peers: PeerBuffers | None = None, row0: int = 0) -> torch.Tensor | None:
-    """rows [P, H], pos [m, R] -> sum of each token's rows in rank order (moetool.kernels.ep_combine);
-    with ``peers``, stored at row row0 of each of those buffers instead."""
-    return _kernel_or_ref("ep_combine", "combine_rows", rows)(rows, pos, out, peers, row0)
+def _combine(rows: torch.Tensor, pos: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """rows [P, H], pos [m, R] -> sum of each token's rows in rank order (moetool.kernels.ep_combine)."""
+    return _kernel_or_ref("ep_combine", "combine_rows", rows)(rows, pos, out)
 
 
 def _row_split(t: int, parts: int) -> list[int]:
@@ -716,7 +714,7 @@ class All2AllDispatcher(Dispatcher):
         out = self._graphs.run(self._mapped_dispatch, args) if x.is_cuda else None
         if out is None:
             out = self._mapped_dispatch(*args)
-        pos, counts, recv_counts, hidden, scale, local_ids, weights, expert_counts = out
+        pos, counts, hidden, scale, local_ids, weights, expert_counts = out
         return Prepared(hidden, scale, local_ids, weights, expert_counts,
                         {"pos": pos, "counts": counts, "t": chunk.sizes[topo.group_index]},
                         out_dtype=self._wire, out_buffer=bufs.results.views[topo.rank])
@@ -738,8 +736,7 @@ class All2AllDispatcher(Dispatcher):
         local_ids, expert_counts = local_slots(rest[-3], rest[-1][:, 0], table.rank, table.slot, table.count,
                                                me, num_slots, recv_counts)
         counts[1].copy_(recv_counts)  # kept for the statistics: the next chunk's counts overwrite the buffer
-        return (pos, counts, recv_counts, hidden, rest[0] if act_quant else None, local_ids, rest[-2].contiguous(),
-                expert_counts)
+        return pos, counts, hidden, rest[0] if act_quant else None, local_ids, rest[-2].contiguous(), expert_counts
 
     def _mapped_buffers(self, cap: int, B: int, H: int) -> MappedBuffers:
         """The buffers for this chunk's sizes; collective when they have to grow (every rank
@@ -826,6 +823,7 @@ class All2AllDispatcher(Dispatcher):
         H, nb = out.shape[1], out.element_size()
         split = _row_split(st["t"], topo.tp)
         width = max(split)
+        gather_bytes = width * H * nb if topo.tp > 1 else 0  # each tp rank's part of the all-gather
         if self.transport == "mapped":
             # the other ranks read the results where they lie: in the mapped results buffer
             if out.data_ptr() != prep.out_buffer.data_ptr():
@@ -838,7 +836,7 @@ class All2AllDispatcher(Dispatcher):
             # nothing here waits for the GPU; the graph's counts buffer is reused by the next replay
             counts = st["counts"].clone() if out.is_cuda else st["counts"]
             stats.defer(functools.partial(self._count_mapped, stats, counts, self._mapped.rows.views[0].shape[1],
-                                          H * nb, width * H * nb if topo.tp > 1 else 0))
+                                          H * nb, gather_bytes))
             if not out.is_cuda:
                 stats.settle()
         else:
@@ -854,7 +852,7 @@ class All2AllDispatcher(Dispatcher):
                     part[pos.shape[0]:].zero_()
                 full = part.new_empty(topo.tp * width, H)
                 all_gather_tensor(full, part, group=topo.tp_group)
-            self._combine_stats(stats, st["send"], st["recv"], H * nb, width * H * nb if topo.tp > 1 else 0)
+            self._combine_stats(stats, st["send"], st["recv"], H * nb, gather_bytes)
         if topo.tp == 1 or width * topo.tp == st["t"]:
             return full  # [t, H]
         return torch.cat([full[i * width:i * width + split[i]] for i in range(topo.tp)])  # [t, H]
