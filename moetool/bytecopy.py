@@ -9,10 +9,9 @@ core at a time, at most 4: ``default_workers``):
 
 then fsync'd, renamed and journaled by :class:`OutputDir` exactly as the torch executor does
 (a re-run resumes either one's files; the manifest is written last). Writeback is started every
-16 MiB so the final fsync waits only for the tail. A file that begins with the same header and
-spans as an earlier one (every EP rank's copy of the non-expert tensors) continues that file's
-sha256 state instead of hashing the same bytes again (if the earlier file is not written in
-this run, it hashes its prefix itself).
+16 MiB so the final fsync waits only for the tail. A planned file that is ``same_as`` an
+earlier one (every EP rank's ``model-common`` file) is hard-linked to it, or copied, once
+the copies are done.
 
 Nothing is converted, so nothing needs a value check that the torch path does not do either:
 every header, dtype, shape and byte range was validated when the checkpoint was opened, and
@@ -30,7 +29,7 @@ from pathlib import Path
 from typing import Callable
 
 from moetool.arch import ModelSpec
-from moetool.byteplan import ByteFile, ByteSource, Span, byte_files, coalesce, copy_groups, why_not_byte_copy
+from moetool.byteplan import ByteFile, ByteSource, byte_files, coalesce, copy_groups, why_not_byte_copy
 from moetool.checkpoint import Checkpoint, pread_exactly
 from moetool.plan import Layout, Plan, Summary, checkpoint_files, checkpoint_plan, finish_plan, shard_plan
 from moetool.spec import ExpertPlacement
@@ -58,7 +57,7 @@ def repack_by_copy(ckpt: Checkpoint, spec: ModelSpec, out, layout: Layout, *, ma
 
 def shard_by_copy(ckpt: Checkpoint, spec: ModelSpec, out, ep: int, placements: dict[int, ExpertPlacement], *,
                   layout: Layout, placement_name: str, redundant: int, max_shard_size: int | None, force: bool,
-                  progress: bool, plan_id: str) -> Summary | None:
+                  progress: bool, plan_id: str, links: bool = True) -> Summary | None:
     """``shard`` as a byte copy; None when the checkpoint does not qualify (``why_not_byte_copy``)."""
     if why_not_byte_copy(ckpt, spec) is not None:
         return None
@@ -66,12 +65,14 @@ def shard_by_copy(ckpt: Checkpoint, spec: ModelSpec, out, ep: int, placements: d
     plan = shard_plan(ckpt, spec, ep, placements, layout, max_shard_size, placement_name, redundant,
                       copy_groups(ckpt, spec), source.specs, FORMAT, {})
     outdir = OutputDir(Path(out), inputs=[ckpt.root], force=force, plan_id=plan_id)
-    return run_byte_plan(plan, byte_files(plan, source), ckpt, outdir, progress=progress)
+    return run_byte_plan(plan, byte_files(plan, source), ckpt, outdir, progress=progress, links=links)
 
 
 def run_byte_plan(plan: Plan, files: list[ByteFile], ckpt: Checkpoint, out: OutputDir, *, progress: bool = True,
-                  workers: int | None = None) -> Summary:
-    """Write ``files`` (skipping those a previous run finished), then what ``finish_plan`` writes."""
+                  workers: int | None = None, links: bool = True) -> Summary:
+    """Write ``files`` (the plan's files that are not ``same_as`` another; skipping those a
+    previous run finished), then the ``same_as`` files (hard links, or copies with
+    ``links=False``), then what ``finish_plan`` writes."""
     t0 = time.perf_counter()
     total = sum(f.nbytes for f in plan.files)
     bar = None
@@ -86,11 +87,18 @@ def run_byte_plan(plan: Plan, files: list[ByteFile], ckpt: Checkpoint, out: Outp
             bar.update(n)
 
     written = copy_files(files, ckpt.root, out, workers=workers, on_bytes=on_bytes if bar else None)
+    for pf in plan.files:
+        if pf.same_as and not out.already_done(pf.name):
+            out.same_file(pf.name, pf.same_as, link=links)
+            written += 1
+        if pf.same_as and bar is not None:
+            bar.update(pf.nbytes)
     if bar is not None:
         bar.close()
     finish_plan(plan, out)
     return Summary(tensors=sum(len(f.specs) for f in plan.files), bytes_in=ckpt.files_bytes(), bytes_out=total,
-                   seconds=time.perf_counter() - t0, files_written=written, files_skipped=len(files) - written,
+                   seconds=time.perf_counter() - t0, files_written=written,
+                   files_skipped=len(plan.files) - written,
                    errors={}, out_format=plan.out_format, layout=plan.layout)
 
 
@@ -103,7 +111,6 @@ def copy_files(files: list[ByteFile], root: Path, out: OutputDir, *, workers: in
     """Copy each file (in order, ``workers`` at a time) unless ``out`` already has it; the count written."""
     workers = workers or default_workers()
     inputs = _Inputs(root)
-    hashes = _PrefixHashes()
 
     failed = threading.Event()  # after a failure no further file starts, and those being copied stop
 
@@ -115,19 +122,17 @@ def copy_files(files: list[ByteFile], root: Path, out: OutputDir, *, workers: in
                 if on_bytes is not None:
                     on_bytes(f.nbytes - len(f.header))  # the data bytes, as a copy counts them
                 return 0
-            _copy_file(f, inputs, out, hashes, on_bytes, failed)
+            _copy_file(f, inputs, out, on_bytes, failed)
             return 1
         except _Stopped:
             return 0
         except BaseException:
             failed.set()
             raise
-        finally:
-            hashes.close(f.name)
 
     try:
         with ThreadPoolExecutor(workers, thread_name_prefix="moetool-copy") as pool:
-            futures = [pool.submit(one, f) for f in files]  # started in order: a file's hash_from is earlier
+            futures = [pool.submit(one, f) for f in files]  # started in order
             try:
                 return sum(fut.result() for fut in futures)
             except BaseException:  # a failed file, or Ctrl-C: files being copied stop, no other starts
@@ -167,43 +172,11 @@ class _Inputs:
         self._fds.clear()
 
 
-class _PrefixHashes:
-    """sha256 states after the first k spans of a file, for later files that start alike."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._states: dict[tuple[str, int], "hashlib._Hash"] = {}
-        self._closed: set[str] = set()
-
-    def put(self, name: str, k: int, h) -> None:
-        with self._cond:
-            self._states[(name, k)] = h.copy()
-            self._cond.notify_all()
-
-    def close(self, name: str) -> None:
-        """``name`` saves no further states (finished, skipped or failed)."""
-        with self._cond:
-            self._closed.add(name)
-            self._cond.notify_all()
-
-    def get(self, name: str, k: int):
-        """A copy of the state, waiting while ``name`` may still save it; None if it never will."""
-        with self._cond:
-            self._cond.wait_for(lambda: (name, k) in self._states or name in self._closed)
-            state = self._states.get((name, k))
-            return state.copy() if state is not None else None
-
-
 class _Hasher:
-    """sha256 of one output file on its own thread, fed buffers in file order by the copy loop.
+    """sha256 of one output file on its own thread, fed buffers in file order by the copy loop."""
 
-    Until ``resume`` the data belongs to a prefix shared with an earlier file and is not fed;
-    ``resume`` takes that file's state (or hashes the prefix from the input if it has none,
-    unless ``stop`` is set meanwhile)."""
-
-    def __init__(self, f: ByteFile, inputs: _Inputs, hashes: _PrefixHashes, release: Callable[[bytearray], None],
-                 stop: threading.Event):
-        self.f, self.inputs, self.hashes, self.release, self.stop = f, inputs, hashes, release, stop
+    def __init__(self, release: Callable[[bytearray], None]):
+        self.release = release
         self.h = hashlib.sha256()
         self.error: BaseException | None = None
         self.q: queue.Queue = queue.Queue()
@@ -215,42 +188,19 @@ class _Hasher:
             item = self.q.get()
             if item is None:
                 return
-            kind, a, b = item
+            view, buf = item
             try:
                 if self.error is None:
-                    if kind == "data":
-                        self.h.update(a)
-                    elif kind == "save":
-                        self.hashes.put(self.f.name, a, self.h)
-                    else:  # resume after the first `a` spans
-                        self._resume(*self.f.hash_from)
+                    self.h.update(view)
             except BaseException as e:  # surfaced by finish()
                 self.error = e
             finally:
-                if kind == "data" and b is not None:
-                    self.release(b)
-
-    def _resume(self, earlier: str, k: int) -> None:
-        state = self.hashes.get(earlier, k)
-        if state is not None:
-            self.h = state
-            return
-        self.h = hashlib.sha256(self.f.header)
-        buf = bytearray(CHUNK)
-        for span in coalesce(self.f.spans[:k]):
-            for off in range(0, span.length, CHUNK):
-                if self.stop.is_set():
-                    raise _Stopped
-                view = memoryview(buf)[:min(CHUNK, span.length - off)]
-                self.inputs.read_into(span.file, span.offset + off, view)
-                self.h.update(view)
+                if buf is not None:
+                    self.release(buf)
 
     def feed(self, view: memoryview, buf: bytearray | None = None) -> None:
         """Hash ``view``, then hand ``buf`` (the buffer it is part of) back to the copy loop."""
-        self.q.put(("data", view, buf))
-
-    def mark(self, kind: str, k: int) -> None:
-        self.q.put((kind, k, None))
+        self.q.put((view, buf))
 
     def finish(self) -> str:
         self.q.put(None)
@@ -260,57 +210,34 @@ class _Hasher:
         return self.h.hexdigest()
 
 
-def _segments(f: ByteFile) -> list[tuple[int, list[Span]]]:
-    """``f``'s spans as (index of its first span, coalesced spans) pieces, cut at every point
-    where its hashing changes: a state saved for later files, the end of a shared prefix."""
-    cuts = {0, len(f.spans)} | f.hash_saves | ({f.hash_from[1]} if f.hash_from else set())
-    bounds = sorted(cuts)
-    return [(a, coalesce(f.spans[a:b])) for a, b in zip(bounds, bounds[1:])]
-
-
-def _copy_file(f: ByteFile, inputs: _Inputs, out: OutputDir, hashes: _PrefixHashes,
-               on_bytes: Callable[[int], None] | None, stop: threading.Event) -> None:
+def _copy_file(f: ByteFile, inputs: _Inputs, out: OutputDir, on_bytes: Callable[[int], None] | None,
+               stop: threading.Event) -> None:
     free: queue.Queue = queue.Queue()
     for _ in range(BUFFERS):
         free.put(bytearray(CHUNK))
-    shared = f.hash_from[1] if f.hash_from else 0  # the first spans, hashed by the earlier file
-
-    def at_point(k: int) -> None:  # after k spans
-        if f.hash_from and k == shared:
-            hasher.mark("resume", k)
-        if k in f.hash_saves:
-            hasher.mark("save", k)
-
     fd = os.open(out.incomplete_path(f.name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # as open()
     written = flushed = 0
     ok, hasher = False, None
     try:
-        hasher = _Hasher(f, inputs, hashes, free.put, stop)  # after the open: a failed open leaves no thread
-        if not f.hash_from:
-            hasher.feed(memoryview(f.header))
+        hasher = _Hasher(free.put)  # after the open: a failed open leaves no thread
+        hasher.feed(memoryview(f.header))
         _write_all(fd, memoryview(f.header))
         written = len(f.header)
-        for start, spans in _segments(f):
-            at_point(start)
-            for span in spans:
-                for off in range(0, span.length, CHUNK):
-                    if stop.is_set():
-                        raise _Stopped
-                    buf = free.get()
-                    view = memoryview(buf)[:min(CHUNK, span.length - off)]
-                    inputs.read_into(span.file, span.offset + off, view)
-                    _write_all(fd, view)
-                    if start >= shared:
-                        hasher.feed(view, buf)
-                    else:
-                        free.put(buf)
-                    written += len(view)
-                    if written - flushed >= WRITEBACK_STEP:
-                        start_writeback(fd, flushed, written - flushed)
-                        flushed = written
-                    if on_bytes is not None:
-                        on_bytes(len(view))
-        at_point(len(f.spans))
+        for span in coalesce(f.spans):
+            for off in range(0, span.length, CHUNK):
+                if stop.is_set():
+                    raise _Stopped
+                buf = free.get()
+                view = memoryview(buf)[:min(CHUNK, span.length - off)]
+                inputs.read_into(span.file, span.offset + off, view)
+                _write_all(fd, view)
+                hasher.feed(view, buf)
+                written += len(view)
+                if written - flushed >= WRITEBACK_STEP:
+                    start_writeback(fd, flushed, written - flushed)
+                    flushed = written
+                if on_bytes is not None:
+                    on_bytes(len(view))
         digest = hasher.finish()
         os.fsync(fd)
         ok = True

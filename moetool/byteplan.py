@@ -15,14 +15,10 @@ probing converted experts. A checkpoint this module does not fully understand (q
 fused experts, experts with other tensors than ``weight``, mismatched shapes...) is not
 planned here: :func:`why_not_byte_copy` says why, and the torch executor takes it (and raises the
 error, where there is one).
-
-Files of EP shards start with the same bytes on every rank (header and non-expert tensors):
-:func:`share_hash_prefixes` marks where a file can continue the sha256 of an earlier one
-instead of hashing the same bytes again.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from moetool.arch import ModelSpec, MoELayerSpec
 from moetool.checkpoint import DTYPE_SIZES, Checkpoint, TensorInfo
@@ -63,18 +59,11 @@ class RawSpec:
 
 @dataclass
 class ByteFile:
-    """One output safetensors file: ``header`` then the bytes of ``spans`` in order.
-
-    ``hash_from`` = (earlier file, k): this file starts with that file's header and first k
-    spans, so its sha256 may continue from the earlier file's state after them;
-    ``hash_saves``: after how many spans to keep this file's sha256 state for later files.
-    """
+    """One output safetensors file: ``header`` then the bytes of ``spans`` in order."""
 
     name: str
     header: bytes
     spans: list[Span]
-    hash_from: tuple[str, int] | None = None
-    hash_saves: set[int] = field(default_factory=set)
 
     @property
     def nbytes(self) -> int:
@@ -199,31 +188,11 @@ def _whole(info: TensorInfo) -> Span:
 
 
 def byte_files(plan: Plan, source: ByteSource) -> list[ByteFile]:
-    """Each safetensors file of ``plan`` (built with ``source.specs``) as header + spans."""
-    files = []
-    for pf in plan.files:
-        spans = [s for g in pf.groups for s in source.spans(g)]
-        files.append(ByteFile(pf.name, safetensors_header(pf.specs, SAFETENSORS_METADATA), spans))
-    share_hash_prefixes(files)
-    return files
-
-
-def share_hash_prefixes(files: list[ByteFile]) -> None:
-    """Set ``hash_from`` / ``hash_saves``: a file with the same header as an earlier one (the
-    first with that header) continues that file's sha256 after the spans both start with."""
-    leaders: dict[bytes, ByteFile] = {}
-    for f in files:
-        first = leaders.setdefault(f.header, f)
-        if first is f:
-            continue
-        k = 0
-        for a, b in zip(first.spans, f.spans):
-            if a != b:
-                break
-            k += 1
-        if k:
-            f.hash_from = (first.name, k)
-            first.hash_saves.add(k)
+    """Each safetensors file of ``plan`` (built with ``source.specs``) to write as header +
+    spans: all but those ``same_as`` another."""
+    return [ByteFile(pf.name, safetensors_header(pf.specs, SAFETENSORS_METADATA),
+                     [s for g in pf.groups for s in source.spans(g)])
+            for pf in plan.files if not pf.same_as]
 
 
 def coalesce(spans: list[Span]) -> list[Span]:

@@ -442,9 +442,10 @@ class Executor:
 
 
 def run_plan(plan: Plan, sources: list[Source], out: OutputDir, *, bytes_in: int, progress: bool = True,
-             stats: ErrorStats | None = None) -> Summary:
-    """Write every file of ``plan`` (skipping ones a previous run finished), then the JSON files,
-    index and manifest last."""
+             stats: ErrorStats | None = None, links: bool = True) -> Summary:
+    """Write every file of ``plan`` (skipping ones a previous run finished; a ``same_as`` file
+    hard-linked, or with ``links=False`` copied, from its twin), then the JSON files, index
+    and manifest last."""
     from tqdm import tqdm
 
     t0 = time.perf_counter()
@@ -461,6 +462,11 @@ def run_plan(plan: Plan, sources: list[Source], out: OutputDir, *, bytes_in: int
         for pf in plan.files:
             if out.already_done(pf.name):
                 bar.update(pf.nbytes)
+                continue
+            if pf.same_as:
+                out.same_file(pf.name, pf.same_as, link=links)
+                bar.update(pf.nbytes)
+                written += 1
                 continue
             out.write_safetensors(pf.name, pf.specs, executor.chunks(pf), metadata={"format": "pt"}, on_bytes=bar.update)
             written += 1

@@ -29,6 +29,8 @@ from moetool.spec import ExpertPlacement
 from moetool.writer import JOURNAL_NAME, MANIFEST_NAME, OutputDir, TensorSpec
 
 Layout = Literal["per-expert", "stacked"]
+#: the files of an EP rank folder holding the non-expert tensors (the same in every rank)
+COMMON_STEM = "model-common"
 ROLES = ("gate", "up", "down")
 OTHER_FILE_SUFFIXES = (".json", ".txt", ".model", ".tiktoken", ".jinja")
 SKIP_FILES = {"config.json", "model.safetensors.index.json", MANIFEST_NAME, JOURNAL_NAME}
@@ -87,6 +89,9 @@ class PlannedFile:
     name: str
     groups: list[Group]
     specs: list[TensorSpec] = field(default_factory=list)
+    #: the name of an earlier file of the plan that this one is byte for byte (every EP rank's
+    #: non-expert file): made from that file (``OutputDir.same_file``), not written again
+    same_as: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -112,6 +117,8 @@ class Plan:
             for g in f.groups:
                 kinds[type(g).__name__] = kinds.get(type(g).__name__, 0) + 1
             what = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+            if f.same_as:
+                what = f"the same as {f.same_as}: linked or copied"
             lines.append(f"  {f.name}: {len(f.specs)} tensors, {f.nbytes / 1e6:.1f} MB ({what})")
         for src, name in self.other_files:
             lines.append(f"  {name}: copied")
@@ -285,17 +292,22 @@ def shard_plan(ckpt: Checkpoint, spec: ModelSpec, ep: int, placements: dict[int,
                max_shard_size: int | None, placement_name: str, redundant: int,
                non_experts: tuple[list[Group], list[str]], specs_of: SpecsOf, format_name: str,
                format_params: dict) -> Plan:
-    """The plan of ``moetool shard``: per rank folder, every non-expert group and the rank's
-    experts (named by local slot), its config.json; the manifest's placement record."""
-    ng, nh = non_experts
+    """The plan of ``moetool shard``: per rank folder, the rank's experts (named by local slot)
+    in files named after their input files, every non-expert group in ``model-common*`` files
+    (the same bytes in every rank folder: rank 0 writes them, the other ranks' are
+    ``same_as`` them), its config.json; the manifest's placement record."""
+    ng, _ = non_experts
     n_specs = [specs_of(g) for g in ng]
+    common = assign_files(ng, ["common"] * len(ng), n_specs, max_shard_size, stem=COMMON_STEM)
     files: list[PlannedFile] = []
     json_files = {}
     for r in range(ep):
         slots = rank_slots(placements, r)
         eg, eh = expert_groups(ckpt, spec, layout, slots=slots, slot_names=True)
         d = rank_dir(r, ep)
-        files += assign_files(ng + eg, nh + eh, n_specs + [specs_of(g) for g in eg], max_shard_size, prefix=f"{d}/")
+        files += [PlannedFile(f"{d}/{f.name}", f.groups, f.specs, same_as=f"{rank_dir(0, ep)}/{f.name}" if r else None)
+                  for f in common]
+        files += assign_files(eg, eh, [specs_of(g) for g in eg], max_shard_size, prefix=f"{d}/")
         json_files[f"{d}/config.json"] = rank_config(ckpt.config, r, ep, layout, slots)
     manifest = shard_manifest(ckpt, spec, ep, placements, layout, placement_name, redundant, format_name,
                               format_params)
@@ -306,8 +318,9 @@ def shard_plan(ckpt: Checkpoint, spec: ModelSpec, ep: int, placements: dict[int,
 
 
 def assign_files(groups: list[Group], homes: list[str], specs: list[list[TensorSpec]],
-                 max_shard_size: int | None, prefix: str = "") -> list[PlannedFile]:
-    """Put groups into output files: by their home input file, or greedily by size."""
+                 max_shard_size: int | None, prefix: str = "", stem: str = "model") -> list[PlannedFile]:
+    """Put groups into output files: by their home input file, or greedily by size; named
+    ``{prefix}{stem}.safetensors``, or ``{prefix}{stem}-00001-of-00003.safetensors``..."""
     buckets: list[tuple[list[Group], list[TensorSpec]]] = []
     if max_shard_size:
         size = 0
@@ -330,7 +343,7 @@ def assign_files(groups: list[Group], homes: list[str], specs: list[list[TensorS
     n = len(buckets)
     files = []
     for i, (gs, sp) in enumerate(buckets):
-        name = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        name = f"{stem}.safetensors" if n == 1 else f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors"
         files.append(PlannedFile(prefix + name, gs, sp))
     return files
 

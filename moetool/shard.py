@@ -2,8 +2,10 @@
 
 Output::
 
-    OUT/rank-00000-of-00004/config.json, model*.safetensors[, index]   rank 0's experts by local slot
-    ...                                                                  + every non-expert tensor
+    OUT/rank-00000-of-00004/config.json, model*.safetensors, index     rank 0's experts by local slot
+                            model-common*.safetensors                  every non-expert tensor
+    OUT/rank-00001-of-00004/...                                         (model-common*: hard links
+    ...                                                                  to rank 0's, or copies)
     OUT/manifest.json   format, layout, placement, per layer global expert -> [(rank, slot)...],
                         the source's tensor -> file map, sha256 + size of every file (written last)
 
@@ -44,10 +46,13 @@ def build_shard_plan(src, ep: int, placements: dict[int, ExpertPlacement], layou
 
 def shard(source, out, ep: int, *, placement: str = "linear", redundant: int = 0, expert_load: Path | None = None,
           layout: Layout = "stacked", max_shard_size: int | None = None, dry_run: bool = False, force: bool = False,
-          progress: bool = True, revision: str | None = None, byte_copy: bool = True) -> Summary | Plan:
+          progress: bool = True, revision: str | None = None, byte_copy: bool = True,
+          links: bool = True) -> Summary | Plan:
     """Write one folder per EP rank and the manifest. An unquantized checkpoint whose experts
     are stored per expert or stacked is copied byte range by byte range (``moetool.bytecopy``,
-    no torch; ``byte_copy=False`` forces the torch executor, same output bytes)."""
+    no torch; ``byte_copy=False`` forces the torch executor, same output bytes). The
+    non-expert tensors are written once, in rank 0's ``model-common`` files; the other ranks'
+    are hard links to them (``links=False``, or a file system without hard links: copies)."""
     ckpt = open_checkpoint(source, revision)
     try:
         spec = describe(ckpt.config, ckpt.tensors)
@@ -61,7 +66,7 @@ def shard(source, out, ep: int, *, placement: str = "linear", redundant: int = 0
 
             done = shard_by_copy(ckpt, spec, out, ep, placements, layout=layout, placement_name=placement,
                                  redundant=redundant, max_shard_size=max_shard_size, force=force,
-                                 progress=progress, plan_id=pid)
+                                 progress=progress, plan_id=pid, links=links)
             if done is not None:
                 return done
         convert = import_module("moetool.convert")  # torch
@@ -71,7 +76,7 @@ def shard(source, out, ep: int, *, placement: str = "linear", redundant: int = 0
         if dry_run:
             return plan
         outdir = OutputDir(Path(out), inputs=[ckpt.root], force=force, plan_id=pid)
-        return run_plan(plan, [src], outdir, bytes_in=ckpt.files_bytes(), progress=progress)
+        return run_plan(plan, [src], outdir, bytes_in=ckpt.files_bytes(), progress=progress, links=links)
     finally:
         ckpt.close()
 

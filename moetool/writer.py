@@ -459,6 +459,29 @@ class OutputDir:
         os.replace(tmp, final)
         self.records[name] = FileRecord(sha256_file(final), final.stat().st_size)
 
+    def same_file(self, name: str, target: str, *, link: bool = True) -> FileRecord:
+        """Make ``name`` a file with the bytes of ``target``, a file of this output finished
+        earlier (recorded): a hard link to it, or a copy where links are off or the file system
+        refuses one. Its record is ``target``'s; like every file it appears under its final
+        name only once complete."""
+        rec = self.records.get(target)
+        if rec is None:
+            raise MoetoolError(f"{self.root}: {name} is to be the same as {target}, which is not written yet")
+        src, tmp = self.root / target, self.incomplete_path(name)
+        tmp.unlink(missing_ok=True)
+        linked = False
+        if link:
+            try:
+                os.link(src, tmp)
+                linked = True
+            except OSError:  # no hard links here (EPERM, EXDEV, EMLINK, ENOTSUP...): copy
+                pass
+        if not linked:
+            shutil.copyfile(src, tmp)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+        return self.commit(name, rec.sha256)
+
     def write_safetensors(
         self,
         name: str,

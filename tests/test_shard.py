@@ -258,16 +258,60 @@ def test_shard_is_resumable(sources, cli, tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == -signal.SIGKILL, p.stderr
     assert not (out / MANIFEST_NAME).exists() and (out / JOURNAL_NAME).exists()
+    finished = json.loads((out / JOURNAL_NAME).read_text())["files"]
+    assert len(finished) == 2  # rank 0's model-common and first expert file
     r = cli("shard", src, out, "--ep", "2", "--quiet")
     assert r.code == 0, r.err
     assert "2 resumed" in r.out
     assert tree_hashes(out) == tree_hashes(ref)
 
 
+@pytest.mark.parametrize("byte_copy", [True, False])
+def test_ranks_share_one_common_file(sources, cli, tmp_path, byte_copy):
+    """The non-expert tensors are written once: every rank's model-common file is a hard link
+    to rank 0's (one inode); with --no-links each rank has its own copy of the same bytes.
+    Either way the manifest, the other files and every rank's tensors are the same."""
+    from moetool.shard import shard
+
+    src = sources["bf16"]
+    linked, copied = tmp_path / "linked", tmp_path / "copied"
+    shard(src, linked, 4, progress=False, byte_copy=byte_copy)
+    if byte_copy:
+        assert cli("shard", src, copied, "--ep", "4", "--no-links", "--quiet").code == 0
+    else:
+        shard(src, copied, 4, progress=False, byte_copy=False, links=False)
+    assert tree_hashes(linked) == tree_hashes(copied)
+    common = "model-common.safetensors"
+    inodes = [(linked / rank_dir(r, 4) / common).stat().st_ino for r in range(4)]
+    assert len(set(inodes)) == 1 and (linked / rank_dir(0, 4) / common).stat().st_nlink == 4
+    assert len({(copied / rank_dir(r, 4) / common).stat().st_ino for r in range(4)}) == 4
+    check_shards(src, linked, 4, "stacked")
+    man = json.loads((linked / MANIFEST_NAME).read_text())["files"]
+    assert len({man[f"{rank_dir(r, 4)}/{common}"]["sha256"] for r in range(4)}) == 1
+
+
+def test_common_file_copied_where_links_are_refused(sources, tmp_path, monkeypatch):
+    """A file system without hard links (or a refused link): the rank files are copies."""
+    import moetool.writer as writer
+    from moetool.shard import shard
+
+    def no_links(src, dst):
+        raise PermissionError(1, "Operation not permitted (test)")
+
+    monkeypatch.setattr(writer.os, "link", no_links)
+    out = tmp_path / "o"
+    shard(sources["bf16"], out, 2, progress=False)
+    a, b = (out / rank_dir(r, 2) / "model-common.safetensors" for r in range(2))
+    assert a.stat().st_ino != b.stat().st_ino and a.read_bytes() == b.read_bytes()
+    assert not list(out.rglob("*.incomplete"))
+    check_shards(sources["bf16"], out, 2, "stacked")
+
+
 def test_dry_run(sources, cli, tmp_path):
     r = cli("shard", sources["bf16"], tmp_path / "o", "--ep", "2", "--dry-run")
-    assert r.code == 0 and r.out.startswith("plan: 4 file(s)")
+    assert r.code == 0 and r.out.startswith("plan: 6 file(s)")
     assert "rank-00001-of-00002/model-00002-of-00002.safetensors" in r.out
+    assert "rank-00001-of-00002/model-common.safetensors: 34 tensors, 2.5 MB (the same as rank-00000-of-00002/model-common.safetensors" in r.out
     assert not (tmp_path / "o").exists()
 
 

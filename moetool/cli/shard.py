@@ -20,6 +20,7 @@ def shard_cmd(
     redundant_experts: Annotated[int, typer.Option("--redundant-experts", help="extra replicas of the hottest experts, per layer")] = 0,
     expert_load: Annotated[Optional[Path], typer.Option("--expert-load", help='JSON {"layers": {"<layer>": [tokens per expert]}}')] = None,
     layout: Annotated[str, typer.Option("--layout", help="stacked (vLLM FusedMoE w13/w2) or per-expert")] = "stacked",
+    links: Annotated[bool, typer.Option("--links/--no-links", help="hard-link every rank's model-common files (the non-expert tensors) to rank 0's, or copy them")] = True,
     merge_: Annotated[bool, typer.Option("--merge", help="SOURCE is a shard output: rebuild the unsharded checkpoint")] = False,
     max_shard_size: MaxShardSize = None,
     dry_run: DryRun = False,
@@ -39,5 +40,5 @@ def shard_cmd(
             raise MoetoolError("--ep N is required (or --merge)")
         result = shard(source, out, ep, placement=placement, redundant=redundant_experts, expert_load=expert_load,
                        layout=layout, max_shard_size=parse_size(max_shard_size), dry_run=dry_run, force=force,
-                       progress=not quiet, revision=revision)
+                       progress=not quiet, revision=revision, links=links)
     typer.echo(result.describe() if dry_run else result.render())
