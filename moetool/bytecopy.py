@@ -87,11 +87,11 @@ def run_byte_plan(plan: Plan, files: list[ByteFile], ckpt: Checkpoint, out: Outp
             bar.update(n)
 
     written = copy_files(files, ckpt.root, out, workers=workers, on_bytes=on_bytes if bar else None)
-    for pf in plan.files:
-        if pf.same_as and not out.already_done(pf.name):
+    for pf in (pf for pf in plan.files if pf.same_as):
+        if not out.already_done(pf.name):
             out.same_file(pf.name, pf.same_as, link=links)
             written += 1
-        if pf.same_as and bar is not None:
+        if bar is not None:
             bar.update(pf.nbytes)
     if bar is not None:
         bar.close()
