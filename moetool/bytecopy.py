@@ -88,7 +88,7 @@ def run_byte_plan(plan: Plan, files: list[ByteFile], ckpt: Checkpoint, out: Outp
 
     written = copy_files(files, ckpt.root, out, workers=workers, on_bytes=on_bytes if bar else None)
     for pf in (pf for pf in plan.files if pf.same_as):
-        if not out.already_done(pf.name):
+        if not out.already_done(pf.name, pf.file_size(), pf.same_as):
             out.same_file(pf.name, pf.same_as, link=links)
             written += 1
         if bar is not None:
@@ -118,7 +118,7 @@ def copy_files(files: list[ByteFile], root: Path, out: OutputDir, *, workers: in
         try:
             if failed.is_set():
                 return 0
-            if out.already_done(f.name):
+            if out.already_done(f.name, f.nbytes):
                 if on_bytes is not None:
                     on_bytes(f.nbytes - len(f.header))  # the data bytes, as a copy counts them
                 return 0

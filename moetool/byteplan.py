@@ -25,11 +25,9 @@ from moetool.checkpoint import DTYPE_SIZES, Checkpoint, TensorInfo
 from moetool.errors import MoetoolError
 from moetool.plan import QUANTIZED_ONLY_SUFFIXES, ROLES, Copy, ExpertLinear, Group, Plan, Stacked, \
     non_expert_tensors
-from moetool.writer import safetensors_header
+from moetool.writer import SAFETENSORS_METADATA, safetensors_header
 
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
-#: the metadata the torch executor writes in every safetensors header
-SAFETENSORS_METADATA = {"format": "pt"}
 
 
 @dataclass(frozen=True)

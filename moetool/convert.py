@@ -48,7 +48,7 @@ from moetool.plan import (  # noqa: F401  (re-exported: the plan values predate 
     other_files,
     write_indexes,
 )
-from moetool.writer import OutputDir, TensorSpec
+from moetool.writer import SAFETENSORS_METADATA, OutputDir, TensorSpec
 
 DTYPE_BY_NAME = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -460,7 +460,7 @@ def run_plan(plan: Plan, sources: list[Source], out: OutputDir, *, bytes_in: int
     torch.set_num_threads(1)
     try:
         for pf in plan.files:
-            if out.already_done(pf.name):
+            if out.already_done(pf.name, pf.file_size(), pf.same_as):
                 bar.update(pf.nbytes)
                 continue
             if pf.same_as:
@@ -468,7 +468,8 @@ def run_plan(plan: Plan, sources: list[Source], out: OutputDir, *, bytes_in: int
                 bar.update(pf.nbytes)
                 written += 1
                 continue
-            out.write_safetensors(pf.name, pf.specs, executor.chunks(pf), metadata={"format": "pt"}, on_bytes=bar.update)
+            out.write_safetensors(pf.name, pf.specs, executor.chunks(pf), metadata=SAFETENSORS_METADATA,
+                                  on_bytes=bar.update)
             written += 1
     finally:
         bar.close()

@@ -26,7 +26,7 @@ from moetool.checkpoint import Checkpoint, TensorInfo
 from moetool.errors import MoetoolError
 from moetool.placement import add_redundant, make_placement, placement_to_json, read_expert_load
 from moetool.spec import ExpertPlacement
-from moetool.writer import JOURNAL_NAME, MANIFEST_NAME, OutputDir, TensorSpec
+from moetool.writer import JOURNAL_NAME, MANIFEST_NAME, SAFETENSORS_METADATA, OutputDir, TensorSpec, safetensors_header
 
 Layout = Literal["per-expert", "stacked"]
 #: the files of an EP rank folder holding the non-expert tensors (the same in every rank)
@@ -96,6 +96,10 @@ class PlannedFile:
     @property
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.specs)
+
+    def file_size(self) -> int:
+        """Its size on disk: safetensors header (``SAFETENSORS_METADATA``) and data."""
+        return len(safetensors_header(self.specs, SAFETENSORS_METADATA)) + self.nbytes
 
 
 @dataclass
@@ -200,9 +204,15 @@ def in_file_order(ckpt: Checkpoint, groups: list[Group], homes: list[str]) -> tu
     return [groups[i] for i in idx], [homes[i] for i in idx]
 
 
+#: changes whenever the same inputs and options would give other output files (another version
+#: of moetool must not resume a journal of this one): 2 = EP ranks' model-common files
+PLAN_VERSION = 2
+
+
 def plan_id(ckpt: Checkpoint, **options) -> str:
-    """Fingerprint of inputs (names, sizes, mtimes) and options: a journal from another plan is ignored."""
-    h = hashlib.sha256()
+    """Fingerprint of inputs (names, sizes, mtimes), options and ``PLAN_VERSION``: a journal
+    from another plan is ignored."""
+    h = hashlib.sha256(f"plan {PLAN_VERSION};".encode())
     for f in ckpt.files:
         st = (ckpt.root / f).stat()
         h.update(f"{f}:{st.st_size}:{st.st_mtime_ns};".encode())
@@ -293,12 +303,13 @@ def shard_plan(ckpt: Checkpoint, spec: ModelSpec, ep: int, placements: dict[int,
                non_experts: tuple[list[Group], list[str]], specs_of: SpecsOf, format_name: str,
                format_params: dict) -> Plan:
     """The plan of ``moetool shard``: per rank folder, the rank's experts (named by local slot)
-    in files named after their input files, every non-expert group in ``model-common*`` files
-    (the same bytes in every rank folder: rank 0 writes them, the other ranks' are
-    ``same_as`` them), its config.json; the manifest's placement record."""
-    ng, _ = non_experts
+    in ``model*`` files, every non-expert group in ``model-common*`` files (the same bytes in
+    every rank folder: rank 0 writes them, the other ranks' are ``same_as`` them), both
+    grouped as in the input (or by ``max_shard_size``), its config.json; the manifest's
+    placement record."""
+    ng, nh = non_experts
     n_specs = [specs_of(g) for g in ng]
-    common = assign_files(ng, ["common"] * len(ng), n_specs, max_shard_size, stem=COMMON_STEM)
+    common = assign_files(ng, nh, n_specs, max_shard_size, stem=COMMON_STEM)
     files: list[PlannedFile] = []
     json_files = {}
     for r in range(ep):

@@ -2,8 +2,9 @@
 
 Output::
 
-    OUT/rank-00000-of-00004/config.json, model*.safetensors, index     rank 0's experts by local slot
-                            model-common*.safetensors                  every non-expert tensor
+    OUT/rank-00000-of-00004/config.json, index
+                            model-0000i-of-0000n.safetensors           rank 0's experts by local slot
+                            model-common-0000i-of-0000n.safetensors    every non-expert tensor
     OUT/rank-00001-of-00004/...                                         (model-common*: hard links
     ...                                                                  to rank 0's, or copies)
     OUT/manifest.json   format, layout, placement, per layer global expert -> [(rank, slot)...],

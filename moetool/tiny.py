@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from moetool.writer import OutputDir, TensorSpec
+from moetool.writer import SAFETENSORS_METADATA, OutputDir, TensorSpec
 
 FAMILY_CONFIGS = {
     "mixtral": dict(model_type="mixtral", architectures=["MixtralForCausalLM"], num_local_experts="E",
@@ -149,7 +149,7 @@ def write_checkpoint(path: Path, config: dict, tensors: dict[str, torch.Tensor],
         part = names[s * per:(s + 1) * per]
         fname = "model.safetensors" if shards == 1 else f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
         specs = [TensorSpec(n, tensors[n].dtype, tuple(tensors[n].shape)) for n in part]
-        out.write_safetensors(fname, specs, ((n, tensors[n]) for n in part), metadata={"format": "pt"})
+        out.write_safetensors(fname, specs, ((n, tensors[n]) for n in part), metadata=SAFETENSORS_METADATA)
         weight_map.update({n: fname for n in part})
     if shards > 1:
         total = sum(t.numel() * t.element_size() for t in tensors.values())

@@ -29,6 +29,8 @@ if TYPE_CHECKING:  # this module loads without torch: byte-copy shard / repack u
 MANIFEST_NAME = "manifest.json"
 JOURNAL_NAME = ".moetool-journal.json"
 INCOMPLETE = ".incomplete"
+#: the metadata every safetensors file of a conversion carries in its header
+SAFETENSORS_METADATA = {"format": "pt"}
 HASH_BLOCK = 8 << 20
 #: largest single write(): on this kernel (6.18, ext4) a write of 512 KiB or more from one
 #: buffer ran 2-5x slower in the kernel's copy into the page cache than the same bytes in
@@ -398,13 +400,20 @@ class OutputDir:
     def _save_journal(self) -> None:
         self._write_atomic(JOURNAL_NAME, json.dumps({"plan_id": self.plan_id, "files": self._journal}, indent=1).encode())
 
-    def already_done(self, name: str) -> bool:
-        """True (and recorded) when a previous run finished ``name`` and its bytes still match."""
+    def already_done(self, name: str, size: int | None = None, same_as: str | None = None) -> bool:
+        """True (and recorded) when a previous run finished ``name`` and its bytes still match
+        (and it has the ``size`` the plan expects, where given). A ``same_as`` file that is
+        still the same file as its finished twin (a hard link) takes the twin's record
+        without being hashed again."""
         rec = self._journal.get(name)
         path = self.root / name
         if rec is None or not path.is_file() or path.stat().st_size != rec["size"]:
             return False
-        if sha256_file(path) != rec["sha256"]:
+        if size is not None and rec["size"] != size:
+            return False
+        twin = self.records.get(same_as) if same_as else None
+        linked = twin is not None and twin.sha256 == rec["sha256"] and os.path.samefile(path, self.root / same_as)
+        if not linked and sha256_file(path) != rec["sha256"]:
             return False
         with self._lock:
             self.records[name] = FileRecord(rec["sha256"], rec["size"])
@@ -412,16 +421,20 @@ class OutputDir:
         return True
 
     def incomplete_path(self, name: str) -> Path:
-        """Where ``name`` is written until it is complete (its folder created)."""
+        """Where ``name`` is written until it is complete (its folder created). A leftover of
+        an earlier run there is removed, never written through: it may be a hard link to a
+        finished file."""
         final = self.root / name
         final.parent.mkdir(parents=True, exist_ok=True)
-        return final.with_name(final.name + INCOMPLETE)
+        tmp = final.with_name(final.name + INCOMPLETE)
+        tmp.unlink(missing_ok=True)
+        return tmp
 
     def commit(self, name: str, sha256: str) -> FileRecord:
         """``name`` is complete at :meth:`incomplete_path` (written and fsync'd; ``sha256`` of
         its bytes): rename it to its final name and record it in the journal."""
         final = self.root / name
-        os.replace(self.incomplete_path(name), final)
+        os.replace(final.with_name(final.name + INCOMPLETE), final)
         _fsync_dir(final.parent)
         record = FileRecord(sha256, final.stat().st_size)
         with self._lock:
@@ -432,9 +445,7 @@ class OutputDir:
 
     # -- writing ------------------------------------------------------------------------
     def _write_atomic(self, name: str, data: bytes) -> FileRecord:
-        final = self.root / name
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = final.with_name(final.name + INCOMPLETE)
+        final, tmp = self.root / name, self.incomplete_path(name)
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
@@ -450,9 +461,7 @@ class OutputDir:
             self.records[name] = rec
 
     def copy_file(self, src: Path, name: str) -> None:
-        final = self.root / name
-        tmp = final.with_name(final.name + INCOMPLETE)
-        final.parent.mkdir(parents=True, exist_ok=True)
+        final, tmp = self.root / name, self.incomplete_path(name)
         shutil.copyfile(src, tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
@@ -468,7 +477,6 @@ class OutputDir:
         if rec is None:
             raise MoetoolError(f"{self.root}: {name} is to be the same as {target}, which is not written yet")
         src, tmp = self.root / target, self.incomplete_path(name)
-        tmp.unlink(missing_ok=True)
         linked = False
         if link:
             try:

@@ -281,13 +281,15 @@ def test_ranks_share_one_common_file(sources, cli, tmp_path, byte_copy):
     else:
         shard(src, copied, 4, progress=False, byte_copy=False, links=False)
     assert tree_hashes(linked) == tree_hashes(copied)
-    common = "model-common.safetensors"
-    inodes = [(linked / rank_dir(r, 4) / common).stat().st_ino for r in range(4)]
-    assert len(set(inodes)) == 1 and (linked / rank_dir(0, 4) / common).stat().st_nlink == 4
-    assert len({(copied / rank_dir(r, 4) / common).stat().st_ino for r in range(4)}) == 4
-    check_shards(src, linked, 4, "stacked")
+    commons = sorted(p.name for p in (linked / rank_dir(0, 4)).glob("model-common*.safetensors"))
+    assert commons == ["model-common-00001-of-00002.safetensors", "model-common-00002-of-00002.safetensors"]  # as the input
     man = json.loads((linked / MANIFEST_NAME).read_text())["files"]
-    assert len({man[f"{rank_dir(r, 4)}/{common}"]["sha256"] for r in range(4)}) == 1
+    for common in commons:
+        assert len({(linked / rank_dir(r, 4) / common).stat().st_ino for r in range(4)}) == 1
+        assert (linked / rank_dir(0, 4) / common).stat().st_nlink == 4
+        assert len({(copied / rank_dir(r, 4) / common).stat().st_ino for r in range(4)}) == 4
+        assert len({man[f"{rank_dir(r, 4)}/{common}"]["sha256"] for r in range(4)}) == 1
+    check_shards(src, linked, 4, "stacked")
 
 
 def test_common_file_copied_where_links_are_refused(sources, tmp_path, monkeypatch):
@@ -301,17 +303,61 @@ def test_common_file_copied_where_links_are_refused(sources, tmp_path, monkeypat
     monkeypatch.setattr(writer.os, "link", no_links)
     out = tmp_path / "o"
     shard(sources["bf16"], out, 2, progress=False)
-    a, b = (out / rank_dir(r, 2) / "model-common.safetensors" for r in range(2))
+    a, b = (out / rank_dir(r, 2) / "model-common-00001-of-00002.safetensors" for r in range(2))
     assert a.stat().st_ino != b.stat().st_ino and a.read_bytes() == b.read_bytes()
     assert not list(out.rglob("*.incomplete"))
     check_shards(sources["bf16"], out, 2, "stacked")
 
 
+def test_resumed_links_are_not_hashed_again_nor_written_through(sources, tmp_path, monkeypatch):
+    """Resuming: a rank's model-common file that is still a hard link to rank 0's finished
+    one takes its record without being read again, and a leftover ``.incomplete`` that is a
+    hard link to a finished file is replaced, never written through."""
+    import os
+
+    import moetool.writer as writer
+    from moetool.shard import shard
+
+    src = sources["bf16"]
+    ref = tmp_path / "ref"
+    shard(src, ref, 4, progress=False)
+    out = tmp_path / "out"
+    with monkeypatch.context() as m:  # stop before the manifest: everything journaled
+        m.setattr(writer.OutputDir, "finish", lambda self, extra=None: (_ for _ in ()).throw(KeyboardInterrupt()))
+        with pytest.raises(KeyboardInterrupt):
+            shard(src, out, 4, progress=False)
+    common0 = out / rank_dir(0, 4) / "model-common-00001-of-00002.safetensors"
+    before = common0.read_bytes()
+    stray = out / rank_dir(1, 4) / f"model-common-00001-of-00002.safetensors{writer.INCOMPLETE}"
+    (out / rank_dir(1, 4) / "model-common-00001-of-00002.safetensors").unlink()  # rank 1's link to redo
+    os.link(common0, stray)
+    hashed = []
+    orig = writer.sha256_file
+    monkeypatch.setattr(writer, "sha256_file", lambda p: hashed.append(Path(p).name) or orig(p))
+    summary = shard(src, out, 4, progress=False)
+    assert summary.files_written == 1  # rank 1's model-common-00001 link
+    assert common0.read_bytes() == before and not stray.exists()
+    assert hashed.count("model-common-00001-of-00002.safetensors") == 1  # rank 0's only
+    assert hashed.count("model-common-00002-of-00002.safetensors") == 1
+    assert tree_hashes(out) == tree_hashes(ref)
+
+
+def test_plan_version_is_in_the_plan_id(sources, monkeypatch):
+    """Another version's plan (other file names for the same options) never resumes this one's journal."""
+    import moetool.plan as plan
+
+    with open_checkpoint(sources["bf16"]) as ck:
+        a = plan.plan_id(ck, ep=2)
+        monkeypatch.setattr(plan, "PLAN_VERSION", plan.PLAN_VERSION + 1)
+        assert plan.plan_id(ck, ep=2) != a
+
+
 def test_dry_run(sources, cli, tmp_path):
     r = cli("shard", sources["bf16"], tmp_path / "o", "--ep", "2", "--dry-run")
-    assert r.code == 0 and r.out.startswith("plan: 6 file(s)")
+    assert r.code == 0 and r.out.startswith("plan: 8 file(s)")
     assert "rank-00001-of-00002/model-00002-of-00002.safetensors" in r.out
-    assert "rank-00001-of-00002/model-common.safetensors: 34 tensors, 2.5 MB (the same as rank-00000-of-00002/model-common.safetensors" in r.out
+    line = next(l for l in r.out.splitlines() if "rank-00001-of-00002/model-common-00002-of-00002" in l)
+    assert line.endswith("(the same as rank-00000-of-00002/model-common-00002-of-00002.safetensors: linked or copied)")
     assert not (tmp_path / "o").exists()
 
 

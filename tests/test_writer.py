@@ -218,7 +218,9 @@ def test_journal_resume_and_manifest(tmp_path):
     assert journal["plan_id"] == "p1" and set(journal["files"]) == {"a.safetensors"}
     # same plan: the finished file is recognised; another plan: it is not
     again = OutputDir(tmp_path / "o", plan_id="p1")
-    assert again.already_done("a.safetensors") and again.skipped == ["a.safetensors"]
+    size = (tmp_path / "o" / "a.safetensors").stat().st_size
+    assert not again.already_done("a.safetensors", size + 8)  # not the size the plan expects
+    assert again.already_done("a.safetensors", size) and again.skipped == ["a.safetensors"]
     # a modified file is not trusted
     p = tmp_path / "o" / "a.safetensors"
     data = bytearray(p.read_bytes())

@@ -20,7 +20,7 @@ def shard_cmd(
     redundant_experts: Annotated[int, typer.Option("--redundant-experts", help="extra replicas of the hottest experts, per layer")] = 0,
     expert_load: Annotated[Optional[Path], typer.Option("--expert-load", help='JSON {"layers": {"<layer>": [tokens per expert]}}')] = None,
     layout: Annotated[str, typer.Option("--layout", help="stacked (vLLM FusedMoE w13/w2) or per-expert")] = "stacked",
-    links: Annotated[bool, typer.Option("--links/--no-links", help="hard-link every rank's model-common files (the non-expert tensors) to rank 0's, or copy them")] = True,
+    links: Annotated[bool, typer.Option("--links/--no-links", help="hard-link every rank's model-common files (the non-expert tensors) to rank 0's, or copy them (a resumed run keeps what an earlier run made)")] = True,
     merge_: Annotated[bool, typer.Option("--merge", help="SOURCE is a shard output: rebuild the unsharded checkpoint")] = False,
     max_shard_size: MaxShardSize = None,
     dry_run: DryRun = False,
