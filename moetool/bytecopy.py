@@ -99,7 +99,8 @@ def run_byte_plan(plan: Plan, files: list[ByteFile], ckpt: Checkpoint, out: Outp
     return Summary(tensors=sum(len(f.specs) for f in plan.files), bytes_in=ckpt.files_bytes(), bytes_out=total,
                    seconds=time.perf_counter() - t0, files_written=written,
                    files_skipped=len(plan.files) - written,
-                   errors={}, out_format=plan.out_format, layout=plan.layout)
+                   errors={}, out_format=plan.out_format, layout=plan.layout,
+                   bytes_same=sum(f.nbytes for f in plan.files if f.same_as))
 
 
 class _Stopped(Exception):

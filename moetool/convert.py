@@ -486,6 +486,7 @@ def run_plan(plan: Plan, sources: list[Source], out: OutputDir, *, bytes_in: int
         errors=(stats.summary() if stats else {}),
         out_format=plan.out_format,
         layout=plan.layout,
+        bytes_same=sum(f.nbytes for f in plan.files if f.same_as),
     )
 
 

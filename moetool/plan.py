@@ -405,6 +405,8 @@ class Summary:
     errors: dict
     out_format: str
     layout: str
+    #: of ``bytes_out``, the bytes of ``same_as`` files (hard links or copies, not converted again)
+    bytes_same: int = 0
 
     @property
     def gbps(self) -> float:
@@ -413,7 +415,9 @@ class Summary:
     def render(self) -> str:
         lines = [
             f"{self.tensors} tensors, {self.bytes_in / 1e9:.3f} GB in -> {self.bytes_out / 1e9:.3f} GB out "
-            f"in {self.seconds:.2f} s ({self.gbps:.2f} GB/s); {self.files_written} file(s) written, "
+            + (f"({self.bytes_same / 1e9:.3f} GB of it rank 0's model-common files, linked or copied) "
+               if self.bytes_same else "")
+            + f"in {self.seconds:.2f} s ({self.gbps:.2f} GB/s); {self.files_written} file(s) written, "
             f"{self.files_skipped} resumed"
         ]
         if self.errors:

@@ -277,7 +277,9 @@ def test_ranks_share_one_common_file(sources, cli, tmp_path, byte_copy):
     linked, copied = tmp_path / "linked", tmp_path / "copied"
     shard(src, linked, 4, progress=False, byte_copy=byte_copy)
     if byte_copy:
-        assert cli("shard", src, copied, "--ep", "4", "--no-links", "--quiet").code == 0
+        r = cli("shard", src, copied, "--ep", "4", "--no-links", "--quiet")
+        assert r.code == 0 and "MB of it rank 0's model-common files, linked or copied)" not in r.out
+        assert "GB of it rank 0's model-common files, linked or copied) in" in r.out
     else:
         shard(src, copied, 4, progress=False, byte_copy=False, links=False)
     assert tree_hashes(linked) == tree_hashes(copied)
