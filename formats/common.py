@@ -80,24 +80,22 @@ def e4m3_dequantize_band(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor
 
     ``q`` float8_e4m3fn, any shape; ``scale`` float32, broadcastable to it, finite and below
     2**120 (the fp8 quantizers' scales are amax / 448, at most float32 max / 448 < 2**119.2);
-    ``out`` float32 of q's shape (overwritten); ``bits`` an int32 buffer of q's size, used as
-    two int16 buffers.
+    ``out`` float32 of q's shape (overwritten); ``bits`` a buffer of at least q's size in
+    int16 (the callers pass an int32 one).
 
-    A code shifted left by 7 holds its magnitude in bits 7..13 of a float16 and its sign in
-    bit 14; adding bit 14 to itself carries the sign into bit 15. That float16 is exactly
-    q * 2**-8 (normals and subnormals alike: the exponent biases of e4m3 and float16 differ
-    by 8), its conversion to float32 is exact, and so is 256 * s: q * s is that float times
-    (256 * s), rounded once as q.float() * s, signed zeros included. NaN codes are not
-    handled (the caller rejects non-finite weights). Four int16 passes, a conversion and a
-    multiply: 0.3 ms less per 3584x1024 linear than assembling the float32 bits (and 3x less
-    than a 256-entry table lookup)."""
-    n = q.numel()
-    halves = bits.view(torch.int16)
-    h, carry = halves[:n].view(q.shape), halves[n : 2 * n].view(q.shape)
-    h.copy_(q.view(torch.uint8))  # the code, 0..255
+    The code read as int8 and shifted left by 7 in int16 holds its magnitude in bits 7..13
+    of a float16; a negative code (sign bit set, so sign-extended) also has bits 14 and 15
+    set, and clearing bit 14 (never part of a magnitude: exponents stay below 16) leaves the
+    sign in bit 15. That float16 is exactly q * 2**-8 (normals and subnormals alike: the
+    exponent biases of e4m3 and float16 differ by 8), its conversion to float32 is exact, and
+    so is 256 * s: q * s is that float times (256 * s), rounded once as q.float() * s, signed
+    zeros included. NaN codes are not handled (the caller rejects non-finite weights). Three
+    int16 passes, a conversion and a multiply (a fourth int16 pass carried the sign before:
+    ~25 µs more per band of 512K elements; a 256-entry table lookup is 3x slower)."""
+    h = bits.view(torch.int16)[: q.numel()].view(q.shape)
+    h.copy_(q.view(torch.int8))  # the code, sign-extended
     h.bitwise_left_shift_(7)
-    torch.bitwise_and(h, 1 << 14, out=carry)
-    h.add_(carry)  # sign bit 14 -> 15 (bit 14 of a magnitude is 0: exponents stay below 16)
+    h.bitwise_and_(~(1 << 14))
     out.copy_(h.view(torch.float16))  # q * 2**-8
     return out.mul_(scale * 256.0)
 
@@ -133,6 +131,18 @@ def check_weight_shape(w: torch.Tensor) -> None:
 def abs_max(x: torch.Tensor, dim) -> torch.Tensor:
     """max |x| over ``dim`` without an |x| temporary (two reductions; NaN propagates)."""
     return torch.maximum(x.amax(dim=dim), x.amin(dim=dim).neg())
+
+
+def abs_max_bits(x: torch.Tensor, dim, out: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """``abs_max(x, dim)`` into ``out`` (float32), for contiguous float32 ``x``: the sign bits
+    cleared into ``scratch`` (float32, at least x's size, overwritten), then one integer max. The bits of
+    non-negative floats order as their values, so the result is the same number (zeros as
+    +0.0; a NaN in ``x`` gives a NaN, infinities infinity). One masking pass and one
+    reduction instead of two reductions: 65 against 89 µs per band of 512K elements here."""
+    magnitudes = scratch.view(torch.int32)[: x.numel()].view(x.shape)
+    torch.bitwise_and(x.view(torch.int32), 0x7FFFFFFF, out=magnitudes)
+    torch.amax(magnitudes, dim=dim, out=out.view(torch.int32))
+    return out
 
 
 def scale_in_dtype(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

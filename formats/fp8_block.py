@@ -22,6 +22,7 @@ from moetool.formats.common import (
     check_suffixes,
     check_tensor,
     abs_max,
+    abs_max_bits,
     band_rows,
     check_weight,
     fp8_band_buffers,
@@ -82,8 +83,7 @@ def fp8_block_quant_measured(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
         ref.view(m, k).copy_(w[r0 : r0 + m])
         blocks = ref.view(m // BLOCK, BLOCK, col_blocks, BLOCK)
         s = scale[r0 // BLOCK : (r0 + m) // BLOCK]
-        torch.amax(blocks, dim=(1, 3), out=s)
-        torch.maximum(s, blocks.amin(dim=(1, 3)).neg_(), out=s)  # abs_max
+        abs_max_bits(blocks, (1, 3), s, work)
         s.clamp_(min=AMAX_FLOOR).div_(FP8_E4M3_MAX)
         s4 = s[:, None, :, None]
         # no clamp to +-448 as the reference has: |w| <= amax, s = amax / 448 rounded once, so

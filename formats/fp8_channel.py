@@ -19,6 +19,7 @@ from moetool.formats.common import (
     check_suffixes,
     check_tensor,
     abs_max,
+    abs_max_bits,
     band_rows,
     check_weight,
     fp8_band_buffers,
@@ -59,13 +60,15 @@ def fp8_channel_quant_measured(
     q = torch.empty((n, k), dtype=torch.float8_e4m3fn)
     scale = torch.empty((n, 1), dtype=orig_dtype)
     ref_buf, work_buf, bits_buf = fp8_band_buffers(rows * k)
+    amax_buf = torch.empty(rows, dtype=torch.float32)
     sig = noise = 0.0
     for r0 in range(0, n, rows):
         m = min(rows, n - r0)
         ref, work, bits = (b[: m * k] for b in (ref_buf, work_buf, bits_buf))
         ref2 = ref.view(m, k)
         ref2.copy_(w[r0 : r0 + m])
-        s = scale_in_dtype(abs_max(ref2, 1)[:, None].clamp_(min=AMAX_FLOOR).div_(FP8_E4M3_MAX), orig_dtype)
+        amax = abs_max_bits(ref2, 1, amax_buf[:m], work.view(m, k))[:, None]
+        s = scale_in_dtype(amax.clamp_(min=AMAX_FLOOR).div_(FP8_E4M3_MAX), orig_dtype)
         torch.div(ref2, s, out=work.view(m, k)).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
         qb = q[r0 : r0 + m]
         qb.copy_(work.view(m, k))

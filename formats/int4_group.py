@@ -26,6 +26,7 @@ from moetool.formats.common import (
     check_suffixes,
     check_tensor,
     abs_max,
+    abs_max_bits,
     band_rows,
     check_weight,
     check_weight_shape,
@@ -161,6 +162,7 @@ def int4_group_quant_measured(
     work_buf = scratch("work", rows * k, torch.float32)
     codes_buf = scratch("codes", rows * k, torch.int8)
     pairs_buf = scratch("pairs", rows * k // 2, torch.int16)
+    amax_buf = torch.empty(rows * groups_per_row, dtype=torch.float32)
     sig = noise = 0.0
     for r0 in range(0, n, rows):
         m = min(rows, n - r0)
@@ -169,7 +171,8 @@ def int4_group_quant_measured(
         groups.view(m, k).copy_(w[r0 : r0 + m])
         work3 = work.view(groups.shape)
         if symmetric:
-            s = scale_in_dtype(abs_max(groups, -1).clamp_(min=AMAX_FLOOR).div_(INT4_MAX), orig_dtype)
+            amax = abs_max_bits(groups, -1, amax_buf[: m * groups_per_row].view(m, groups_per_row), work3)
+            s = scale_in_dtype(amax.clamp_(min=AMAX_FLOOR).div_(INT4_MAX), orig_dtype)
             torch.div(groups, s[..., None], out=work3).round_()
         else:
             low = groups.amin(dim=-1).clamp_(max=0)

@@ -92,6 +92,26 @@ def test_scratch_is_reused_per_thread():
     assert c.numel() == 1000
 
 
+def test_abs_max_bits_is_abs_max():
+    """The integer max of the sign-cleared bits is the same number as max |x|, over zeros of
+    both signs, subnormals, the largest floats and infinities; a NaN gives a NaN."""
+    special = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1.2e-38, -3.4e38, 3.4e38, float("inf"), -float("inf"), -2.5, 7.0])
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 8, 32, generator=g) * torch.logspace(-40, 30, 32)
+    x[0, 0, :11] = special
+    x[1, 3].zero_()
+    x[2, 5] = -0.0
+    x[3, 1, :] = -torch.rand(32, generator=g) * 1e-42  # subnormals only
+    for dim in (-1, (0, 2)):
+        want = common.abs_max(x, dim)
+        out = torch.empty(want.shape)
+        got = common.abs_max_bits(x, dim, out, torch.empty(x.numel()))
+        assert got is out and torch.equal(got, want) and not torch.signbit(got).any()
+    x[4, 2, 7] = float("nan")
+    got = common.abs_max_bits(x, -1, torch.empty(6, 8), torch.empty(x.numel()))
+    assert got[4, 2].isnan() and torch.equal(got[:4], common.abs_max(x, -1)[:4])
+
+
 @pytest.mark.parametrize("scale", [1e-14, 3e-4, 1.0, 200.0, 1e30, 3.4e38 / 448], ids=lambda s: f"s={s:g}")
 def test_e4m3_dequantize_band_is_exact(scale):
     """Every finite e4m3 code times a scale, as q.float() * s, bit for bit, signed zeros
