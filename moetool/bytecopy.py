@@ -74,12 +74,11 @@ def run_byte_plan(plan: Plan, files: list[ByteFile], ckpt: Checkpoint, out: Outp
     previous run finished), then the ``same_as`` files (hard links, or copies with
     ``links=False``), then what ``finish_plan`` writes."""
     t0 = time.perf_counter()
-    total = sum(f.nbytes for f in plan.files)
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="writing", leave=False)
+        bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, unit_divisor=1024, desc="writing", leave=False)
     lock = threading.Lock()
 
     def on_bytes(n: int) -> None:
@@ -96,11 +95,7 @@ def run_byte_plan(plan: Plan, files: list[ByteFile], ckpt: Checkpoint, out: Outp
     if bar is not None:
         bar.close()
     finish_plan(plan, out)
-    return Summary(tensors=sum(len(f.specs) for f in plan.files), bytes_in=ckpt.files_bytes(), bytes_out=total,
-                   seconds=time.perf_counter() - t0, files_written=written,
-                   files_skipped=len(plan.files) - written,
-                   errors={}, out_format=plan.out_format, layout=plan.layout,
-                   bytes_same=sum(f.nbytes for f in plan.files if f.same_as))
+    return plan.summary(bytes_in=ckpt.files_bytes(), seconds=time.perf_counter() - t0, written=written)
 
 
 class _Stopped(Exception):

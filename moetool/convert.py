@@ -450,8 +450,7 @@ def run_plan(plan: Plan, sources: list[Source], out: OutputDir, *, bytes_in: int
 
     t0 = time.perf_counter()
     executor = Executor(sources)
-    total = sum(f.nbytes for f in plan.files)
-    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="writing", disable=not progress,
+    bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, unit_divisor=1024, desc="writing", disable=not progress,
                leave=False)
     written = 0
     # the executor converts one linear per core: torch's own intra-op threads on top of
@@ -475,18 +474,7 @@ def run_plan(plan: Plan, sources: list[Source], out: OutputDir, *, bytes_in: int
         bar.close()
         torch.set_num_threads(torch_threads)
     finish_plan(plan, out)
-    seconds = time.perf_counter() - t0
-    return Summary(
-        tensors=sum(len(f.specs) for f in plan.files),
-        bytes_in=bytes_in,
-        bytes_out=total,
-        seconds=seconds,
-        files_written=written,
-        files_skipped=len(plan.files) - written,
-        errors=(stats.summary() if stats else {}),
-        out_format=plan.out_format,
-        layout=plan.layout,
-        bytes_same=sum(f.nbytes for f in plan.files if f.same_as),
-    )
+    return plan.summary(bytes_in=bytes_in, seconds=time.perf_counter() - t0, written=written,
+                        errors=stats.summary() if stats else None)
 
 

@@ -114,6 +114,19 @@ class Plan:
     #: extra JSON files written with the config (e.g. per-rank config.json): name -> obj
     json_files: dict[str, dict] = field(default_factory=dict)
 
+    @property
+    def nbytes(self) -> int:
+        """Tensor data bytes of every planned file (``same_as`` files included)."""
+        return sum(f.nbytes for f in self.files)
+
+    def summary(self, *, bytes_in: int, seconds: float, written: int, errors: dict | None = None) -> "Summary":
+        """What an executor reports once the plan is written: ``written`` of its files made in
+        this run, the others resumed."""
+        return Summary(tensors=sum(len(f.specs) for f in self.files), bytes_in=bytes_in, bytes_out=self.nbytes,
+                       seconds=seconds, files_written=written, files_skipped=len(self.files) - written,
+                       errors=errors or {}, out_format=self.out_format, layout=self.layout,
+                       bytes_same=sum(f.nbytes for f in self.files if f.same_as))
+
     def describe(self) -> str:
         lines = [f"plan: {len(self.files)} file(s), format {self.out_format}, layout {self.layout}"]
         for f in self.files:

@@ -462,9 +462,7 @@ class OutputDir:
 
     def copy_file(self, src: Path, name: str) -> None:
         final, tmp = self.root / name, self.incomplete_path(name)
-        shutil.copyfile(src, tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
+        _copy_durably(src, tmp)
         os.replace(tmp, final)
         self.records[name] = FileRecord(sha256_file(final), final.stat().st_size)
 
@@ -485,9 +483,7 @@ class OutputDir:
             except OSError:  # no hard links here (EPERM, EXDEV, EMLINK, ENOTSUP...): copy
                 pass
         if not linked:
-            shutil.copyfile(src, tmp)
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
+            _copy_durably(src, tmp)
         return self.commit(name, rec.sha256)
 
     def write_safetensors(
@@ -540,6 +536,13 @@ class OutputDir:
         (self.root / JOURNAL_NAME).unlink(missing_ok=True)
         _fsync_dir(self.root)
         return manifest
+
+
+def _copy_durably(src: Path, dst: Path) -> None:
+    """``src``'s bytes into a new file ``dst``, fsync'd."""
+    shutil.copyfile(src, dst)
+    with open(dst, "rb+") as f:
+        os.fsync(f.fileno())
 
 
 def _version() -> str:
