@@ -25,7 +25,6 @@ from moetool.checkpoint import DTYPE_SIZES, Checkpoint, TensorInfo
 from moetool.errors import MoetoolError
 from moetool.plan import QUANTIZED_ONLY_SUFFIXES, ROLES, Copy, ExpertLinear, Group, Plan, Stacked, \
     non_expert_tensors
-from moetool.writer import SAFETENSORS_METADATA, safetensors_header
 
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
@@ -188,8 +187,7 @@ def _whole(info: TensorInfo) -> Span:
 def byte_files(plan: Plan, source: ByteSource) -> list[ByteFile]:
     """Each safetensors file of ``plan`` (built with ``source.specs``) to write as header +
     spans: all but those ``same_as`` another."""
-    return [ByteFile(pf.name, safetensors_header(pf.specs, SAFETENSORS_METADATA),
-                     [s for g in pf.groups for s in source.spans(g)])
+    return [ByteFile(pf.name, pf.header(), [s for g in pf.groups for s in source.spans(g)])
             for pf in plan.files if not pf.same_as]
 
 

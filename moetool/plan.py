@@ -97,9 +97,13 @@ class PlannedFile:
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.specs)
 
+    def header(self) -> bytes:
+        """Its safetensors header, with ``SAFETENSORS_METADATA``, as the executors write it."""
+        return safetensors_header(self.specs, SAFETENSORS_METADATA)
+
     def file_size(self) -> int:
-        """Its size on disk: safetensors header (``SAFETENSORS_METADATA``) and data."""
-        return len(safetensors_header(self.specs, SAFETENSORS_METADATA)) + self.nbytes
+        """Its size on disk: header and data."""
+        return len(self.header()) + self.nbytes
 
 
 @dataclass
