@@ -837,8 +837,6 @@ class All2AllDispatcher(Dispatcher):
             counts = st["counts"].clone() if out.is_cuda else st["counts"]
             stats.defer(functools.partial(self._count_mapped, stats, counts, self._mapped.rows.views[0].shape[1],
                                           H * nb, gather_bytes))
-            if not out.is_cuda:
-                stats.settle()
         else:
             back = out.new_empty(sum(st["send"]), H)  # [P, H]
             dist.all_to_all_single(back, out, output_split_sizes=st["send"], input_split_sizes=st["recv"])
