@@ -91,6 +91,12 @@ def rint_small(x):
     return (x + 12582912.0) - 12582912.0
 
 
+def check_rank(what: str, me: int, R: int) -> None:
+    """``me`` names one of ``R`` ranks (its peer buffers are indexed by it on the device)."""
+    if not 0 <= me < R:
+        raise MoetoolError(f"{what}: rank {me} is not in [0, {R})")
+
+
 class PeerBuffers:
     """One buffer as every rank of a world sees it: ``views[r]`` aliases rank r's copy (peer
     memory mapped into this process: CUDA symmetric memory over NVLink, or shared memory

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from moetool.errors import MoetoolError
 
-from .common import PeerBuffers, check_device, round_to_bf16
+from .common import PeerBuffers, check_device, check_rank, round_to_bf16
 
 OUT_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -156,8 +156,7 @@ def _check_sources(sources: PeerBuffers, pos: torch.Tensor, me: int) -> int:
                            f"{v.dtype} {list(v.shape)}")
     if pos.dim() != 2 or pos.dtype not in (torch.int32, torch.int64) or pos.shape[1] != R:
         raise MoetoolError(f"combine_from_peers: pos must be int32/int64 [m, {R}], got {pos.dtype} {list(pos.shape)}")
-    if not 0 <= me < R:
-        raise MoetoolError(f"combine_from_peers: rank {me} is not in [0, {R})")
+    check_rank("combine_from_peers", me, R)
     return v.shape[0] // R
 
 

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from moetool.errors import MoetoolError
 
-from .common import PeerBuffers, check_device, e4m3_rne, is_interpreted, round_to_bf16
+from .common import PeerBuffers, check_device, check_rank, e4m3_rne, is_interpreted, round_to_bf16
 
 _INTS = (torch.int32, torch.int64)
 #: elements of the [tokens, k, ranks or slots] one-hot block a program holds at once
@@ -215,8 +215,7 @@ def _check_peers(what: str, peers: PeerBuffers | None, R: int, shape: tuple, dty
     if len(peers) != R or tuple(v.shape) != tuple(shape) or v.dtype != dtype:
         raise MoetoolError(f"{what} must be {R} peer buffers {dtype} {list(shape)}, got {len(peers)} x "
                            f"{v.dtype} {list(v.shape)}")
-    if not 0 <= me < R:
-        raise MoetoolError(f"{what}: rank {me} is not in [0, {R})")
+    check_rank(what, me, R)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -319,8 +318,7 @@ def _check_pack(x, topk_ids, topk_weights, token_index, order, counts, out, hidd
         if out.shape[0] % R or out.shape[0] // R < m:
             raise MoetoolError(f"pack_rows: peer receive buffers [{out.shape[0]}, B] must hold {R} regions "
                                f"of at least {m} rows")
-        if not 0 <= me < R:
-            raise MoetoolError(f"pack_rows: rank {me} is not in [0, {R})")
+        check_rank("pack_rows", me, R)
     if out.dim() != 2 or out.dtype != torch.uint8 or not out.is_contiguous() or out.shape[1] % 16:
         raise MoetoolError(f"pack_rows: out must be contiguous uint8 [rows, B] with B a multiple of 16, got "
                            f"{out.dtype} {list(out.shape)}")
