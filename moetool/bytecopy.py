@@ -33,7 +33,7 @@ from moetool.byteplan import ByteFile, ByteSource, byte_files, coalesce, copy_gr
 from moetool.checkpoint import Checkpoint, pread_exactly
 from moetool.plan import Layout, Plan, Summary, checkpoint_files, checkpoint_plan, finish_plan, shard_plan
 from moetool.spec import ExpertPlacement
-from moetool.writer import WRITE_SLICE, WRITEBACK_STEP, OutputDir, start_writeback
+from moetool.writer import WRITE_SLICE, WRITEBACK_STEP, OutputDir, pwrite_all, start_writeback
 
 #: bytes per read / write (larger writes are slower on this kernel: see ``writer.WRITE_SLICE``)
 CHUNK = WRITE_SLICE
@@ -217,7 +217,7 @@ def _copy_file(f: ByteFile, inputs: _Inputs, out: OutputDir, on_bytes: Callable[
     try:
         hasher = _Hasher(free.put)  # after the open: a failed open leaves no thread
         hasher.feed(memoryview(f.header))
-        _write_all(fd, memoryview(f.header))
+        pwrite_all(fd, memoryview(f.header), 0)
         written = len(f.header)
         for span in coalesce(f.spans):
             for off in range(0, span.length, CHUNK):
@@ -226,7 +226,7 @@ def _copy_file(f: ByteFile, inputs: _Inputs, out: OutputDir, on_bytes: Callable[
                 buf = free.get()
                 view = memoryview(buf)[:min(CHUNK, span.length - off)]
                 inputs.read_into(span.file, span.offset + off, view)
-                _write_all(fd, view)
+                pwrite_all(fd, view, written)
                 hasher.feed(view, buf)
                 written += len(view)
                 if written - flushed >= WRITEBACK_STEP:
@@ -242,9 +242,3 @@ def _copy_file(f: ByteFile, inputs: _Inputs, out: OutputDir, on_bytes: Callable[
             hasher.q.put(None)
         os.close(fd)
     out.commit(f.name, digest)
-
-
-def _write_all(fd: int, view: memoryview) -> None:
-    while len(view):
-        n = os.write(fd, view)
-        view = view[n:]

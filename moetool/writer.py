@@ -262,14 +262,14 @@ class _HashingSink:
         head = view.nbytes - view.nbytes % DIRECT_ALIGN if self.o_direct else 0
         if head:
             try:
-                _pwrite_all(fd, view[:head], offset)
+                pwrite_all(fd, view[:head], offset)
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
                 head = 0
         if head < view.nbytes:
             self._direct_off(fd)
-            _pwrite_all(fd, view[head:], offset + head)
+            pwrite_all(fd, view[head:], offset + head)
 
     def _direct_off(self, fd: int) -> None:
         if self.o_direct:
@@ -316,7 +316,8 @@ class _HashingSink:
         return self.hash.hexdigest()
 
 
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    """All of ``view`` at byte ``offset`` of ``fd`` (a write that makes no progress is an error)."""
     done = 0
     while done < view.nbytes:
         n = os.pwrite(fd, view[done:], offset + done)
