@@ -19,3 +19,15 @@ class VerificationFailed(MoetoolError):
     """Verification ran but at least one layer was outside its tolerance (exit status 1)."""
 
     exit_code = 1
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM reached the command (raised in the main thread by the CLI's signal
+    handler). A BaseException, like KeyboardInterrupt, so no ``except Exception`` swallows it;
+    the CLI prints ``error: interrupted`` and exits with 128 + the signal number (130, 143).
+    Outputs are left visibly unfinished (no manifest) and a re-run resumes."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+        self.exit_code = 128 + signum

@@ -1,18 +1,21 @@
 """The ``moetool`` command line: one thin module per subcommand over the library API.
 
 Errors: a MoetoolError prints as one line ``error: ...`` with its exit status (2 for bad
-input, 1 for a failed verification); an OSError (a file that cannot be read or written: no
+input, 1 for a failed verification); SIGINT / SIGTERM print ``error: interrupted`` and exit
+with 130 / 143, the output left unfinished and resumable; an OSError (a file that cannot be read or written: no
 permission, no space, a folder in the way) prints as one line naming the file, exit status 2;
 set MOETOOL_TRACEBACK=1 for the full traceback.
 """
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 
 import typer
 
-from moetool.errors import MoetoolError
+from moetool.errors import Interrupted, MoetoolError
 
 app = typer.Typer(
     name="moetool",
@@ -27,20 +30,27 @@ app = typer.Typer(
 from moetool.cli import demo, inspect, quantize, repack, shard, verify  # noqa: E402,F401
 
 
+#: signals that stop a command: each raises :class:`Interrupted` in the main thread, so every
+#: ``finally`` runs (sinks closed, rank processes stopped) and the exit status is 128 + signal
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 def main(argv: list[str] | None = None) -> None:
+    """Run one command; a failure ends the process through ``sys.exit`` with its status:
+    2 bad input or I/O error, 1 failed verification, 130 SIGINT, 143 SIGTERM."""
     from moetool.memory import bound_malloc
 
     bound_malloc()
+    previous = _catch_stop_signals()
     try:
-        app(args=argv, prog_name="moetool", standalone_mode=False)
+        status = app(args=argv, prog_name="moetool", standalone_mode=False)
     except MoetoolError as err:
         if os.environ.get("MOETOOL_TRACEBACK"):
             raise
         print(f"error: {err}", file=sys.stderr)
         sys.exit(err.exit_code)
-    except KeyboardInterrupt:
-        print("error: interrupted; outputs are left unfinished (re-run to resume)", file=sys.stderr)
-        sys.exit(130)
+    except (Interrupted, KeyboardInterrupt) as err:
+        _interrupted(err.exit_code if isinstance(err, Interrupted) else 128 + signal.SIGINT)
     except OSError as err:
         if os.environ.get("MOETOOL_TRACEBACK"):
             raise
@@ -56,6 +66,45 @@ def main(argv: list[str] | None = None) -> None:
         if isinstance(err, abort):
             sys.exit(1)
         raise
+    finally:
+        _restore_signals(previous)
+    # typer hands back the status of a typer.Exit instead of raising it (standalone_mode=False),
+    # 130 for a KeyboardInterrupt it caught itself
+    if isinstance(status, int) and status:
+        if status == 128 + signal.SIGINT:
+            _interrupted(status)
+        sys.exit(status)
+
+
+def _interrupted(status: int) -> None:
+    print("error: interrupted; the output is left unfinished (no manifest.json): re-run the same command "
+          "to resume", file=sys.stderr)
+    sys.exit(status)
+
+
+def _catch_stop_signals() -> dict:
+    """Install the handlers of STOP_SIGNALS (main thread only); returns the previous ones.
+    The first signal raises Interrupted; a second one while the first is being handled (a stuck
+    clean-up) ends the process at once with the same status."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    stopping: list[int] = []
+
+    def handler(signum, frame):
+        if stopping:
+            os._exit(128 + stopping[0])
+        stopping.append(signum)
+        raise Interrupted(signum)
+
+    previous = {}
+    for sig in STOP_SIGNALS:
+        previous[sig] = signal.signal(sig, handler)
+    return previous
+
+
+def _restore_signals(previous: dict) -> None:
+    for sig, old in previous.items():
+        signal.signal(sig, old)
 
 
 def os_error_line(err: OSError) -> str:
