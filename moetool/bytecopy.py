@@ -73,28 +73,31 @@ def run_byte_plan(plan: Plan, files: list[ByteFile], ckpt: Checkpoint, out: Outp
     """Write ``files`` (the plan's files that are not ``same_as`` another; skipping those a
     previous run finished), then the ``same_as`` files (hard links, or copies with
     ``links=False``), then what ``finish_plan`` writes."""
-    t0 = time.perf_counter()
-    bar = None
-    if progress:
-        from tqdm import tqdm
+    try:
+        t0 = time.perf_counter()
+        bar = None
+        if progress:
+            from tqdm import tqdm
 
-        bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, unit_divisor=1024, desc="writing", leave=False)
-    lock = threading.Lock()
+            bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, desc="writing", leave=False)
+        lock = threading.Lock()
 
-    def on_bytes(n: int) -> None:
-        with lock:
-            bar.update(n)
+        def on_bytes(n: int) -> None:
+            with lock:
+                bar.update(n)
 
-    written = copy_files(files, ckpt.root, out, workers=workers, on_bytes=on_bytes if bar else None)
-    for pf in (pf for pf in plan.files if pf.same_as):
-        if not out.already_done(pf.name, pf.file_size(), pf.same_as):
-            out.same_file(pf.name, pf.same_as, link=links)
-            written += 1
+        written = copy_files(files, ckpt.root, out, workers=workers, on_bytes=on_bytes if bar else None)
+        for pf in (pf for pf in plan.files if pf.same_as):
+            if not out.already_done(pf.name, pf.file_size(), pf.same_as):
+                out.same_file(pf.name, pf.same_as, link=links)
+                written += 1
+            if bar is not None:
+                bar.update(pf.nbytes)
         if bar is not None:
-            bar.update(pf.nbytes)
-    if bar is not None:
-        bar.close()
-    finish_plan(plan, out)
+            bar.close()
+        finish_plan(plan, out)
+    finally:
+        out.close()  # the folder is released either way; without a manifest it stays unfinished
     return plan.summary(bytes_in=ckpt.files_bytes(), seconds=time.perf_counter() - t0, written=written)
 
 

@@ -448,32 +448,35 @@ def run_plan(plan: Plan, sources: list[Source], out: OutputDir, *, bytes_in: int
     and manifest last."""
     from tqdm import tqdm
 
-    t0 = time.perf_counter()
-    executor = Executor(sources)
-    bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, unit_divisor=1024, desc="writing", disable=not progress,
-               leave=False)
-    written = 0
-    # the executor converts one linear per core: torch's own intra-op threads on top of
-    # that only contend for the cores (and spin while they wait)
-    torch_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     try:
-        for pf in plan.files:
-            if out.already_done(pf.name, pf.file_size(), pf.same_as):
-                bar.update(pf.nbytes)
-                continue
-            if pf.same_as:
-                out.same_file(pf.name, pf.same_as, link=links)
-                bar.update(pf.nbytes)
+        t0 = time.perf_counter()
+        executor = Executor(sources)
+        bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, desc="writing", disable=not progress,
+                   leave=False)
+        written = 0
+        # the executor converts one linear per core: torch's own intra-op threads on top of
+        # that only contend for the cores (and spin while they wait)
+        torch_threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            for pf in plan.files:
+                if out.already_done(pf.name, pf.file_size(), pf.same_as):
+                    bar.update(pf.nbytes)
+                    continue
+                if pf.same_as:
+                    out.same_file(pf.name, pf.same_as, link=links)
+                    bar.update(pf.nbytes)
+                    written += 1
+                    continue
+                out.write_safetensors(pf.name, pf.specs, executor.chunks(pf), metadata=SAFETENSORS_METADATA,
+                                      on_bytes=bar.update)
                 written += 1
-                continue
-            out.write_safetensors(pf.name, pf.specs, executor.chunks(pf), metadata=SAFETENSORS_METADATA,
-                                  on_bytes=bar.update)
-            written += 1
+        finally:
+            bar.close()
+            torch.set_num_threads(torch_threads)
+        finish_plan(plan, out)
     finally:
-        bar.close()
-        torch.set_num_threads(torch_threads)
-    finish_plan(plan, out)
+        out.close()  # the folder is released either way; without a manifest it stays unfinished
     return plan.summary(bytes_in=bytes_in, seconds=time.perf_counter() - t0, written=written,
                         errors=stats.summary() if stats else None)
 

@@ -5,6 +5,11 @@ Every data file is written to ``<name>.incomplete``, fsync'd and renamed. A jour
 same plan skips files whose bytes still match. The index, config.json and ``manifest.json``
 (sha256 + size of every file) are written last: an output folder without a manifest is
 visibly unfinished. The input folder is never written.
+
+One run at a time: the folder is locked (``flock`` on ``.moetool.lock``, holding the writer's
+pid) from the first check to the manifest. A run writes only into an empty folder, into our own
+unfinished output of the same plan (a resume: its journal names the plan), or with ``force``;
+a folder holding anything else is refused, naming a file found there.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ if TYPE_CHECKING:  # this module loads without torch: byte-copy shard / repack u
 
 MANIFEST_NAME = "manifest.json"
 JOURNAL_NAME = ".moetool-journal.json"
+LOCK_NAME = ".moetool.lock"
 INCOMPLETE = ".incomplete"
 #: the metadata every safetensors file of a conversion carries in its header
 SAFETENSORS_METADATA = {"format": "pt"}
@@ -349,20 +355,65 @@ class OutputDir:
             _refuse_nesting(self.root, Path(inp))
         if self.root.exists() and not self.root.is_dir():
             raise MoetoolError(f"{self.root}: exists and is not a folder; choose an output folder")
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise MoetoolError(f"{self.root}: cannot create the output folder ({e.strerror})") from None
+        self._folder_lock: FolderLock | None = FolderLock(self.root)
+        try:
+            self._claim(force)
+        except BaseException:
+            if self._folder_lock.created:  # a refused folder is left as it was found
+                self._folder_lock.remove_file()
+            self.close()
+            raise
+
+    def _claim(self, force: bool) -> None:
+        """With the lock held: refuse a folder that is not ours to write (unless ``force``),
+        clear what an earlier output of ours left there, and start or resume the journal."""
         manifest = self.root / MANIFEST_NAME
         if manifest.exists():
             if not force:
                 raise MoetoolError(f"{self.root}: already holds a complete output ({MANIFEST_NAME}); use --force to overwrite")
             self._remove_listed(manifest, "files")  # the old output's files: none may linger beside the new
             manifest.unlink()
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise MoetoolError(f"{self.root}: cannot create the output folder ({e.strerror})") from None
+        journal = self.root / JOURNAL_NAME
         if force:
-            self._remove_listed(self.root / JOURNAL_NAME, "files")
-            (self.root / JOURNAL_NAME).unlink(missing_ok=True)
+            self._remove_listed(journal, "files")
+            journal.unlink(missing_ok=True)
+        else:
+            self._refuse_foreign()
         self._journal = self._load_journal()
+        if not journal.exists():
+            self._save_journal()  # marks the folder as this plan's unfinished output from the start
+
+    def _refuse_foreign(self) -> None:
+        """Raise unless the folder is empty or holds our unfinished output of this same plan."""
+        journal = self.root / JOURNAL_NAME
+        if journal.exists():
+            if _journal_plan(journal) == self.plan_id:
+                return
+            raise MoetoolError(f"{self.root}: holds the unfinished output of another moetool run (other input or "
+                               f"options, see {JOURNAL_NAME}); re-run that command to finish it, or use --force "
+                               f"to replace it")
+        found = sorted(p.name for p in self.root.iterdir() if p.name != LOCK_NAME)
+        if found:
+            raise MoetoolError(f"{self.root}: is not empty and holds no unfinished moetool output (found {found[0]}"
+                               f"{f' and {len(found) - 1} more' if len(found) > 1 else ''}); choose an empty "
+                               f"folder, or use --force to write into it")
+
+    def close(self) -> None:
+        """Release the folder (idempotent). :meth:`finish` does it once the manifest is
+        written; an executor that stops early calls it, leaving the folder unfinished."""
+        if self._folder_lock is not None:
+            self._folder_lock.release()
+            self._folder_lock = None
+
+    def __enter__(self) -> OutputDir:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _remove_listed(self, listing: Path, key: str) -> None:
         """Delete the files a previous manifest or journal of this folder lists (files moetool
@@ -393,10 +444,10 @@ class OutputDir:
             data = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError):
             return {}
-        if data.get("plan_id") != self.plan_id:
-            self._remove_listed(path, "files")  # another plan's files: not resumable, maybe other names
+        if not isinstance(data, dict) or data.get("plan_id") != self.plan_id:
             return {}
-        return dict(data.get("files", {}))
+        files = data.get("files", {})
+        return dict(files) if isinstance(files, dict) else {}
 
     def _save_journal(self) -> None:
         self._write_atomic(JOURNAL_NAME, json.dumps({"plan_id": self.plan_id, "files": self._journal}, indent=1).encode())
@@ -435,7 +486,7 @@ class OutputDir:
         """``name`` is complete at :meth:`incomplete_path` (written and fsync'd; ``sha256`` of
         its bytes): rename it to its final name and record it in the journal."""
         final = self.root / name
-        os.replace(final.with_name(final.name + INCOMPLETE), final)
+        _rename_over(final.with_name(final.name + INCOMPLETE), final)
         _fsync_dir(final.parent)
         record = FileRecord(sha256, final.stat().st_size)
         with self._lock:
@@ -451,7 +502,7 @@ class OutputDir:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, final)
+        _rename_over(tmp, final)
         _fsync_dir(final.parent)
         return FileRecord(hashlib.sha256(data).hexdigest(), len(data))
 
@@ -464,7 +515,7 @@ class OutputDir:
     def copy_file(self, src: Path, name: str) -> None:
         final, tmp = self.root / name, self.incomplete_path(name)
         _copy_durably(src, tmp)
-        os.replace(tmp, final)
+        _rename_over(tmp, final)
         self.records[name] = FileRecord(sha256_file(final), final.stat().st_size)
 
     def same_file(self, name: str, target: str, *, link: bool = True) -> FileRecord:
@@ -533,10 +584,88 @@ class OutputDir:
         """Write manifest.json last (sha256 and size of every file) and drop the journal."""
         files = {n: {"sha256": r.sha256, "size": r.size} for n, r in sorted(self.records.items())}
         manifest = {"moetool_version": _version(), **(manifest_extra or {}), "files": files}
+        self._remove_leftovers()
         self.write_json(MANIFEST_NAME, manifest, record=False)
         (self.root / JOURNAL_NAME).unlink(missing_ok=True)
+        if self._folder_lock is not None:
+            self._folder_lock.remove_file()
         _fsync_dir(self.root)
+        self.close()
         return manifest
+
+    def _remove_leftovers(self) -> None:
+        """Temporary files an interrupted earlier run left (its ``.incomplete`` files whose
+        final names this run wrote, or no longer plans): a complete output holds none."""
+        folders = {self.root} | {(self.root / name).parent for name in self.records}
+        for folder in folders:
+            for path in folder.glob("*" + INCOMPLETE):
+                if path.is_file() or path.is_symlink():
+                    path.unlink()
+
+
+def _rename_over(tmp: Path, final: Path) -> None:
+    """``os.replace(tmp, final)``. Where both already name one file (a hard link finished by an
+    interrupted run, linked again on resume), rename(2) does nothing and leaves ``tmp``:
+    remove it then."""
+    os.replace(tmp, final)
+    if os.path.lexists(tmp):
+        os.unlink(tmp)
+
+
+def _journal_plan(path: Path) -> str | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data.get("plan_id") if isinstance(data, dict) else None
+
+
+class FolderLock:
+    """Exclusive ``flock`` on ``ROOT/.moetool.lock``, which holds the owner's pid. A second
+    writer fails at once naming that pid; a lock whose holder died is free (the kernel drops a
+    flock with its process), so a stale lock file is simply taken over."""
+
+    def __init__(self, root: Path):
+        import fcntl
+
+        self.path = Path(root) / LOCK_NAME
+        self.created = not self.path.exists()  # by this run (under the lock, checked again below)
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise MoetoolError(f"{root} is being written by process {holder} (another moetool run); "
+                                   f"wait for it or stop it") from None
+            except OSError:
+                os.close(fd)
+                raise
+            # the holder before us may have removed the file as it finished: then our lock is on
+            # a file nobody else will open; lock the one at the path now
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+            self.created = True
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self.fd: int | None = fd
+
+    def remove_file(self) -> None:
+        """Remove the lock file while still holding the lock (the output is complete)."""
+        self.path.unlink(missing_ok=True)
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # drops the flock
+            self.fd = None
+
+    __del__ = release
 
 
 def _copy_durably(src: Path, dst: Path) -> None:

@@ -341,7 +341,7 @@ def test_progress_counts_resumed_files_like_written_ones(tmp_path):
     counted = []
     for run in range(2):
         n = [0]
-        out = OutputDir(tmp_path / "out", plan_id="p")
-        bytecopy.copy_files(files, tmp_path / "in", out, workers=1, on_bytes=lambda k: n.__setitem__(0, n[0] + k))
+        with OutputDir(tmp_path / "out", plan_id="p") as out:
+            bytecopy.copy_files(files, tmp_path / "in", out, workers=1, on_bytes=lambda k: n.__setitem__(0, n[0] + k))
         counted.append(n[0])
     assert counted == [1900, 1900]

@@ -546,15 +546,20 @@ def test_interrupt_and_resume(tiny, cli, tmp_path):
     assert tree_hashes(corrupt) == tree_hashes(ref)
 
 
-def test_resume_ignores_journal_of_other_options(tiny, cli, tmp_path):
-    """A journal written for other options is not trusted: every file is rewritten."""
+def test_journal_of_other_options_is_refused_then_rewritten_with_force(tiny, cli, tmp_path):
+    """A journal written for other options is not resumed: the run is refused (the folder is
+    left as it is); with --force every file is rewritten."""
     src, out = tiny("mixtral"), tmp_path / "out"
     assert cli("quantize", src, out, "--fp8-block", "--quiet").code == 0
     (out / MANIFEST_NAME).unlink()
     (out / JOURNAL_NAME).write_text(json.dumps({"plan_id": "other", "files": {
         n: {"sha256": sha256_file(out / n), "size": (out / n).stat().st_size} for n in
         ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")}}))
+    before = tree_hashes(out)
     r = cli("quantize", src, out, "--fp8-channel", "--quiet")
+    assert r.code == 2 and "holds the unfinished output of another moetool run" in r.error_line
+    assert tree_hashes(out) == before
+    r = cli("quantize", src, out, "--fp8-channel", "--quiet", "--force")
     assert r.code == 0 and "2 file(s) written, 0 resumed" in r.out
     check_quantized(src, out, Fp8Channel())
 

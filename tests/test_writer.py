@@ -212,38 +212,33 @@ def test_wrong_data_is_an_error_and_leaves_no_final_file(tmp_path, case, message
 
 def test_journal_resume_and_manifest(tmp_path):
     t = {"w": torch.randn(4, 4)}
-    out = OutputDir(tmp_path / "o", plan_id="p1")
-    out.write_safetensors("a.safetensors", specs_of(t), iter(t.items()))
+    with OutputDir(tmp_path / "o", plan_id="p1") as out:
+        out.write_safetensors("a.safetensors", specs_of(t), iter(t.items()))
     journal = json.loads((tmp_path / "o" / JOURNAL_NAME).read_text())
     assert journal["plan_id"] == "p1" and set(journal["files"]) == {"a.safetensors"}
-    # same plan: the finished file is recognised; another plan: it is not
-    again = OutputDir(tmp_path / "o", plan_id="p1")
-    size = (tmp_path / "o" / "a.safetensors").stat().st_size
-    assert not again.already_done("a.safetensors", size + 8)  # not the size the plan expects
-    assert again.already_done("a.safetensors", size) and again.skipped == ["a.safetensors"]
+    # same plan: the finished file is recognised
+    with OutputDir(tmp_path / "o", plan_id="p1") as again:
+        size = (tmp_path / "o" / "a.safetensors").stat().st_size
+        assert not again.already_done("a.safetensors", size + 8)  # not the size the plan expects
+        assert again.already_done("a.safetensors", size) and again.skipped == ["a.safetensors"]
     # a modified file is not trusted
     p = tmp_path / "o" / "a.safetensors"
     data = bytearray(p.read_bytes())
     data[-1] ^= 1
     p.write_bytes(bytes(data))
-    assert not OutputDir(tmp_path / "o", plan_id="p1").already_done("a.safetensors")
-    # finish: manifest last, journal gone
+    with OutputDir(tmp_path / "o", plan_id="p1") as again:
+        assert not again.already_done("a.safetensors")
+    # finish: manifest last, journal and lock file gone
     out = OutputDir(tmp_path / "o", plan_id="p1")
     out.write_safetensors("a.safetensors", specs_of(t), iter(t.items()))
     out.write_json("config.json", {"x": 1})
     manifest = out.finish({"kind": "checkpoint"})
     assert set(manifest["files"]) == {"a.safetensors", "config.json"}
-    assert not (tmp_path / "o" / JOURNAL_NAME).exists()
+    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == ["a.safetensors", "config.json", MANIFEST_NAME]
     assert verify_manifest(tmp_path / "o")["kind"] == "checkpoint"
     with pytest.raises(MoetoolError, match="already holds a complete output"):
         OutputDir(tmp_path / "o")
-    # another plan's journal: not resumable (and its files are removed)
-    (tmp_path / "o" / MANIFEST_NAME).rename(tmp_path / "manifest.bak")
-    (tmp_path / "o" / JOURNAL_NAME).write_text(json.dumps({"plan_id": "p1", "files": manifest["files"]}))
-    assert not OutputDir(tmp_path / "o", plan_id="p2").already_done("a.safetensors")
-    assert not (tmp_path / "o" / "a.safetensors").exists()
-    (tmp_path / "manifest.bak").rename(tmp_path / "o" / MANIFEST_NAME)
-    OutputDir(tmp_path / "o", force=True)  # --force: the manifest goes first
+    OutputDir(tmp_path / "o", force=True).close()  # --force: the manifest goes first
     assert not (tmp_path / "o" / MANIFEST_NAME).exists()
 
 
@@ -311,11 +306,14 @@ def test_output_path_that_is_a_file(tmp_path, cli, tiny):
     assert r.error_line == f"{tmp_path / 'afile' / 'sub'}: cannot create the output folder (Not a directory)"
 
 
-def test_journal_of_another_plan_removes_its_files(tmp_path):
+def test_journal_of_another_plan_is_refused_and_force_removes_its_files(tmp_path):
     t = {"w": torch.randn(4, 4)}
-    out = OutputDir(tmp_path, plan_id="A")
-    out.write_safetensors("model-00001-of-00003.safetensors", specs_of(t), iter(t.items()))
+    with OutputDir(tmp_path, plan_id="A") as out:
+        out.write_safetensors("model-00001-of-00003.safetensors", specs_of(t), iter(t.items()))
     (tmp_path / "keep.txt").write_text("not ours")
-    OutputDir(tmp_path, plan_id="B")  # plan A's files cannot be resumed: they go
+    with pytest.raises(MoetoolError, match="holds the unfinished output of another moetool run"):
+        OutputDir(tmp_path, plan_id="B")
+    assert (tmp_path / "model-00001-of-00003.safetensors").exists()
+    OutputDir(tmp_path, plan_id="B", force=True).close()  # plan A's files cannot be resumed: they go
     assert not (tmp_path / "model-00001-of-00003.safetensors").exists()
     assert (tmp_path / "keep.txt").exists()
