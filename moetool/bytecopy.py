@@ -33,7 +33,7 @@ from moetool.byteplan import ByteFile, ByteSource, byte_files, coalesce, copy_gr
 from moetool.checkpoint import Checkpoint, pread_exactly
 from moetool.plan import Layout, Plan, Summary, checkpoint_files, checkpoint_plan, finish_plan, shard_plan
 from moetool.spec import ExpertPlacement
-from moetool.writer import WRITE_SLICE, WRITEBACK_STEP, OutputDir, pwrite_all, start_writeback
+from moetool.writer import WRITE_SLICE, WRITEBACK_STEP, OutputDir, naming_file, pwrite_all, start_writeback
 
 #: bytes per read / write (larger writes are slower on this kernel: see ``writer.WRITE_SLICE``)
 CHUNK = WRITE_SLICE
@@ -214,13 +214,14 @@ def _copy_file(f: ByteFile, inputs: _Inputs, out: OutputDir, on_bytes: Callable[
     free: queue.Queue = queue.Queue()
     for _ in range(BUFFERS):
         free.put(bytearray(CHUNK))
-    fd = os.open(out.incomplete_path(f.name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # as open()
+    path = out.incomplete_path(f.name)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # as open()
     written = flushed = 0
     ok, hasher = False, None
     try:
         hasher = _Hasher(free.put)  # after the open: a failed open leaves no thread
         hasher.feed(memoryview(f.header))
-        pwrite_all(fd, memoryview(f.header), 0)
+        pwrite_all(fd, memoryview(f.header), 0, path)
         written = len(f.header)
         for span in coalesce(f.spans):
             for off in range(0, span.length, CHUNK):
@@ -229,7 +230,7 @@ def _copy_file(f: ByteFile, inputs: _Inputs, out: OutputDir, on_bytes: Callable[
                 buf = free.get()
                 view = memoryview(buf)[:min(CHUNK, span.length - off)]
                 inputs.read_into(span.file, span.offset + off, view)
-                pwrite_all(fd, view, written)
+                pwrite_all(fd, view, written, path)
                 hasher.feed(view, buf)
                 written += len(view)
                 if written - flushed >= WRITEBACK_STEP:
@@ -238,7 +239,10 @@ def _copy_file(f: ByteFile, inputs: _Inputs, out: OutputDir, on_bytes: Callable[
                 if on_bytes is not None:
                     on_bytes(len(view))
         digest = hasher.finish()
-        os.fsync(fd)
+        try:
+            os.fsync(fd)
+        except OSError as e:
+            raise naming_file(e, path)
         ok = True
     finally:
         if not ok and hasher is not None:

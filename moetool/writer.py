@@ -303,7 +303,7 @@ class _HashingSink:
 
     def write(self, item) -> None:
         if self.error is not None:
-            raise self.error
+            raise naming_file(self.error, self.path)
         self.queue.put(item if isinstance(item, (bytes, memoryview)) else tensor_bytes(item))
 
     def close(self, ok: bool) -> str:
@@ -315,21 +315,35 @@ class _HashingSink:
             if ok and self.error is None:
                 self.file.flush()
                 os.fsync(self.file.fileno())
+        except OSError as e:
+            raise naming_file(e, self.path)
         finally:
             self.file.close()
         if self.error is not None:
-            raise self.error
+            raise naming_file(self.error, self.path)
         return self.hash.hexdigest()
 
 
-def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    """All of ``view`` at byte ``offset`` of ``fd`` (a write that makes no progress is an error)."""
+def naming_file(err: BaseException, path: Path) -> BaseException:
+    """``err``, naming ``path`` when it is an OSError that names no file (a write or fsync
+    on a descriptor: ENOSPC, EIO, EFBIG), so the one-line error says which file failed."""
+    if isinstance(err, OSError) and err.filename is None:
+        err.filename = str(path)
+    return err
+
+
+def pwrite_all(fd: int, view: memoryview, offset: int, path: Path | None = None) -> None:
+    """All of ``view`` at byte ``offset`` of ``fd`` (a write that makes no progress is an
+    error); a failure names ``path``, the file ``fd`` writes."""
     done = 0
-    while done < view.nbytes:
-        n = os.pwrite(fd, view[done:], offset + done)
-        if n <= 0:
-            raise OSError(errno.EIO, "write returned 0")
-        done += n
+    try:
+        while done < view.nbytes:
+            n = os.pwrite(fd, view[done:], offset + done)
+            if n <= 0:
+                raise OSError(errno.EIO, "write returned 0")
+            done += n
+    except OSError as e:
+        raise naming_file(e, path) if path is not None else e
 
 
 @dataclass
@@ -362,6 +376,7 @@ class OutputDir:
         self._folder_lock: FolderLock | None = FolderLock(self.root)
         try:
             self._claim(force)
+            self._folder_lock.write_owner()
         except BaseException:
             if self._folder_lock.created:  # a refused folder is left as it was found
                 self._folder_lock.remove_file()
@@ -628,6 +643,7 @@ class FolderLock:
     def __init__(self, root: Path):
         import fcntl
 
+        self.fd: int | None = None
         self.path = Path(root) / LOCK_NAME
         self.created = not self.path.exists()  # by this run (under the lock, checked again below)
         while True:
@@ -652,9 +668,13 @@ class FolderLock:
                 break
             os.close(fd)
             self.created = True
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self.fd: int | None = fd
+        self.fd = fd
+
+    def write_owner(self) -> None:
+        """Record this process as the writer (once the folder is known to be ours to write: a
+        refused run leaves the file as it found it)."""
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
 
     def remove_file(self) -> None:
         """Remove the lock file while still holding the lock (the output is complete)."""
