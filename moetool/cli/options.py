@@ -13,7 +13,8 @@ Source = Annotated[str, typer.Argument(help="checkpoint folder or Hugging Face H
 Out = Annotated[Path, typer.Argument(help="output folder (written atomically; a re-run resumes)", show_default=False)]
 Revision = Annotated[Optional[str], typer.Option("--revision", help="Hub revision (branch, tag or commit)")]
 DryRun = Annotated[bool, typer.Option("--dry-run", help="print the plan and write nothing")]
-Force = Annotated[bool, typer.Option("--force", help="overwrite a complete output")]
+Force = Annotated[bool, typer.Option("--force", help="write into a folder holding a complete output, another "
+                                     "run's unfinished one, or other files (ours are replaced, others left)")]
 MaxShardSize = Annotated[Optional[str], typer.Option("--max-shard-size", help="e.g. 5GB, 500MB (default: like the input)")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="no progress bar")]
 Json = Annotated[bool, typer.Option("--json", help="machine-readable output")]

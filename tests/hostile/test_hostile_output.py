@@ -229,3 +229,29 @@ def test_a_failed_write_names_the_file_and_leaves_the_output_unfinished(src, tmp
     assert_unfinished(out)
     assert moetool(*COMMANDS["shard"](src, out)).code == 0
     assert_complete(out)
+
+
+# ------------------------------------------------------------------- values seen late
+
+
+def test_nan_found_while_converting_names_the_tensor_and_leaves_the_output_unfinished(src, tmp_path):
+    """Values are read only while converting (the README says so): the error names the tensor,
+    the input is intact, the output has no manifest; once the input is mended, --force
+    replaces the unfinished output of the earlier (other-input) run."""
+    from moeutil import file_of, rewrite_file
+
+    bad = tmp_path / "in"
+    shutil.copytree(src, bad)
+    name = "model.layers.1.block_sparse_moe.experts.2.w3.weight"
+    rewrite_file(file_of(bad, name), lambda t: t[name].__setitem__((3, 5), float("nan")))
+    before = digest(bad)
+    out = tmp_path / "out"
+    r = moetool("quantize", bad, out, "--fp8-block", "-q")
+    assert r.code == 2 and r.error_line.startswith(f"{name}: contains NaN/Inf"), r.err
+    assert digest(bad) == before
+    assert_unfinished(out)
+    rewrite_file(file_of(bad, name), lambda t: t[name].__setitem__((3, 5), 0.5))
+    r = moetool("quantize", bad, out, "--fp8-block", "-q")
+    assert r.code == 2 and "another moetool run" in r.error_line
+    assert moetool("quantize", bad, out, "--fp8-block", "-q", "--force").code == 0
+    assert_complete(out)
