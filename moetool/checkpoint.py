@@ -138,6 +138,17 @@ def read_safetensors_header(path: Path) -> tuple[int, dict[str, TensorInfo], dic
         raise MoetoolError(
             f"{path}: truncated safetensors file: header says {data_start + data_end} bytes, file has {size}"
         )
+    # the data section is exactly the tensors, back to back (as the safetensors library demands):
+    # no bytes after the last one, no hole before or between them
+    if data_start + data_end < size:
+        raise MoetoolError(f"{path}: {size - data_start - data_end} trailing bytes after the last tensor "
+                           f"(header says {data_start + data_end} bytes, file has {size}; corrupt or appended to)")
+    at = data_start
+    for cur in ordered:
+        if cur.begin != at:
+            raise MoetoolError(f"{path}: bytes {at - data_start}..{cur.begin - data_start} of the data section "
+                               f"belong to no tensor (before {cur.name}; corrupt header)")
+        at = cur.end
     return data_start, infos, metadata
 
 
