@@ -8,6 +8,7 @@ shape is checked against the config.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
@@ -28,11 +29,11 @@ class Family:
     expert_linears: tuple[str, str, str]  # per-expert (gate, up, down) module names
     num_experts: tuple[str, ...]  # config keys tried in order
     intermediate: tuple[str, ...]
-    router: Callable[[dict], RouterSpec]
-    moe_layers: Callable[[dict], list[int]]
+    router: Callable[["ConfigReader"], RouterSpec]
+    moe_layers: Callable[["ConfigReader"], list[int]]
     shared_module: str | None = None
     shared_gate_module: str | None = None
-    shared_intermediate: Callable[[dict], int] | None = None
+    shared_intermediate: Callable[["ConfigReader"], int] | None = None
     #: fused on-disk default: (gate_up interleaved?, input-first?) when shapes can't tell
     fused_interleaved: bool = False
     fused_input_first: bool = False
@@ -40,79 +41,155 @@ class Family:
     notes: str = ""
 
 
-def _get(config: dict, keys: tuple[str, ...], what: str):
-    for k in keys:
-        if config.get(k) is not None:
-            return config[k]
-    raise MoetoolError(f"config.json: missing {what} (looked for {', '.join(keys)})")
+_MISSING = object()
 
 
-def _every_layer_with_sparse_step(config: dict) -> list[int]:
-    n = config["num_hidden_layers"]
-    step = config.get("decoder_sparse_step", 1) or 1
-    mlp_only = set(config.get("mlp_only_layers") or [])
+def _shown(v) -> str:
+    """A config value as JSON with its kind: '"16" (a string)', '2.0 (a number)'."""
+    kind = ("a boolean" if isinstance(v, bool) else "a number" if isinstance(v, (int, float)) else
+            "a string" if isinstance(v, str) else "a list" if isinstance(v, list) else
+            "an object" if isinstance(v, dict) else "null" if v is None else type(v).__name__)
+    text = json.dumps(v)
+    return f"{text if len(text) <= 40 else text[:37] + '...'} ({kind})"
+
+
+class ConfigReader:
+    """Typed reads of config.json: a value of the wrong type (``"n_routed_experts": "16"``, a
+    float top-k, a list or a bool where an integer goes) is refused naming the file and the key,
+    never coerced. ``prefix``: where the values sit (``text_config.`` of a Llama-4 wrapper)."""
+
+    def __init__(self, data: dict, prefix: str = ""):
+        self.data, self.prefix = data, prefix
+
+    def _bad(self, key: str, want: str, v) -> MoetoolError:
+        return MoetoolError(f"config.json: {self.prefix}{key} must be {want}, got {_shown(v)}")
+
+    def get(self, key: str, default=None):
+        """The raw value (for keys only compared, never computed with)."""
+        return self.data.get(key, default)
+
+    def int(self, key: str, default=_MISSING, *, minimum: int = 1) -> int:
+        """A JSON integer >= ``minimum``; ``default`` when absent or null (missing: refused)."""
+        v = self.data.get(key)
+        if v is None:
+            if default is _MISSING:
+                raise MoetoolError(f"config.json: missing {self.prefix}{key}")
+            return default
+        if type(v) is not int:
+            raise self._bad(key, "an integer", v)
+        if v < minimum:
+            raise self._bad(key, f"an integer of at least {minimum}", v)
+        return v
+
+    def first_int(self, keys: tuple[str, ...], what: str) -> int:
+        """The first of ``keys`` present (not null), as :meth:`int`."""
+        for k in keys:
+            if self.data.get(k) is not None:
+                return self.int(k)
+        raise MoetoolError(f"config.json: missing {what} (looked for {', '.join(self.prefix + k for k in keys)})")
+
+    def number(self, key: str, default: float) -> float:
+        """A JSON number; ``default`` when absent, null or 0 (as configs write "no scaling")."""
+        v = self.data.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise self._bad(key, "a number", v)
+        return float(v or default)
+
+    def bool(self, key: str, default: bool) -> bool:
+        """A JSON boolean; ``default`` when absent (null reads as false, as it always did)."""
+        v = self.data.get(key, default)
+        if v is not None and not isinstance(v, bool):
+            raise self._bad(key, "true or false", v)
+        return bool(v)
+
+    def choice(self, key: str, default: str, choices: tuple[str, ...]) -> str:
+        v = self.data.get(key)
+        if v is None:
+            return default
+        if v not in choices:
+            raise self._bad(key, " or ".join(json.dumps(c) for c in choices), v)
+        return v
+
+    def int_list(self, key: str) -> list[int] | None:
+        """A list of integers >= 0 (layer indices), or None when absent or null."""
+        v = self.data.get(key)
+        if v is None:
+            return None
+        if not isinstance(v, list) or not all(type(x) is int and x >= 0 for x in v):
+            raise self._bad(key, "a list of layer indices (integers >= 0)", v)
+        return v
+
+
+def _every_layer_with_sparse_step(config: ConfigReader) -> list[int]:
+    n = config.int("num_hidden_layers")
+    step = config.int("decoder_sparse_step", 1, minimum=0) or 1
+    mlp_only = set(config.int_list("mlp_only_layers") or [])
     return [i for i in range(n) if i not in mlp_only and (i + 1) % step == 0]
 
 
-def _all_layers(config: dict) -> list[int]:
-    return list(range(config["num_hidden_layers"]))
+def _all_layers(config: ConfigReader) -> list[int]:
+    return list(range(config.int("num_hidden_layers")))
 
 
-def _deepseek_layers(config: dict) -> list[int]:
-    first = config.get("first_k_dense_replace", 0) or 0
-    freq = config.get("moe_layer_freq", 1) or 1
-    return [i for i in range(first, config["num_hidden_layers"]) if i % freq == 0]
+def _deepseek_layers(config: ConfigReader) -> list[int]:
+    first = config.int("first_k_dense_replace", 0, minimum=0)
+    freq = config.int("moe_layer_freq", 1, minimum=0) or 1
+    return [i for i in range(first, config.int("num_hidden_layers")) if i % freq == 0]
 
 
-def _llama4_layers(config: dict) -> list[int]:
-    if config.get("moe_layers") is not None:
-        return list(config["moe_layers"])
-    step = config.get("interleave_moe_layer_step", 1) or 1
-    return [i for i in range(config["num_hidden_layers"]) if (i + 1) % step == 0]
+def _llama4_layers(config: ConfigReader) -> list[int]:
+    layers = config.int_list("moe_layers")
+    if layers is not None:
+        return list(layers)
+    step = config.int("interleave_moe_layer_step", 1, minimum=0) or 1
+    return [i for i in range(config.int("num_hidden_layers")) if (i + 1) % step == 0]
 
 
-def _softmax_router(config: dict) -> RouterSpec:
-    return RouterSpec(top_k=config["num_experts_per_tok"], scoring="softmax", renormalize=bool(config.get("norm_topk_prob", False)))
+def _softmax_router(config: ConfigReader) -> RouterSpec:
+    return RouterSpec(top_k=config.int("num_experts_per_tok"), scoring="softmax",
+                      renormalize=config.bool("norm_topk_prob", False))
 
 
-def _mixtral_router(config: dict) -> RouterSpec:
-    return RouterSpec(top_k=config["num_experts_per_tok"], scoring="softmax", renormalize=True)
+def _mixtral_router(config: ConfigReader) -> RouterSpec:
+    return RouterSpec(top_k=config.int("num_experts_per_tok"), scoring="softmax", renormalize=True)
 
 
-def _deepseek_v2_router(config: dict) -> RouterSpec:
+def _deepseek_v2_router(config: ConfigReader) -> RouterSpec:
     grouped = config.get("topk_method") == "group_limited_greedy"
     return RouterSpec(
-        top_k=config["num_experts_per_tok"],
+        top_k=config.int("num_experts_per_tok"),
         scoring="softmax",
-        renormalize=bool(config.get("norm_topk_prob", False)),
-        n_group=config.get("n_group") if grouped else None,
-        topk_group=config.get("topk_group") if grouped else None,
+        renormalize=config.bool("norm_topk_prob", False),
+        n_group=config.int("n_group", None) if grouped else None,
+        topk_group=config.int("topk_group", None) if grouped else None,
         group_score="max",
-        routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0) or 1.0),
+        routed_scaling_factor=config.number("routed_scaling_factor", 1.0),
     )
 
 
-def _deepseek_v3_router(config: dict) -> RouterSpec:
-    n_group = config.get("n_group") or 1
+def _deepseek_v3_router(config: ConfigReader) -> RouterSpec:
+    n_group = config.int("n_group", 1, minimum=0) or 1
     return RouterSpec(
-        top_k=config["num_experts_per_tok"],
-        scoring=config.get("scoring_func", "sigmoid"),
-        renormalize=bool(config.get("norm_topk_prob", True)),
+        top_k=config.int("num_experts_per_tok"),
+        scoring=config.choice("scoring_func", "sigmoid", ("sigmoid", "softmax")),
+        renormalize=config.bool("norm_topk_prob", True),
         n_group=n_group if n_group > 1 else None,
-        topk_group=config.get("topk_group") if n_group > 1 else None,
+        topk_group=config.int("topk_group", None) if n_group > 1 else None,
         group_score="top2-sum",
-        routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0) or 1.0),
+        routed_scaling_factor=config.number("routed_scaling_factor", 1.0),
         has_correction_bias=True,
     )
 
 
-def _llama4_router(config: dict) -> RouterSpec:
-    return RouterSpec(top_k=config["num_experts_per_tok"], scoring="sigmoid", renormalize=False, apply_weight_on_input=True)
+def _llama4_router(config: ConfigReader) -> RouterSpec:
+    return RouterSpec(top_k=config.int("num_experts_per_tok"), scoring="sigmoid", renormalize=False,
+                      apply_weight_on_input=True)
 
 
-def _gpt_oss_router(config: dict) -> RouterSpec:
+def _gpt_oss_router(config: ConfigReader) -> RouterSpec:
     # top-k on logits then softmax over the k = softmax, top-k, renormalize
-    return RouterSpec(top_k=config.get("num_experts_per_tok") or config["experts_per_token"], scoring="softmax", renormalize=True)
+    key = "num_experts_per_tok" if config.get("num_experts_per_tok") else "experts_per_token"
+    return RouterSpec(top_k=config.int(key), scoring="softmax", renormalize=True)
 
 
 FAMILIES: list[Family] = [
@@ -121,7 +198,7 @@ FAMILIES: list[Family] = [
     Family("qwen2-moe", ("qwen2_moe",), "mlp", "gate", ("gate_proj", "up_proj", "down_proj"),
            ("num_experts",), ("moe_intermediate_size",), _softmax_router, _every_layer_with_sparse_step,
            shared_module="shared_expert", shared_gate_module="shared_expert_gate",
-           shared_intermediate=lambda c: c["shared_expert_intermediate_size"]),
+           shared_intermediate=lambda c: c.int("shared_expert_intermediate_size")),
     Family("qwen3-moe", ("qwen3_moe",), "mlp", "gate", ("gate_proj", "up_proj", "down_proj"),
            ("num_experts", "num_local_experts"), ("moe_intermediate_size",), _softmax_router, _every_layer_with_sparse_step),
     Family("olmoe", ("olmoe",), "mlp", "gate", ("gate_proj", "up_proj", "down_proj"),
@@ -129,14 +206,14 @@ FAMILIES: list[Family] = [
     Family("deepseek-v2", ("deepseek_v2",), "mlp", "gate", ("gate_proj", "up_proj", "down_proj"),
            ("n_routed_experts",), ("moe_intermediate_size",), _deepseek_v2_router, _deepseek_layers,
            shared_module="shared_experts",
-           shared_intermediate=lambda c: c["moe_intermediate_size"] * (c.get("n_shared_experts") or 0)),
+           shared_intermediate=lambda c: c.int("moe_intermediate_size") * c.int("n_shared_experts", 0, minimum=0)),
     Family("deepseek-v3", ("deepseek_v3", "kimi_k2"), "mlp", "gate", ("gate_proj", "up_proj", "down_proj"),
            ("n_routed_experts",), ("moe_intermediate_size",), _deepseek_v3_router, _deepseek_layers,
            shared_module="shared_experts",
-           shared_intermediate=lambda c: c["moe_intermediate_size"] * (c.get("n_shared_experts") or 0)),
+           shared_intermediate=lambda c: c.int("moe_intermediate_size") * c.int("n_shared_experts", 0, minimum=0)),
     Family("llama4", ("llama4_text", "llama4"), "feed_forward", "router", ("gate_proj", "up_proj", "down_proj"),
            ("num_local_experts",), ("intermediate_size",), _llama4_router, _llama4_layers,
-           shared_module="shared_expert", shared_intermediate=lambda c: c["intermediate_size"],
+           shared_module="shared_expert", shared_intermediate=lambda c: c.int("intermediate_size"),
            fused_input_first=True),
     Family("gpt-oss", ("gpt_oss",), "mlp", "router", ("gate_proj", "up_proj", "down_proj"),
            ("num_local_experts", "num_experts"), ("intermediate_size",), _gpt_oss_router, _all_layers,
@@ -276,19 +353,19 @@ def describe(config: dict, tensors: dict, stored_experts: dict[int, int] | None 
     ep = config.get("moetool_ep")
     if stored_experts is None and isinstance(ep, dict) and isinstance(ep.get("stored_experts"), dict):
         # one rank folder of ``moetool shard``: it stores only its local slots
-        stored_experts = {int(k): int(v) for k, v in ep["stored_experts"].items()}
+        try:
+            stored_experts = {int(k): int(v) for k, v in ep["stored_experts"].items()}
+        except (TypeError, ValueError):
+            raise MoetoolError(f"config.json: moetool_ep.stored_experts must map layer indices to expert counts, "
+                               f"got {_shown(ep['stored_experts'])}") from None
     names = set(tensors)
-    try:
-        hidden = int(_get(cfg, ("hidden_size",), "hidden_size"))
-        num_experts = int(_get(cfg, family.num_experts, "expert count"))
-        intermediate = int(_get(cfg, family.intermediate, "expert intermediate size"))
-        n_layers = int(_get(cfg, ("num_hidden_layers",), "num_hidden_layers"))
-        router = family.router(cfg)
-        moe_indices = family.moe_layers(cfg)
-    except KeyError as e:
-        raise MoetoolError(f"config.json: missing {e.args[0]}") from None
-    except (TypeError, ValueError) as e:
-        raise MoetoolError(f"config.json: invalid value ({e})") from None
+    conf = ConfigReader(cfg, "text_config." if cfg is not config else "")
+    hidden = conf.first_int(("hidden_size",), "hidden_size")
+    num_experts = conf.first_int(family.num_experts, "expert count")
+    intermediate = conf.first_int(family.intermediate, "expert intermediate size")
+    n_layers = conf.first_int(("num_hidden_layers",), "num_hidden_layers")
+    router = family.router(conf)
+    moe_indices = family.moe_layers(conf)
     if router.top_k < 1 or router.top_k > num_experts:
         raise MoetoolError(f"config.json: top-k {router.top_k} must be between 1 and the expert count {num_experts}")
     layers = []
@@ -321,9 +398,11 @@ def describe(config: dict, tensors: dict, stored_experts: dict[int, int] | None 
                     if shared_gate not in names:
                         shared_gate = None
                 try:
-                    shared_intermediate = int(family.shared_intermediate(cfg))
-                except KeyError as e:
-                    raise MoetoolError(f"config.json: missing {e.args[0]} (layer {i} has a shared expert)") from None
+                    shared_intermediate = family.shared_intermediate(conf)
+                except MoetoolError as e:
+                    if not str(e).startswith("config.json: missing "):
+                        raise
+                    raise MoetoolError(f"{e} (layer {i} has a shared expert)") from None
                 shared = SharedExpertSpec(intermediate=shared_intermediate, has_gate=shared_gate is not None)
         router_bias = f"{prefix}.{family.router_module}.bias" if family.router_has_bias else None
         layers.append(MoELayerSpec(i, prefix, num_experts, hidden, intermediate, router, router_weight, bias, storage,

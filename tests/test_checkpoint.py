@@ -277,7 +277,7 @@ def test_invalid_config_json(bad, cli):
     (lambda c: c.pop("num_hidden_layers") and c, "config.json: missing num_hidden_layers (looked for num_hidden_layers)"),
     (lambda c: c.pop("num_experts_per_tok") and c, "config.json: missing num_experts_per_tok"),
     (lambda c: c.pop("num_experts") and c, "config.json: missing expert count (looked for num_experts, num_local_experts)"),
-    (lambda c: {**c, "hidden_size": "wide"}, "config.json: invalid value (invalid literal for int() with base 10: 'wide')"),
+    (lambda c: {**c, "hidden_size": "wide"}, 'config.json: hidden_size must be an integer, got "wide" (a string)'),
 ], ids=["list", "no-layers", "no-top-k", "no-experts", "bad-hidden"])
 def test_config_errors(bad, cli, mutate, message):
     cfg = json.loads((bad / "config.json").read_text())
