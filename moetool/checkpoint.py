@@ -266,16 +266,19 @@ def resolve_source(source: str | os.PathLike, revision: str | None = None) -> Pa
 
     Honours HF_HUB_OFFLINE and the local cache through huggingface_hub.
     """
-    path = Path(source)
+    text = str(source)
+    path = Path(os.path.expanduser(text)) if text.startswith("~") else Path(source)
     if path.exists():
         if not path.is_dir():
             raise MoetoolError(f"{path}: a checkpoint must be a folder (or a Hub repo id), not a file")
         if revision is not None:
             raise MoetoolError(f"--revision applies to Hub repo ids, but {path} is a local folder")
         return path
-    text = str(source)
-    if text.count("/") != 1 or text.startswith((".", "/")) or text.endswith("/"):
+    if text.count("/") != 1 or text.startswith((".", "/", "~")) or text.endswith("/"):
         raise MoetoolError(f"{source}: no such folder, and not a Hub repo id of the form owner/name")
+    if path.parent.is_dir():  # a mistyped local path (tiny/mixtrall), not a repo id: no Hub lookup
+        raise MoetoolError(f"{source}: no such folder (the folder {path.parent} exists here, so this is "
+                           "taken as a local path, not a Hub repo id)")
     try:
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
