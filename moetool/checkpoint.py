@@ -1,7 +1,8 @@
 """Checkpoint reader: a local folder or a Hub repo id, validated up front, tensors read lazily.
 
 Only ``*.safetensors`` and ``*.json`` files are ever read. Pickle checkpoints (``.bin``,
-``.pt``...) are refused, never loaded. Headers are parsed here (plain JSON) so that every
+``.pt``...) are refused, never loaded, and so are the folders ``moetool shard`` writes (a rank
+folder, a shard root): they are not models. Headers are parsed here (plain JSON) so that every
 structural problem is found before any work starts; tensor data is then read one tensor (or
 one expert slice) at a time with plain positioned reads into fresh buffers.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import ctypes
 from dataclasses import dataclass
@@ -299,8 +301,70 @@ def resolve_source(source: str | os.PathLike, revision: str | None = None) -> Pa
     return Path(local)
 
 
-def open_checkpoint(source: str | os.PathLike, revision: str | None = None) -> Checkpoint:
-    """Resolve ``source`` and validate it completely; see module docstring for what is checked."""
+# ------------------------------------------------------------------ outputs of ``moetool shard``
+# They are not models: a rank folder holds one rank's experts renumbered from 0, a shard root
+# holds only rank folders. Every command that reads a model refuses both here, in the one
+# open path; ``verify`` and ``shard --merge`` read them through ``moetool.shard.EPShards``.
+
+SHARD_MANIFEST = "manifest.json"  # moetool.writer.MANIFEST_NAME (the writer is not imported here)
+RANK_DIR_RE = re.compile(r"rank-(\d{5})-of-(\d{5})")
+SHARD_COMMANDS = "`moetool verify` and `moetool shard --merge`"
+
+
+class ShardOutputError(MoetoolError):
+    """A folder written by ``moetool shard`` was given where a model is read. ``root``: the
+    shard root (the folder given, or the parent of the rank folder given); ``rank``: the rank
+    folder given, or None for a shard root."""
+
+    def __init__(self, message: str, root: Path, rank: Path | None = None):
+        super().__init__(message)
+        self.root, self.rank = root, rank
+
+
+def _shard_root_summary(root: Path) -> str | None:
+    """'EP 4, finished' (or unfinished) for a folder written by ``moetool shard``, else None."""
+    manifest = root / SHARD_MANIFEST
+    if manifest.is_file():
+        try:
+            data = json.loads(manifest.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            data = None
+        if isinstance(data, dict) and data.get("kind") == "ep-shards":
+            return f"EP {data.get('ep')}, finished"
+    ranks = sorted(m.group(2) for p in root.iterdir() if p.is_dir() and (m := RANK_DIR_RE.fullmatch(p.name)))
+    if ranks:
+        return f"EP {int(ranks[0])}, unfinished: no {SHARD_MANIFEST}"
+    return None
+
+
+def refuse_shard_output(root: Path, config: dict | None = None) -> None:
+    """Raise ShardOutputError when ``root`` is a shard root, or (its ``config.json`` given) one
+    rank folder of ``moetool shard``, which a command reading a model must not take."""
+    if config is None:
+        summary = _shard_root_summary(root)
+        if summary is not None:
+            raise ShardOutputError(
+                f"{root}: is the output of moetool shard ({summary}), not a model; "
+                f"{SHARD_COMMANDS} take it", root)
+        return
+    ep = config.get("moetool_ep")
+    if ep is None:
+        return
+    ep = ep if isinstance(ep, dict) else {}
+    parent = root.parent if RANK_DIR_RE.fullmatch(root.name) else None
+    where = f"rank {ep.get('rank')} of {ep.get('ep')}" if "rank" in ep and "ep" in ep else "one rank"
+    raise ShardOutputError(
+        f"{root}: is one rank folder ({where}) of a moetool shard output, not a model: it holds only that "
+        f"rank's experts, renumbered from 0; {SHARD_COMMANDS} take the shard folder"
+        + (f" ({parent})" if parent is not None else ""), parent or root, root)
+
+
+def open_checkpoint(source: str | os.PathLike, revision: str | None = None, *,
+                    ep_rank: bool = False) -> Checkpoint:
+    """Resolve ``source`` and validate it completely; see module docstring for what is checked.
+
+    A shard root or (unless ``ep_rank``: the readers of shards, and ``inspect``) one rank
+    folder of ``moetool shard`` output is refused with a :class:`ShardOutputError`."""
     root = resolve_source(source, revision)
     names = sorted(p.name for p in root.iterdir() if p.is_file())
     st_files = [n for n in names if n.endswith(".safetensors")]
@@ -310,6 +374,7 @@ def open_checkpoint(source: str | os.PathLike, revision: str | None = None) -> C
             raise MoetoolError(
                 f"{root / pickles[0]}: pickle checkpoints are refused (never loaded); convert the model to safetensors first"
             )
+        refuse_shard_output(root)
         raise MoetoolError(f"{root}: no .safetensors files found")
     config_path = root / "config.json"
     if not config_path.is_file():
@@ -320,6 +385,8 @@ def open_checkpoint(source: str | os.PathLike, revision: str | None = None) -> C
         raise MoetoolError(f"{config_path}: invalid JSON ({e})") from None
     if not isinstance(config, dict):
         raise MoetoolError(f"{config_path}: not a JSON object")
+    if not ep_rank:
+        refuse_shard_output(root, config)
 
     index_path = root / INDEX_NAME
     weight_map: dict[str, str] | None = None

@@ -1,11 +1,14 @@
 """Library API of ``moetool inspect``: what a checkpoint holds, as a dict and as a table."""
 from __future__ import annotations
 
+import json
 from collections import Counter
+from pathlib import Path
 
-from moetool.arch import describe
-from moetool.checkpoint import Checkpoint
+from moetool.arch import describe, family_for
+from moetool.checkpoint import RANK_DIR_RE, SHARD_MANIFEST, Checkpoint
 from moetool.convert import Planner
+from moetool.errors import MoetoolError
 from moetool.experts_io import detect_expert_format
 
 
@@ -71,10 +74,126 @@ def _ep_rank(config: dict, spec) -> dict | None:
             "stored_experts": {str(m.index): m.n_stored for m in spec.moe_layers}}
 
 
-def render(info: dict) -> str:
-    def gb(n: int) -> str:
-        return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.3f} MB"
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.3f} MB"
 
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def inspect_shards(root: Path) -> dict:
+    """A shard root of ``moetool shard``, finished or not: what it holds, from its manifest
+    or (unfinished) from the rank folders written so far. Complete means manifest.json is
+    there and every file it lists is present with its size; the sha256 are not read here
+    (``moetool verify`` and ``shard --merge`` check them)."""
+    root = Path(root)
+    ranks = sorted(p.name for p in root.iterdir() if p.is_dir() and RANK_DIR_RE.fullmatch(p.name))
+    files = sorted(p for d in ranks for p in (root / d).rglob("*") if p.is_file())
+    inodes = {}
+    for f in files:
+        st = f.stat()
+        inodes[(st.st_dev, st.st_ino)] = st.st_size
+    manifest = _read_json(root / SHARD_MANIFEST)
+    if (root / SHARD_MANIFEST).is_file() and (manifest is None or manifest.get("kind") != "ep-shards"):
+        raise MoetoolError(f"{root / SHARD_MANIFEST}: not a manifest of moetool shard (unreadable, or another kind)")
+    configs = {d: _read_json(root / d / "config.json") for d in ranks}
+    config = next((c for c in configs.values() if c is not None), None)
+    arch = model_type = None
+    if config is not None:
+        model_type = config.get("model_type")
+        try:
+            arch = family_for(config).name
+        except MoetoolError:
+            pass
+    info: dict = {"path": str(root), "kind": "ep-shards", "complete": False, "status": "", "architecture": arch,
+                  "model_type": model_type}
+    if manifest is not None:
+        try:
+            layers = {int(l["layer"]): l for l in manifest["layers"]}
+            per_rank = {str(i): [len(s) for s in l["slots"]] for i, l in layers.items()}
+            listed = manifest["files"]
+            bad = sorted(n for n, rec in listed.items()
+                         if not (root / n).is_file() or (root / n).stat().st_size != rec["size"])
+            info.update(ep=int(manifest["ep"]), placement=manifest.get("placement"),
+                        redundant_experts=manifest.get("redundant_experts", 0), layout=manifest.get("layout"),
+                        weight_format=manifest.get("format"), format_params=manifest.get("format_params") or {},
+                        moe_layers=sorted(layers), experts=layers[min(layers)]["num_experts"] if layers else None,
+                        experts_per_rank=per_rank)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            raise MoetoolError(f"{root / SHARD_MANIFEST}: malformed manifest of moetool shard") from None
+        info["complete"] = not bad
+        info["status"] = ("complete" if not bad else
+                          f"damaged: {len(bad)} listed file(s) missing or of another size, first {bad[0]}")
+        info["missing"] = bad
+    else:
+        ep_cfg = {d: (c or {}).get("moetool_ep") for d, c in configs.items()}
+        ep_cfg = {d: e for d, e in ep_cfg.items() if isinstance(e, dict)}
+        found: dict[str, list] = {}  # layer -> experts stored on each rank (None: rank not written yet)
+        ep = int(RANK_DIR_RE.fullmatch(ranks[0]).group(2)) if ranks else None
+        for d in ranks:
+            r = int(RANK_DIR_RE.fullmatch(d).group(1))
+            stored = (ep_cfg.get(d) or {}).get("stored_experts") or {}
+            for layer, n in (stored.items() if isinstance(stored, dict) else ()):
+                found.setdefault(str(layer), [None] * (ep or 0))
+                if ep and 0 <= r < ep:
+                    found[str(layer)][r] = n
+        first = next(iter(ep_cfg.values()), {})
+        experts = None
+        if config is not None:
+            try:
+                experts = int(next(config[k] for k in family_for(config).num_experts if config.get(k) is not None))
+            except (MoetoolError, StopIteration, TypeError, ValueError):
+                pass
+        info.update(ep=ep, placement=None, redundant_experts=None, layout=first.get("layout"), weight_format=None,
+                    format_params={}, moe_layers=sorted(int(k) for k in found if str(k).isdigit()),
+                    experts=experts, experts_per_rank=found)
+        info["status"] = (f"unfinished: no {SHARD_MANIFEST} ({len(ranks)} rank folder(s) so far); "
+                          "re-run the same moetool shard command to finish it")
+    info.update(ranks=ranks, files=len(files), bytes=sum(f.stat().st_size for f in files),
+                unique_bytes=sum(inodes.values()))
+    return info
+
+
+def render_shards(info: dict) -> str:
+    moe = info["moe_layers"]
+    moe_text = f"{len(moe)} ({moe[0]}..{moe[-1]})" if len(moe) > 1 else str(moe)
+    per = info["experts_per_rank"]
+    counts = {tuple(v) for v in per.values()}
+
+    def row(v) -> str:
+        return ", ".join("?" if n is None else str(n) for n in v)
+
+    per_text = (f"{row(next(iter(counts)))} (every MoE layer)" if len(counts) == 1
+                else "; ".join(f"layer {k}: {row(v)}" for k, v in per.items()) if per else "unknown")
+    linked = info["bytes"] - info["unique_bytes"]
+    path = info["path"]
+    rows = [
+        ("shards", f"{path} (output of moetool shard)"),
+        ("status", info["status"]),
+        ("architecture", f"{info['architecture'] or 'unknown'} (model_type {info['model_type']})"),
+        ("ranks", f"EP {info['ep']}, {len(info['ranks'])} rank folder(s)"
+         + (f", placement {info['placement']}" if info["placement"] else "")
+         + (f", {info['redundant_experts']} redundant expert(s) per layer" if info["redundant_experts"] else "")
+         + (f", layout {info['layout']}" if info["layout"] else "")),
+        ("layers", f"MoE {moe_text}" + (f", {info['experts']} experts per layer" if info["experts"] else "")),
+        ("experts per rank", per_text),
+        ("weight format", (info["weight_format"] or "unknown")
+         + (f" {info['format_params']}" if info["format_params"] else "")),
+        ("files", f"{info['files']} in the rank folders, {_gb(info['bytes'])}"
+         + (f" ({_gb(linked)} of it hard links to the same data)" if linked else "")),
+    ]
+    if info["complete"]:
+        rows.append(("use", f"moetool verify {path} --ref MODEL --ep {info['ep']}; moetool shard --merge {path} OUT"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def render(info: dict) -> str:
     moe = info["moe_layers"]
     moe_text = f"{len(moe)} ({moe[0]}..{moe[-1]})" if len(moe) > 1 else str(moe)
     shared = info["shared_experts"]
@@ -90,7 +209,7 @@ def render(info: dict) -> str:
         ("expert storage", info["expert_storage"]),
         ("weight format", info["weight_format"] + (f" {info['format_params']}" if info["format_params"] else "")),
         ("tensors", f"{info['tensors']} in {info['files']} file(s); " + ", ".join(f"{k} {v}" for k, v in info["dtypes"].items())),
-        ("bytes", f"experts {gb(info['expert_bytes'])}, other {gb(info['other_bytes'])}"),
+        ("bytes", f"experts {_gb(info['expert_bytes'])}, other {_gb(info['other_bytes'])}"),
     ]
     if info.get("ep_rank"):
         r = info["ep_rank"]

@@ -56,9 +56,7 @@ def shard(source, out, ep: int, *, placement: str = "linear", redundant: int = 0
     are hard links to them (``links=False``, or a file system without hard links: copies)."""
     ckpt = open_checkpoint(source, revision)
     try:
-        spec = describe(ckpt.config, ckpt.tensors)
-        if "moetool_ep" in ckpt.config:
-            raise MoetoolError(f"{ckpt.root}: is one rank of EP shards; merge them first (moetool shard --merge)")
+        spec = describe(ckpt.config, ckpt.tensors)  # a rank folder or a shard root: refused by open_checkpoint
         placements = plan_placements(spec, ep, placement, redundant, expert_load)
         pid = plan_id(ckpt, ep=ep, placement=placement, redundant=redundant, layout=layout, load=str(expert_load),
                       max=max_shard_size)
@@ -85,11 +83,25 @@ def shard(source, out, ep: int, *, placement: str = "linear", redundant: int = 0
 # ------------------------------------------------------------------------------------ reading
 
 
+def _refuse_rank_folder(root: Path) -> None:
+    """One rank folder given where the shard root goes (``verify``, ``shard --merge``): say so."""
+    if (root / MANIFEST_NAME).exists() or not (root / "config.json").is_file():
+        return
+    try:
+        config = json.loads((root / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return
+    if isinstance(config, dict) and isinstance(config.get("moetool_ep"), dict):
+        raise MoetoolError(f"{root}: is one rank folder of a moetool shard output; give the shard folder that holds "
+                           f"every rank and manifest.json ({root.parent})")
+
+
 class EPShards:
     """A finished ``moetool shard`` output: manifest, placements and per-rank checkpoints."""
 
     def __init__(self, root: Path, *, check: bool = True):
         self.root = Path(root)
+        _refuse_rank_folder(self.root)
         if check:
             self.manifest = verify_manifest(self.root)
         else:
@@ -112,7 +124,7 @@ class EPShards:
         """(checkpoint, ModelSpec) of one rank; with ``check`` its files' sha256 are verified first."""
         if check:
             verify_manifest(self.root, self.rank_files(rank))
-        ckpt = open_checkpoint(self.root / rank_dir(rank, self.ep))
+        ckpt = open_checkpoint(self.root / rank_dir(rank, self.ep), ep_rank=True)
         stored = {int(k): v for k, v in ckpt.config["moetool_ep"]["stored_experts"].items()}
         if ckpt.config["moetool_ep"]["rank"] != rank:
             raise MoetoolError(f"{ckpt.root}/config.json: says rank {ckpt.config['moetool_ep']['rank']}, expected {rank}")

@@ -441,7 +441,9 @@ def test_shard_refuses_a_rank_folder_and_merge_a_checkpoint(sources, cli, tmp_pa
     rank = out / rank_dir(0, 2)
     r = cli("shard", rank, tmp_path / "again", "--ep", "2", "--quiet")
     assert r.code == 2
-    assert r.error_line == f"{rank}: is one rank of EP shards; merge them first (moetool shard --merge)"
+    assert r.error_line == (f"{rank}: is one rank folder (rank 0 of 2) of a moetool shard output, not a model: it "
+                            "holds only that rank's experts, renumbered from 0; `moetool verify` and "
+                            f"`moetool shard --merge` take the shard folder ({out})")
     r = cli("shard", "--merge", sources["bf16"], tmp_path / "m", "--quiet")
     assert r.code == 2
     assert r.error_line == f"{sources['bf16']}: no manifest.json (output unfinished or not made by moetool)"
