@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 
-from moetool.arch import MoELayerSpec, describe
+from moetool.arch import MoELayerSpec, describe, family_for
 from moetool.checkpoint import open_checkpoint
 from moetool.errors import MoetoolError, VerificationFailed
-from moetool.experts_io import ExpertReader
+from moetool.experts_io import ExpertReader, detect_expert_format
 from moetool.shard import EPShards
 from moetool.spec import LocalExperts
 
@@ -319,6 +319,44 @@ def check_files_present(shards: EPShards) -> None:
             raise MoetoolError(f"{p}: {p.stat().st_size} bytes, the manifest says {rec['size']} (truncated or modified)")
 
 
+def _layer_list(indices: list[int]) -> str:
+    """[1, 2, 3] -> '1-3'; [0, 2] -> '0, 2'."""
+    if indices and indices == list(range(indices[0], indices[-1] + 1)) and len(indices) > 1:
+        return f"{indices[0]}-{indices[-1]}"
+    return ", ".join(map(str, indices))
+
+
+def _model_text(arch: str, layers: list[tuple[int, int, int, int]]) -> str:
+    """'deepseek-v3, 8 experts in MoE layers 1-2 (hidden 256, expert intermediate 192)' from
+    [(layer, experts, hidden, intermediate)]."""
+    experts = sorted({e for _, e, _, _ in layers})
+    dims = sorted({(h, n) for _, _, h, n in layers})
+    return (f"{arch}, {'/'.join(map(str, experts))} experts in MoE layers {_layer_list([i for i, *_ in layers])} "
+            f"(hidden {'/'.join(str(h) for h, _ in dims)}, expert intermediate {'/'.join(str(n) for _, n in dims)})")
+
+
+def check_reference(shards: EPShards, ref_ckpt, spec, ref) -> None:
+    """The reference is the model the shards were made from, unquantized: the same
+    architecture, MoE layers, expert counts and dims as the shards' manifest, dense experts.
+    (A quantized reference would compare the shards with quantized weights, not with the
+    model, and hide every quantization error.)"""
+    try:
+        shard_config = json.loads((shards.root / shards.manifest["ranks"][0] / "config.json").read_text())
+        shard_arch = family_for(shard_config).name
+    except (OSError, KeyError, IndexError, TypeError, ValueError, MoetoolError):
+        shard_arch = "unknown architecture"
+    theirs = sorted((int(l["layer"]), int(l["num_experts"]), int(l["hidden"]), int(l["intermediate"]))
+                    for l in shards.manifest["layers"])
+    ours = [(m.index, m.num_experts, m.hidden, m.intermediate) for m in spec.moe_layers]
+    if shard_arch != spec.family.name or theirs != ours:
+        raise MoetoolError(f"--ref {ref}: is {_model_text(spec.family.name, ours)}, but the shards in {shards.root} "
+                           f"hold {_model_text(shard_arch, theirs)}; --ref must be the model they were made from")
+    fmt = detect_expert_format(ref_ckpt, spec)
+    if fmt.name != "dense":
+        raise MoetoolError(f"--ref {ref}: must be the unquantized checkpoint, but {ref_ckpt.root} holds {fmt.name} "
+                           "experts (give the model that was quantized)")
+
+
 def _layers_to_check(shards: EPShards, spec, opts: VerifyOptions) -> list[int]:
     layer_ids = list(opts.layers) if opts.layers else [m.index for m in spec.moe_layers]
     for i in layer_ids:
@@ -359,6 +397,7 @@ def verify_many(jobs: list[tuple], *, revision: str | None = None) -> list[Verif
             ref_ckpt = open_checkpoint(ref, revision)
             refs.append(ref_ckpt)
             specs.append(describe(ref_ckpt.config, ref_ckpt.tensors))
+            check_reference(shards, ref_ckpt, specs[-1], ref)
             rank_jobs.append((str(shards.root), opts, _layers_to_check(shards, specs[-1], opts)))
         from moetool.verify.launch import spawn_world
 
@@ -407,15 +446,16 @@ def build_report(shards: EPShards, ref_ckpt, spec, ref_reader: ExpertReader, opt
         rel, sqnr, mx = _metrics(torch.cat(ys), torch.cat(refs))
         # each expert alone on the probe batch, every copy of it (replicas too)
         xp = probe_tokens(i, layer.hidden, opts.seed, nw).to(dev)
-        worst = (-1, -1, 0.0)
+        worst = None  # (expert, rank, rel err): the first of the largest (every expert is on a rank)
         expert_ref: dict[int, torch.Tensor] = {}
         for rank, r in enumerate(results):
             for s, e in enumerate(r[i]["slots"]):
                 if e not in expert_ref:
                     expert_ref[e] = swiglu(xp, *lazy[e]).cpu()
                 erel, _, _ = _metrics(r[i]["probe"][s], expert_ref[e])
-                if not erel <= worst[2] and not (math.isnan(erel) and math.isnan(worst[2])):
+                if worst is None or not erel <= worst[2] and not (math.isnan(erel) and math.isnan(worst[2])):
                     worst = (e, rank, erel)
+        worst = worst or (-1, -1, 0.0)
         reasons = []
         if not rel <= th["rel_err"]:
             reasons.append(f"layer rel err {rel:.3g} > {th['rel_err']:g}")
@@ -471,6 +511,7 @@ def verify_torchrun(shards_dir, ref, opts: VerifyOptions, *, revision: str | Non
         return None
     with open_checkpoint(ref, revision) as ref_ckpt:
         spec = describe(ref_ckpt.config, ref_ckpt.tensors)
+        check_reference(shards, ref_ckpt, spec, ref)
         _layers_to_check(shards, spec, VerifyOptions(**{**asdict(opts), "layers": tuple(layer_ids)}))
         return build_report(shards, ref_ckpt, spec, ExpertReader(ref_ckpt, spec), opts, backend, layer_ids,
                             [g[0] for g in gathered])
