@@ -139,7 +139,7 @@ class Plan:
                 kinds[type(g).__name__] = kinds.get(type(g).__name__, 0) + 1
             what = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
             if f.same_as:
-                what = f"the same as {f.same_as}: linked or copied"
+                what = f"the same as {f.same_as}: a hard link to it, or a copy with --no-links"
             lines.append(f"  {f.name}: {len(f.specs)} tensors, {f.nbytes / 1e6:.1f} MB ({what})")
         for src, name in self.other_files:
             lines.append(f"  {name}: copied")
@@ -432,7 +432,8 @@ class Summary:
     def render(self) -> str:
         lines = [
             f"{self.tensors} tensors, {self.bytes_in / 1e9:.3f} GB in -> {self.bytes_out / 1e9:.3f} GB out "
-            + (f"({self.bytes_same / 1e9:.3f} GB of it rank 0's model-common files, linked or copied) "
+            + (f"({self.bytes_same / 1e9:.3f} GB of it the non-expert tensors every rank repeats: hard links to "
+               "rank 0's files, or copies with --no-links) "
                if self.bytes_same else "")
             + f"in {self.seconds:.2f} s ({self.gbps:.2f} GB/s); {self.files_written} file(s) written, "
             f"{self.files_skipped} resumed"

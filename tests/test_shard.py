@@ -278,7 +278,8 @@ def test_ranks_share_one_common_file(sources, cli, tmp_path, byte_copy):
     shard(src, linked, 4, progress=False, byte_copy=byte_copy)
     if byte_copy:
         r = cli("shard", src, copied, "--ep", "4", "--no-links", "--quiet")
-        assert r.code == 0 and "GB of it rank 0's model-common files, linked or copied) in" in r.out
+        assert r.code == 0 and ("GB of it the non-expert tensors every rank repeats: hard links to rank 0's files, "
+                                "or copies with --no-links) in") in r.out
     else:
         shard(src, copied, 4, progress=False, byte_copy=False, links=False)
     assert tree_hashes(linked) == tree_hashes(copied)
@@ -358,7 +359,8 @@ def test_dry_run(sources, cli, tmp_path):
     assert r.code == 0 and r.out.startswith("plan: 8 file(s)")
     assert "rank-00001-of-00002/model-00002-of-00002.safetensors" in r.out
     line = next(l for l in r.out.splitlines() if "rank-00001-of-00002/model-common-00002-of-00002" in l)
-    assert line.endswith("(the same as rank-00000-of-00002/model-common-00002-of-00002.safetensors: linked or copied)")
+    assert line.endswith("(the same as rank-00000-of-00002/model-common-00002-of-00002.safetensors: a hard link to it, "
+                         "or a copy with --no-links)")
     assert not (tmp_path / "o").exists()
 
 
