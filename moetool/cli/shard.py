@@ -18,7 +18,7 @@ def shard_cmd(
     ep: Annotated[Optional[int], typer.Option("--ep", help="number of expert-parallel ranks")] = None,
     placement: Annotated[str, typer.Option("--placement", help="linear (vLLM) or round-robin")] = "linear",
     redundant_experts: Annotated[int, typer.Option("--redundant-experts", help="extra replicas of the hottest experts, per layer")] = 0,
-    expert_load: Annotated[Optional[Path], typer.Option("--expert-load", help='JSON {"layers": {"<layer>": [tokens per expert]}}')] = None,
+    expert_load: Annotated[Optional[Path], typer.Option("--expert-load", help='JSON: tokens routed to each expert, per MoE layer, e.g. {"layers": {"1": [120, 4, 37, ...], ...}}')] = None,
     layout: Annotated[str, typer.Option("--layout", help="stacked (vLLM FusedMoE w13/w2) or per-expert")] = "stacked",
     links: Annotated[bool, typer.Option("--links/--no-links", help="hard-link every rank's model-common files (the non-expert tensors) to rank 0's, or copy them (a resumed run keeps what an earlier run made)")] = True,
     merge_: Annotated[bool, typer.Option("--merge", help="SOURCE is a shard output: rebuild the unsharded checkpoint")] = False,
