@@ -2,48 +2,113 @@
 
 tiny DeepSeek-V3-style model (bf16, 16 experts, top-4, grouped sigmoid routing with
 correction bias, a shared expert) -> inspect -> quantize --fp8-block -> shard --ep 4 ->
-verify --dp 2 --ep 4 (CPU, gloo) with a final verdict.
+verify --dp 2 --ep 4 (CPU, gloo) with a final verdict, then the four commands with their real
+paths and options, to re-run by hand. The files go to ``workdir`` (kept) or to a temporary
+folder removed at the end.
 """
 from __future__ import annotations
 
+import shlex
 import tempfile
 import time
 from pathlib import Path
 from typing import Callable
 
-from moetool.checkpoint import open_checkpoint
-from moetool.inspect import inspect_checkpoint, render
-from moetool.quantize import quantize
-from moetool.shard import shard
-from moetool.tiny import make_tiny_checkpoint
-from moetool.verify_shards import VerifyOptions, verify
+from moetool.errors import MoetoolError
+
+#: int4's group size here: it must divide the tiny model's K of every linear (hidden 256,
+#: expert intermediate 192), and quantize's default 128 does not divide 192
+INT4_GROUP_SIZE = 64
+#: the ``moetool quantize`` options of each format (what the demo runs)
+FORMAT_OPTIONS = {
+    "fp8-block": ["--fp8-block"],
+    "fp8-channel": ["--fp8-channel"],
+    "int4-group": ["--int4", "--group-size", str(INT4_GROUP_SIZE)],
+}
+#: what ``--format`` also takes (quantize's own flag name)
+FORMAT_ALIASES = {"int4": "int4-group"}
+#: the names the demo writes in its folder (a previous demo's, rewritten by the next one)
+DEMO_PREFIX = "tiny-moe"
 
 
 def run_demo(workdir: Path | None = None, *, echo: Callable[[str], None] = print, ep: int = 4, dp: int = 2,
              fmt: str = "fp8-block", dispatch: str = "all2all") -> bool:
     """Run the chain; returns True when verification passed."""
-    t0 = time.perf_counter()
+    fmt = FORMAT_ALIASES.get(fmt, fmt)
+    if fmt not in FORMAT_OPTIONS:
+        raise MoetoolError(f"--format {fmt!r}: expected one of {', '.join(FORMAT_OPTIONS)}")
+    if workdir is not None:
+        workdir = Path(workdir).absolute()
+        _check_workdir(workdir)
+        workdir.mkdir(parents=True, exist_ok=True)
+        echo(f"moetool demo: writing in {workdir} (kept)")
+        passed = _run(workdir, echo, ep=ep, dp=dp, fmt=fmt, dispatch=dispatch)
+        echo(f"the files are kept in {workdir}")
+        return passed
     with tempfile.TemporaryDirectory(prefix="moetool-demo-") as tmp:
-        root = Path(workdir) if workdir else Path(tmp)
-        model, quant, shards = root / "tiny-moe", root / f"tiny-moe-{fmt}", root / f"tiny-moe-{fmt}-ep{ep}"
-        echo(f"[1/4] writing a tiny DeepSeek-V3-style MoE checkpoint to {model}")
-        make_tiny_checkpoint(model, "deepseek_v3")
-        with open_checkpoint(model) as ckpt:
-            echo(_indent(render(inspect_checkpoint(ckpt))))
-        echo(f"[2/4] moetool quantize {model.name} {quant.name} --{fmt.replace('int4-group', 'int4')}")
-        echo(_indent(quantize(model, quant, fmt, group_size=64, progress=False).render()))
-        echo(f"[3/4] moetool shard {quant.name} {shards.name} --ep {ep}")
-        echo(_indent(shard(quant, shards, ep, progress=False).render()))
-        echo(f"[4/4] moetool verify {shards.name} --ref {model.name} --dp {dp} --ep {ep} --all2all {dispatch}"
-             " (one process per rank, gloo on CPU)")
-        report = verify(shards, model, VerifyOptions(dp=dp, ep=ep, dispatch=dispatch, tokens=256))
-        echo(_indent(report.render()))
+        echo(f"moetool demo: writing in the temporary folder {tmp} (removed at the end; --workdir DIR keeps the files)")
+        passed = _run(Path(tmp), echo, ep=ep, dp=dp, fmt=fmt, dispatch=dispatch)
+    echo(f"the files were in a temporary folder, removed now ({tmp}): run `moetool demo --workdir DIR` to keep them")
+    return passed
+
+
+def _run(root: Path, echo: Callable[[str], None], *, ep: int, dp: int, fmt: str, dispatch: str) -> bool:
+    from moetool.checkpoint import open_checkpoint
+    from moetool.inspect import inspect_checkpoint, render
+    from moetool.quantize import quantize
+    from moetool.shard import shard
+    from moetool.tiny import make_tiny_checkpoint
+    from moetool.verify_shards import VerifyOptions, verify
+
+    t0 = time.perf_counter()
+    model, quant = root / DEMO_PREFIX, root / f"{DEMO_PREFIX}-{fmt}"
+    shards = root / f"{DEMO_PREFIX}-{fmt}-ep{ep}"
+    # the commands the steps below run, with what they really use (the library calls take the
+    # same values; a re-run of the demo in the same folder rewrites its outputs, hence force)
+    commands = [
+        ["moetool", "inspect", model],
+        ["moetool", "quantize", model, quant, *FORMAT_OPTIONS[fmt]],
+        ["moetool", "shard", quant, shards, "--ep", ep],
+        ["moetool", "verify", shards, "--ref", model, "--dp", dp, "--ep", ep, "--all2all", dispatch],
+    ]
+    inspect_cmd, quantize_cmd, shard_cmd, verify_cmd = (_shell(c) for c in commands)
+
+    echo(f"[1/4] writing a tiny DeepSeek-V3-style MoE checkpoint to {model}; {inspect_cmd}")
+    make_tiny_checkpoint(model, "deepseek_v3")
+    with open_checkpoint(model) as ckpt:
+        echo(_indent(render(inspect_checkpoint(ckpt))))
+    echo(f"[2/4] {quantize_cmd}")
+    echo(_indent(quantize(model, quant, fmt, group_size=INT4_GROUP_SIZE, progress=False, force=True).render()))
+    echo(f"[3/4] {shard_cmd}")
+    echo(_indent(shard(quant, shards, ep, progress=False, force=True).render()))
+    echo(f"[4/4] {verify_cmd}  (one process per rank; gloo on CPU)")
+    report = verify(shards, model, VerifyOptions(dp=dp, ep=ep, dispatch=dispatch))
+    echo(_indent(report.render()))
+
     verdict = "PASSED" if report.passed else "FAILED"
     echo(f"demo {verdict}: quantized to {fmt}, split over {ep} EP ranks, and the distributed forward matches the "
          f"unquantized model on every MoE layer ({time.perf_counter() - t0:.1f} s)" if report.passed else
          f"demo {verdict}: see the table above")
+    echo("the commands it ran, to re-run by hand (quantize and shard need --force to write over their output):")
+    echo(_indent("\n".join([inspect_cmd, quantize_cmd, shard_cmd, verify_cmd]), 2))
     return report.passed
 
 
-def _indent(text: str) -> str:
-    return "\n".join("      " + line for line in text.splitlines())
+def _check_workdir(workdir: Path) -> None:
+    """A new or empty folder, or one that holds only a previous demo's folders (rewritten)."""
+    if workdir.exists() and not workdir.is_dir():
+        raise MoetoolError(f"--workdir {workdir}: not a folder")
+    if workdir.is_dir():
+        others = sorted(p.name for p in workdir.iterdir()
+                        if not (p.is_dir() and (p.name == DEMO_PREFIX or p.name.startswith(DEMO_PREFIX + "-"))))
+        if others:
+            raise MoetoolError(f"--workdir {workdir}: holds files the demo did not write ({others[0]}); "
+                               "give it a new or empty folder")
+
+
+def _shell(argv: list) -> str:
+    return " ".join(shlex.quote(str(a)) for a in argv)
+
+
+def _indent(text: str, width: int = 6) -> str:
+    return "\n".join(" " * width + line for line in text.splitlines())
