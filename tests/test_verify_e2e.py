@@ -250,12 +250,6 @@ def test_torchrun_launch(chain, tmp_path_factory):
     assert "PASSED: 2/2 layers" in p.stdout and p.stdout.count("verify ") == 1  # rank 0 reports once
 
 
-def test_demo(cli):
-    r = cli("demo")
-    assert r.code == 0, r.err
-    assert "demo PASSED" in r.out and "[4/4] moetool verify" in r.out
-
-
 def test_fp8_block_w13_halves_that_look_like_one_linear(tmp_path):
     """N = 96: the stacked w13 scale rows (2 x ceil(96/128) = 2) equal those of one 192-row
     linear, so only the known sizes tell gate and up apart; both experts backends on CPU
