@@ -336,10 +336,10 @@ def _model_text(arch: str, layers: list[tuple[int, int, int, int]]) -> str:
 
 
 def check_reference(shards: EPShards, ref_ckpt, spec, ref) -> None:
-    """The reference is the model the shards were made from, unquantized: the same
-    architecture, MoE layers, expert counts and dims as the shards' manifest, dense experts.
-    (A quantized reference would compare the shards with quantized weights, not with the
-    model, and hide every quantization error.)"""
+    """The reference is the model the shards were made from: the same architecture, MoE
+    layers, expert counts and dims as the shards' manifest, and not a quantized output of
+    moetool (that would compare the shards with quantized weights, not with the model, and
+    hide every quantization error)."""
     try:
         shard_config = json.loads((shards.root / shards.manifest["ranks"][0] / "config.json").read_text())
         shard_arch = family_for(shard_config).name
@@ -352,9 +352,20 @@ def check_reference(shards: EPShards, ref_ckpt, spec, ref) -> None:
         raise MoetoolError(f"--ref {ref}: is {_model_text(spec.family.name, ours)}, but the shards in {shards.root} "
                            f"hold {_model_text(shard_arch, theirs)}; --ref must be the model they were made from")
     fmt = detect_expert_format(ref_ckpt, spec)
-    if fmt.name != "dense":
-        raise MoetoolError(f"--ref {ref}: must be the unquantized checkpoint, but {ref_ckpt.root} holds {fmt.name} "
-                           "experts (give the model that was quantized)")
+    if fmt.name != "dense" and _made_by_moetool(ref_ckpt.root):
+        raise MoetoolError(f"--ref {ref}: is a {fmt.name} output of moetool, not the model it was made from; "
+                           "give the original checkpoint")
+
+
+def _made_by_moetool(root: Path) -> bool:
+    """A folder moetool wrote (its manifest names a moetool version). A quantized checkpoint
+    that is not one is an original release (DeepSeek-V3 and Kimi-K2 ship fp8-block): its
+    dequantized weights are the model, and it is a valid reference."""
+    try:
+        manifest = json.loads((Path(root) / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and "moetool_version" in manifest
 
 
 def _layers_to_check(shards: EPShards, spec, opts: VerifyOptions) -> list[int]:

@@ -265,6 +265,6 @@ def test_output_file_that_cannot_be_written_is_one_error_line(tiny, cli, tmp_pat
         base = tmp_path / "fp8"
     out = tmp_path / "out"
     (out / "model.safetensors.incomplete").mkdir(parents=True)
-    r = cli("repack", base, out, "--quiet")
+    r = cli("repack", base, out, "--quiet", "--force")  # --force: the folder is not refused as foreign
     assert r.code == 2, r.err
     assert r.error_line == f"{out / 'model.safetensors.incomplete'}: Is a directory"

@@ -516,13 +516,14 @@ def _(c):
     return ["inspect", "~/mixtral"], [c.tmp / "home"], "~/mixtral: no such folder"
 
 
-# -- E: verify --ref must be the unquantized model the shards were made from (new)
+# -- E: verify --ref must be the model the shards were made from, not a quantized output (new)
 
 
 @row("verify-ref-quantized")
 def _(c):
     return (["verify", c.shards, "--ref", c.fp8, "--ep", "4"], [c.shards, c.fp8],
-            f"--ref {c.fp8}: must be the unquantized checkpoint, but {c.fp8} holds fp8-block experts")
+            f"--ref {c.fp8}: is a fp8-block output of moetool, not the model it was made from; "
+            "give the original checkpoint")
 
 
 @row("verify-ref-another-architecture")
@@ -635,3 +636,19 @@ def test_exact_shards_still_name_their_worst_expert(made):
     if not torch.cuda.is_available():  # ranks and reference on the CPU: bit-identical experts
         assert layer.worst_expert_rel_err == 0.0 and (layer.worst_expert, layer.worst_expert_rank) == (0, 0)
     assert "-1 (-1)" not in rep.render()
+
+
+def test_a_quantized_original_release_is_a_valid_reference(made, tmp_path):
+    """DeepSeek-V3 and Kimi-K2 ship fp8-block: a quantized checkpoint that moetool did not
+    write is the model itself (dequantized), so it is accepted as --ref."""
+    from moetool.arch import describe
+    from moetool.checkpoint import open_checkpoint
+    from moetool.shard import EPShards
+    from moetool.verify_shards import check_reference
+
+    release = tmp_path / "release"
+    shutil.copytree(made["fp8"], release)
+    (release / "manifest.json").unlink()
+    shards = made["shards"]
+    with open_checkpoint(release) as ck:
+        check_reference(EPShards(shards, check=False), ck, describe(ck.config, ck.tensors), str(release))
