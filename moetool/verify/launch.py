@@ -12,17 +12,27 @@ Two ways in:
 ``fn(rank, world_size, *args)`` runs with the default process group initialised (gloo on
 CPU, NCCL on ``cuda:LOCAL_RANK``) and must be a module-level function (spawn pickles it).
 What it returns travels to the parent by value (CPU tensors, numbers, dicts, lists...).
+
+No rank outlives its parent (``_die_with_parent``): a rank dies within a second of the
+process that started it (the spawning ``moetool``, or torchrun's agent), however that one
+ended (SIGKILL, the OOM killer; a rank still importing torch then exits when it reaches its
+entry point); an interrupted ``spawn_world`` stops its ranks before it returns.
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import pickle
 import queue as queue_mod
+import signal
+import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -33,8 +43,15 @@ from moetool.errors import MoetoolError
 #: seconds the parent keeps collecting reports after the first failure, so that the rank
 #: that failed first (the cause) is named rather than a peer that lost its connection
 _GRACE_S = 1.0
+#: seconds the parent waits for ranks that reported to exit on their own before terminating them
+_EXIT_S = 0.5
 #: seconds given to a terminated rank before it is killed
 _TERM_S = 5.0
+#: seconds between two checks of a rank's watchdog that its parent is still there
+_WATCH_S = 0.5
+#: exit status of a rank whose parent is gone (nobody is left to read it)
+_ORPHANED = 1
+_PR_SET_PDEATHSIG, _PR_GET_PDEATHSIG = 1, 2
 
 
 @dataclass(frozen=True)
@@ -71,38 +88,98 @@ def _setup_rank(backend: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def _rank_main(rank: int, world_size: int, backend: str, host: str, port: int,
-               pg_timeout_s: float, fn: Callable, args: tuple, q) -> None:
-    """Entry point of a spawned rank: init, run, report, always destroy the group."""
-    os.environ.update(MASTER_ADDR=host, MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size))
-    report = None
+def _set_pdeathsig(sig: int) -> int | None:
+    """Linux: the signal this process gets when its parent dies (prctl PR_SET_PDEATHSIG, 0 for
+    none); returns the previous one. None where there is no prctl (other systems)."""
+    if not sys.platform.startswith("linux"):
+        return None
     try:
-        device = _setup_rank(backend, rank)
-        store = dist.TCPStore(host, port, world_size, is_master=False,
-                              timeout=timedelta(seconds=pg_timeout_s))
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=pg_timeout_s),
-                                device_id=device if backend == "nccl" else None)
-        result = fn(rank, world_size, *args)
-        report = _Report(rank, True, time.time(), pickle.dumps(_to_cpu(result)))
-    except BaseException as e:  # noqa: BLE001 - every failure must reach the parent
-        if os.environ.get("MOETOOL_TRACEBACK"):
-            traceback.print_exc()
-        report = _Report(rank, False, time.time(), _one_line(e).encode())
-    # the report goes out before the group is destroyed: peers that then lose their
-    # connection report later, so the parent sees the cause first
+        libc = ctypes.CDLL(None, use_errno=True)
+        previous = ctypes.c_int(0)
+        if libc.prctl(_PR_GET_PDEATHSIG, ctypes.byref(previous), ctypes.c_ulong(0), ctypes.c_ulong(0),
+                      ctypes.c_ulong(0)) != 0:
+            return None
+        zero = ctypes.c_ulong(0)
+        if libc.prctl(_PR_SET_PDEATHSIG, ctypes.c_ulong(sig), zero, zero, zero) != 0:
+            return None
+        return previous.value
+    except (OSError, AttributeError):  # no libc to load, or no prctl in it
+        return None
+
+
+@contextlib.contextmanager
+def _die_with_parent(parent_pid: int) -> Iterator[None]:
+    """While inside, this process dies soon after ``parent_pid``, its parent, however that one
+    ends: a SIGKILL, the OOM killer or a crash run no clean-up, and a rank left behind would keep
+    its memory, GPU and peers' collectives (up to the process-group timeout, minutes) for nothing.
+
+    - Linux: the kernel sends SIGKILL when the parent exits (PR_SET_PDEATHSIG). The parent may
+      already be gone before that was set (a rank spends seconds importing torch first): then
+      ``os.getppid()`` is no longer ``parent_pid`` and the process exits at once.
+    - everywhere: a watchdog thread checks ``os.getppid()`` every ``_WATCH_S`` and hard-exits
+      (``os._exit``: no clean-up that could block) when the parent changed; it covers systems
+      without prctl and a death signal cleared meanwhile (an exec of a setuid program, a
+      library that resets it).
+
+    The kernel sends the death signal when the parent *thread* that started this process
+    ends: ``spawn_world`` starts the ranks in the thread that then waits for them, and
+    torchrun's agent starts its workers in its main thread.
+
+    On leaving, both are undone (the previous death signal comes back): ``run_under_torchrun``
+    may run in a caller's own process."""
+    previous = _set_pdeathsig(signal.SIGKILL)
+    if os.getppid() != parent_pid:
+        os._exit(_ORPHANED)
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(_WATCH_S):
+            if os.getppid() != parent_pid:
+                os._exit(_ORPHANED)
+
+    threading.Thread(target=watch, name="moetool-parent-watchdog", daemon=True).start()
     try:
-        q.put(report)
-        q.close()
-        q.join_thread()
+        yield
     finally:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001 - a broken group must not mask the report
-                pass
+        stop.set()
+        if previous is not None:
+            _set_pdeathsig(previous)
+
+
+def _rank_main(rank: int, world_size: int, backend: str, host: str, port: int,
+               pg_timeout_s: float, parent_pid: int, fn: Callable, args: tuple, q) -> None:
+    """Entry point of a spawned rank: tied to the parent first thing, then init, run, report,
+    always destroy the group."""
+    with _die_with_parent(parent_pid):
+        os.environ.update(MASTER_ADDR=host, MASTER_PORT=str(port), RANK=str(rank),
+                          WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                          LOCAL_WORLD_SIZE=str(world_size))
+        report = None
+        try:
+            device = _setup_rank(backend, rank)
+            store = dist.TCPStore(host, port, world_size, is_master=False,
+                                  timeout=timedelta(seconds=pg_timeout_s))
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=pg_timeout_s),
+                                    device_id=device if backend == "nccl" else None)
+            result = fn(rank, world_size, *args)
+            report = _Report(rank, True, time.time(), pickle.dumps(_to_cpu(result)))
+        except BaseException as e:  # noqa: BLE001 - every failure must reach the parent
+            if os.environ.get("MOETOOL_TRACEBACK"):
+                traceback.print_exc()
+            report = _Report(rank, False, time.time(), _one_line(e).encode())
+        # the report goes out before the group is destroyed: peers that then lose their
+        # connection report later, so the parent sees the cause first
+        try:
+            q.put(report)
+            q.close()
+            q.join_thread()
+        finally:
+            if dist.is_initialized():
+                try:
+                    dist.destroy_process_group()
+                except Exception:  # noqa: BLE001 - a broken group must not mask the report
+                    pass
 
 
 def spawn_world(fn: Callable, world_size: int, backend: str = "gloo", args: tuple = (),
@@ -114,6 +191,12 @@ def spawn_world(fn: Callable, world_size: int, backend: str = "gloo", args: tupl
     the process-group timeout, so no collective waits forever. Raises ``MoetoolError`` with
     one line: "rank R failed: ExcType: message", "rank R exited with code C before reporting"
     or "timed out after S s (ranks still running: [...])". The other ranks are terminated.
+
+    Every rank is stopped before this returns or raises, an ``Interrupted`` or
+    ``KeyboardInterrupt`` included (at once then: SIGTERM, SIGKILL after ``_TERM_S``); if this
+    process dies without that (SIGKILL, a second signal's ``os._exit``), the ranks die with it
+    (``_die_with_parent``). The ranks stay in this process's group: a terminal's Ctrl-C / Ctrl-Z,
+    ``timeout`` or ``kill -- -PGID`` reach the whole run, as they would a single process.
     """
     if backend not in ("gloo", "nccl"):
         raise MoetoolError(f"unknown distributed backend {backend!r} (expected gloo or nccl)")
@@ -129,16 +212,19 @@ def spawn_world(fn: Callable, world_size: int, backend: str = "gloo", args: tupl
     q = ctx.Queue()
     procs = [ctx.Process(target=_rank_main, name=f"moetool-rank{r}", daemon=True,
                          args=(r, world_size, backend, host, store.port, collective_timeout_s,
-                               fn, args, q))
+                               os.getpid(), fn, args, q))
              for r in range(world_size)]
-    for p in procs:
-        p.start()
     reports: dict[int, _Report] = {}
     failure: str | None = None
+    watched = False
     try:
+        for p in procs:  # inside the try: an interruption between two starts stops the first ones
+            p.start()
         failure = _watch(procs, q, reports, timeout_s)
+        watched = True
     finally:
-        _stop(procs)
+        # after an exception (Interrupted, KeyboardInterrupt) there is nothing to wait for
+        _stop(procs, _EXIT_S if watched else 0.0)
         q.close()
         q.cancel_join_thread()
         del store
@@ -195,26 +281,42 @@ def _watch(procs, q, reports: dict[int, _Report], timeout_s: float) -> str | Non
     return _first_failure(procs, reports)
 
 
-def _stop(procs) -> None:
-    for p in procs:
-        p.join(timeout=0.0 if p.exitcode is not None else 0.5)
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    end = time.monotonic() + _TERM_S
+def _stop(procs, exit_s: float) -> None:
+    """Stop every started rank within exit_s + _TERM_S + 1 s: ``exit_s`` for ranks that are exiting
+    on their own, then SIGTERM, ``_TERM_S`` more, then SIGKILL. An exception raised meanwhile (a
+    second KeyboardInterrupt) still kills the ranks left before it goes on."""
+    started = [p for p in procs if p.pid is not None]
+    try:
+        _join(started, exit_s)
+        for p in started:
+            if p.exitcode is None:
+                p.terminate()
+        _join(started, _TERM_S)
+    finally:
+        for p in started:
+            if p.exitcode is None:
+                p.kill()
+        _join(started, 1.0)
+
+
+def _join(procs, timeout_s: float) -> None:
+    """Wait until every process has exited or ``timeout_s`` has passed (one deadline for all)."""
+    end = time.monotonic() + timeout_s
     for p in procs:
         p.join(timeout=max(0.0, end - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(timeout=1.0)
 
 
 def run_under_torchrun(fn: Callable, args: tuple = (), backend: str | None = None,
                        collective_timeout_s: float = 600.0) -> Any:
     """Run ``fn(rank, world_size, *args)`` in a process started by ``torchrun``; returns this
     rank's result. Backend: nccl when CUDA is available, else gloo (unless given). A failure is
-    raised as ``MoetoolError`` naming this rank; the group is destroyed either way."""
+    raised as ``MoetoolError`` naming this rank; the group is destroyed either way.
+
+    While it runs, this process dies with its parent, the node's torchrun agent
+    (``_die_with_parent``): torchrun starts each worker in its own session, so when the agent is
+    SIGKILLed (or OOM-killed) nothing else would stop it. An agent that died before this call is
+    not noticed (torchrun does not tell its workers its pid); such a worker's collectives still
+    end within ``collective_timeout_s``."""
     try:
         rank = int(os.environ["RANK"])
         world_size = int(os.environ["WORLD_SIZE"])
@@ -224,16 +326,17 @@ def run_under_torchrun(fn: Callable, args: tuple = (), backend: str | None = Non
         raise MoetoolError(f"not started by torchrun: environment variable {e.args[0]} is not set") from None
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    device = _setup_rank(backend, local_rank)
-    try:
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=collective_timeout_s),
-                                device_id=device if backend == "nccl" else None)
-        return fn(rank, world_size, *args)
-    except MoetoolError as e:
-        raise MoetoolError(f"rank {rank} failed: {e}") from e
-    except Exception as e:
-        raise MoetoolError(f"rank {rank} failed: {_one_line(e)}") from e
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    with _die_with_parent(os.getppid()):
+        device = _setup_rank(backend, local_rank)
+        try:
+            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=collective_timeout_s),
+                                    device_id=device if backend == "nccl" else None)
+            return fn(rank, world_size, *args)
+        except MoetoolError as e:
+            raise MoetoolError(f"rank {rank} failed: {e}") from e
+        except Exception as e:
+            raise MoetoolError(f"rank {rank} failed: {_one_line(e)}") from e
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
