@@ -40,8 +40,8 @@ def build_checkpoint(path: Path, size_gib: float, shard_gib: float, hidden: int,
 
     import torch
 
-    from moetool.tiny import tiny_config
-    from moetool.writer import OutputDir, TensorSpec
+    from moetool.demo.tiny import tiny_config
+    from moetool.convert.output import OutputDir, TensorSpec
 
     per_layer = (3 * experts * hidden * intermediate + 4 * hidden * hidden + experts * hidden) * 2
     layers = max(1, math.ceil(size_gib * 2**30 / per_layer))
@@ -242,7 +242,7 @@ def main() -> None:
     # the floor for a durable copy: moetool fsyncs every file it writes, so cp must sync too
     add("cp", ["sh", "-c", f"cp -r '{src}' '{out / 'cp'}' && sync"], out / "cp")
     add("start-up", moetool + ["--help"], out / "start-up")
-    add("start-up+torch", [sys.executable, "-c", "import moetool.cli, moetool.lazy as l; l.freeze_imports = 1; l.import_module('moetool.quantize')"],
+    add("start-up+torch", [sys.executable, "-c", "import moetool.cli, moetool.lazy as l; l.freeze_imports = 1; l.import_module('moetool.convert.quantize')"],
         out / "start-up+torch")  # as `moetool quantize` imports it
     for fmt, flag in MOETOOL_FLAG.items():
         add(fmt, moetool + ["quantize", str(src), str(out / fmt), flag, "-q", "--device", args.device], out / fmt)

@@ -162,7 +162,7 @@ def mapped_host_costs(disp, x, ids, w, token_index, info, table, num_slots, act_
 def worker(rank: int, world: int, opts: dict) -> dict:
     import torch.distributed as dist
 
-    from moetool.placement import linear_placement
+    from moetool.model.placement import linear_placement
     from moetool.verify.dispatch import ChunkInfo, CommStats, RouteTable, Topology, all_gather_tensor, get_dispatcher
 
     topo = Topology.create(opts["dp"])

@@ -98,11 +98,11 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
 
-    from moetool.quantize import quantize
-    from moetool.shard import shard
-    from moetool.tiny import make_tiny_checkpoint
+    from moetool.convert.quantize import quantize
+    from moetool.convert.shard import shard
+    from moetool.demo.tiny import make_tiny_checkpoint
     from moetool.verify.launch import spawn_world
-    from moetool.verify_shards import VerifyOptions, verify_many
+    from moetool.verify.driver import VerifyOptions, verify_many
 
     gpu = args.backend == "nccl"
     started = time.perf_counter()

@@ -1,7 +1,7 @@
 """Shared fixtures: the CLI runner and tiny checkpoints made once per session.
 
 Every checkpoint here is made on the fly (transformers ``save_pretrained`` or our own
-``moetool.tiny`` writer); nothing is downloaded. Tests that modify a checkpoint copy it first
+``moetool.demo.tiny`` writer); nothing is downloaded. Tests that modify a checkpoint copy it first
 (``copy_ckpt``); the session ones are treated as read-only.
 """
 from __future__ import annotations
@@ -58,7 +58,7 @@ def tiny(tmp_path_factory):
 
     Defaults: 2 layers (3 for DeepSeek: the first is dense), 4 experts (8 for DeepSeek, whose
     routers use 4 groups), hidden 256, intermediate 128, top-2, bf16, 2 shards."""
-    from moetool.tiny import make_tiny_checkpoint
+    from moetool.demo.tiny import make_tiny_checkpoint
 
     cache: dict = {}
     root = tmp_path_factory.mktemp("tiny")

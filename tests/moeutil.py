@@ -4,7 +4,7 @@ fixtures that use them are in conftest.py).
 Two independent producers of tiny MoE checkpoints:
 - ``save_hf_model``: a random transformers model saved with ``save_pretrained`` (float32, the
   family's real on-disk names), with the model's own in-memory weights kept for comparison;
-- ``moetool.tiny.make_tiny_checkpoint``: our synthetic writer.
+- ``moetool.demo.tiny.make_tiny_checkpoint``: our synthetic writer.
 Shapes keep hidden H != 2N (N = expert intermediate) so a transposed or half-swapped fused
 tensor cannot pass a shape check by accident.
 """

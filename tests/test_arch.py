@@ -12,11 +12,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from moetool.arch import FAMILIES, describe
-from moetool.checkpoint import open_checkpoint
+from moetool.model.families import FAMILIES, describe
+from moetool.read.checkpoint import open_checkpoint
 from moetool.errors import MoetoolError
-from moetool.experts_io import ExpertReader
-from moetool.tiny import tiny_config, tiny_tensors
+from moetool.read.experts import ExpertReader
+from moetool.demo.tiny import tiny_config, tiny_tensors
 from moeutil import HF_CONFIGS, N, hf_expert, hf_param
 
 HF_FAMILIES = list(HF_CONFIGS)

@@ -1,4 +1,4 @@
-"""``shard`` and ``repack`` as byte copies (moetool.byteplan / moetool.bytecopy).
+"""``shard`` and ``repack`` as byte copies (moetool.convert.byte_plan / moetool.convert.byte_executor).
 
 The criterion is bit-exact: every file the byte copy writes (safetensors, indexes, configs,
 manifest) must be identical to what the torch executor writes for the same command
@@ -15,14 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from moetool import bytecopy, convert
-from moetool.arch import describe
-from moetool.byteplan import ByteFile, Span, coalesce, why_not_byte_copy
-from moetool.checkpoint import open_checkpoint
+from moetool.convert import byte_executor as bytecopy
+
+from moetool.convert import torch_executor as convert
+from moetool.model.families import describe
+from moetool.convert.byte_plan import ByteFile, Span, coalesce, why_not_byte_copy
+from moetool.read.checkpoint import open_checkpoint
 from moetool.errors import MoetoolError
-from moetool.repack import repack
-from moetool.shard import shard
-from moetool.writer import JOURNAL_NAME, MANIFEST_NAME, verify_manifest
+from moetool.convert.repack import repack
+from moetool.convert.shard import shard
+from moetool.convert.output import JOURNAL_NAME, MANIFEST_NAME, verify_manifest
 from moeutil import rewrite_file, tensor_files, tree_hashes
 
 
@@ -105,7 +107,7 @@ def test_quantized_input_goes_to_torch(tiny, tmp_path):
     """An fp8 checkpoint is not a byte copy (its scales are cut per block): the torch executor
     repacks it, and says so by having run."""
     q = tmp_path / "q"
-    from moetool.quantize import quantize
+    from moetool.convert.quantize import quantize
 
     quantize(tiny("mixtral"), q, "fp8-block", progress=False)
     with open_checkpoint(q) as ck:
@@ -244,7 +246,7 @@ def test_copy_files_hashes_like_sha256(tmp_path, workers):
     import hashlib
     import os
 
-    from moetool.writer import OutputDir
+    from moetool.convert.output import OutputDir
 
     data = os.urandom(3 * bytecopy.CHUNK + 123)
     (tmp_path / "in").mkdir()
@@ -265,9 +267,9 @@ def test_copy_files_hashes_like_sha256(tmp_path, workers):
 
 def test_torch_stays_importable_lazily():
     """Library modules on the byte-copy path import without torch (checked in a fresh process)."""
-    code = ("import sys\nimport moetool.cli, moetool.shard, moetool.repack, moetool.bytecopy, moetool.checkpoint\n"
+    code = ("import sys\nimport moetool.cli, moetool.convert.shard, moetool.convert.repack, moetool.convert.byte_executor, moetool.read.checkpoint\n"
             "assert 'torch' not in sys.modules\n"
-            "from moetool.checkpoint import DTYPES\nimport torch\nassert DTYPES['BF16'] is torch.bfloat16\n")
+            "from moetool.read.checkpoint import DTYPES\nimport torch\nassert DTYPES['BF16'] is torch.bfloat16\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert torch.bfloat16  # the test process itself has torch
@@ -280,7 +282,7 @@ def test_failure_stops_the_files_in_flight(tmp_path, monkeypatch):
     import threading
     import time
 
-    from moetool.writer import OutputDir
+    from moetool.convert.output import OutputDir
 
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "x").write_bytes(os.urandom(16 * bytecopy.CHUNK))
@@ -309,7 +311,7 @@ def test_output_that_cannot_be_opened_leaves_no_thread(tmp_path):
     import threading
     import time
 
-    from moetool.writer import OutputDir
+    from moetool.convert.output import OutputDir
 
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "x").write_bytes(b"z" * 64)
@@ -333,7 +335,7 @@ def test_output_that_cannot_be_opened_leaves_no_thread(tmp_path):
 def test_progress_counts_resumed_files_like_written_ones(tmp_path):
     """The progress total is the plan's tensor bytes: a file skipped on resume counts what
     copying it counts (its data, not its header)."""
-    from moetool.writer import OutputDir
+    from moetool.convert.output import OutputDir
 
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "x").write_bytes(bytes(range(256)) * 8)

@@ -13,7 +13,7 @@ import struct
 import pytest
 import torch
 
-from moetool.checkpoint import DTYPES, open_checkpoint, read_safetensors_header, resolve_source
+from moetool.read.checkpoint import DTYPES, open_checkpoint, read_safetensors_header, resolve_source
 from moetool.errors import MoetoolError
 from moeutil import file_of, raw_safetensors, rewrite_file
 

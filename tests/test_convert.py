@@ -1,4 +1,4 @@
-"""The torch executor's scheduling helpers (moetool.convert)."""
+"""The torch executor's scheduling helpers (moetool.convert.torch_executor)."""
 from __future__ import annotations
 
 import os
@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from moetool.convert import Executor, converter_cpus
+from moetool.convert.torch_executor import Executor, converter_cpus
 
 linux = pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no CPU affinity on this platform")
 

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from moetool.checkpoint import open_checkpoint
-from moetool.convert import Planner, model_dtype
-from moetool.experts_io import ExpertReader
+from moetool.read.checkpoint import open_checkpoint
+from moetool.convert.torch_executor import Planner, model_dtype
+from moetool.read.experts import ExpertReader
 from moetool.formats import TOLERANCES, Fp8Block, Fp8Channel, Int4Group, get_format
-from moetool.writer import JOURNAL_NAME, MANIFEST_NAME, sha256_file
+from moetool.convert.output import JOURNAL_NAME, MANIFEST_NAME, sha256_file
 from moeutil import bit_equal, file_of, read_tensors, rewrite_file, tensor_files, tree_hashes
 
 FORMATS = {
@@ -222,7 +222,7 @@ def test_requantize_fp8_block_to_int4(tiny, cli, tmp_path):
 def _all_fp8_checkpoint(path: Path) -> Path:
     """A DeepSeek-V3-style checkpoint where attention, dense and shared MLPs are fp8-block too
     (only embeddings, norms, routers and lm_head are not)."""
-    from moetool.tiny import tiny_config, tiny_tensors, write_checkpoint
+    from moetool.demo.tiny import tiny_config, tiny_tensors, write_checkpoint
 
     cfg = tiny_config("deepseek_v3", hidden=256, intermediate=128, experts=8, top_k=2, layers=3,
                       dtype=torch.bfloat16)
@@ -496,7 +496,7 @@ def test_max_shard_size(tiny, cli, tmp_path):
 
 KILLER = r"""
 import os, signal, sys
-from moetool import convert
+from moetool.convert import torch_executor as convert
 orig = convert.Executor.chunks
 seen = {"files": 0}
 def chunks(self, pf):
@@ -565,7 +565,7 @@ def test_journal_of_other_options_is_refused_then_rewritten_with_force(tiny, cli
 
 
 def test_library_api_matches_cli(tiny, tmp_path, cli):
-    from moetool.quantize import quantize
+    from moetool.convert.quantize import quantize
 
     src = tiny("mixtral")
     summary = quantize(src, tmp_path / "lib", "int4-group", group_size=64, symmetric=False, progress=False)
@@ -585,7 +585,7 @@ def test_unfinished_output_used_as_input(tiny, cli, tmp_path):
     out = tmp_path / "out"
     assert cli("quantize", src, out, "--int4", "--quiet").code == 0
     assert not (out / JOURNAL_NAME).exists()
-    from moetool.writer import verify_manifest
+    from moetool.convert.output import verify_manifest
 
     assert JOURNAL_NAME not in verify_manifest(out)["files"]
 

@@ -10,9 +10,9 @@ from math import ceil
 import pytest
 import torch
 
-from moetool.checkpoint import open_checkpoint
-from moetool.experts_io import ExpertReader
-from moetool.writer import MANIFEST_NAME
+from moetool.read.checkpoint import open_checkpoint
+from moetool.read.experts import ExpertReader
+from moetool.convert.output import MANIFEST_NAME
 from moeutil import bit_equal, file_of, hf_expert, read_tensors, rewrite_file, tensor_files, tree_hashes
 
 FORMAT_ARGS = {
@@ -48,7 +48,7 @@ def stacked_shapes(fmt_id: str, E: int, N: int, K: int) -> dict[str, tuple]:
 def inputs(tiny, tmp_path_factory):
     """Per-expert checkpoints in every format: DeepSeek-V3 layout, hidden 320 and intermediate
     192, so fp8 blocks are partial in both directions and w13 keeps per-half scale rows."""
-    from moetool.quantize import quantize
+    from moetool.convert.quantize import quantize
 
     src = tiny("deepseek_v3", hidden=320, intermediate=192)
     root = tmp_path_factory.mktemp("repack_inputs")
@@ -133,7 +133,7 @@ def test_round_trip_same_bytes(tiny, cli, tmp_path, fmt_id):
 def test_fp8_block_stacked_scale_rows_per_half(inputs):
     """N = 192: one w13 of 384 rows has 2*ceil(192/128) = 4 scale rows (gate's 2, then up's 2),
     not ceil(384/128) = 3: vLLM's w13_weight_scale_inv."""
-    from moetool.quantize import repack
+    from moetool.convert.quantize import repack
 
     stacked = inputs["fp8-block"].parent / "fp8-block-stacked"
     repack(inputs["fp8-block"], stacked, "stacked", progress=False)

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from moetool.checkpoint import open_checkpoint
+from moetool.read.checkpoint import open_checkpoint
 from moetool.errors import MoetoolError
-from moetool.experts_io import ExpertReader
-from moetool.placement import add_redundant, linear_placement, make_placement, round_robin_placement
-from moetool.shard import EPShards, rank_dir
-from moetool.writer import JOURNAL_NAME, MANIFEST_NAME, sha256_file
+from moetool.read.experts import ExpertReader
+from moetool.model.placement import add_redundant, linear_placement, make_placement, round_robin_placement
+from moetool.convert.shard import EPShards, rank_dir
+from moetool.convert.output import JOURNAL_NAME, MANIFEST_NAME, sha256_file
 from moeutil import bit_equal, read_tensors, tensor_files, tree_hashes
 
 # ------------------------------------------------------------------------------ placement tables
@@ -103,7 +103,7 @@ def test_placement_errors(kind, E, ep, message):
 def sources(tiny, tmp_path_factory):
     """DeepSeek-V3 layout (dense layer 0, MoE layers 1-2, 8 experts): bf16, fp8-block, int4
     (asymmetric: zero points packed along N), each per-expert and stacked."""
-    from moetool.quantize import quantize, repack
+    from moetool.convert.quantize import quantize, repack
 
     bf16 = tiny("deepseek_v3")
     root = tmp_path_factory.mktemp("shard_sources")
@@ -241,7 +241,7 @@ def test_shard_is_resumable(sources, cli, tmp_path):
     out = tmp_path / "out"
     killer = (
         "import os, signal, sys\n"
-        "from moetool import convert\n"
+        "from moetool.convert import torch_executor as convert\n"
         "orig = convert.Executor.chunks\n"
         "n = [0]\n"
         "def chunks(self, pf):\n"
@@ -271,7 +271,7 @@ def test_ranks_share_one_common_file(sources, cli, tmp_path, byte_copy):
     """The non-expert tensors are written once: every rank's model-common file is a hard link
     to rank 0's (one inode); with --no-links each rank has its own copy of the same bytes.
     Either way the manifest, the other files and every rank's tensors are the same."""
-    from moetool.shard import shard
+    from moetool.convert.shard import shard
 
     src = sources["bf16"]
     linked, copied = tmp_path / "linked", tmp_path / "copied"
@@ -296,8 +296,8 @@ def test_ranks_share_one_common_file(sources, cli, tmp_path, byte_copy):
 
 def test_common_file_copied_where_links_are_refused(sources, tmp_path, monkeypatch):
     """A file system without hard links (or a refused link): the rank files are copies."""
-    import moetool.writer as writer
-    from moetool.shard import shard
+    import moetool.convert.output as writer
+    from moetool.convert.shard import shard
 
     def no_links(src, dst):
         raise PermissionError(1, "Operation not permitted (test)")
@@ -317,8 +317,8 @@ def test_resumed_links_are_not_hashed_again_nor_written_through(sources, tmp_pat
     hard link to a finished file is replaced, never written through."""
     import os
 
-    import moetool.writer as writer
-    from moetool.shard import shard
+    import moetool.convert.output as writer
+    from moetool.convert.shard import shard
 
     src = sources["bf16"]
     ref = tmp_path / "ref"
@@ -346,7 +346,7 @@ def test_resumed_links_are_not_hashed_again_nor_written_through(sources, tmp_pat
 
 def test_plan_version_is_in_the_plan_id(sources, monkeypatch):
     """Another version's plan (other file names for the same options) never resumes this one's journal."""
-    import moetool.plan as plan
+    import moetool.convert.plan as plan
 
     with open_checkpoint(sources["bf16"]) as ck:
         a = plan.plan_id(ck, ep=2)
@@ -465,7 +465,7 @@ def test_complete_shard_output_refused_without_force(sources, cli, tmp_path):
 
 
 def test_library_errors_are_moetool_errors(sources, tmp_path):
-    from moetool.shard import shard
+    from moetool.convert.shard import shard
 
     with pytest.raises(MoetoolError):
         shard(sources["bf16"], tmp_path / "o", 0, progress=False)

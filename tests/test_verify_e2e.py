@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from moeutil import rewrite_file
-from moetool.quantize import quantize
-from moetool.shard import shard
-from moetool.tiny import make_tiny_checkpoint
-from moetool.verify_shards import VerifyOptions, verify_many
-from moetool.writer import sha256_file
+from moetool.convert.quantize import quantize
+from moetool.convert.shard import shard
+from moetool.demo.tiny import make_tiny_checkpoint
+from moetool.verify.driver import VerifyOptions, verify_many
+from moetool.convert.output import sha256_file
 
 FORMATS = ("dense", "fp8-block", "fp8-channel", "int4-group")
 BACKENDS = ("allgather", "all2all")

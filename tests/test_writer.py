@@ -8,9 +8,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from moetool.checkpoint import DTYPES, open_checkpoint, read_safetensors_header
+from moetool.read.checkpoint import DTYPES, open_checkpoint, read_safetensors_header
 from moetool.errors import MoetoolError
-from moetool.writer import (
+from moetool.convert.output import (
     INCOMPLETE,
     JOURNAL_NAME,
     MANIFEST_NAME,
@@ -57,7 +57,7 @@ def test_every_allowed_dtype_round_trips(tmp_path):
 
 def test_tensors_larger_than_one_write(tmp_path):
     """A tensor of several ``WRITE_SLICE`` writes (and a ragged tail) lands byte for byte."""
-    from moetool.writer import WRITE_SLICE
+    from moetool.convert.output import WRITE_SLICE
 
     big = torch.randn(WRITE_SLICE // 4 * 3 + 37, generator=torch.Generator().manual_seed(1))  # float32
     tensors = {"big": big, "after": torch.arange(5, dtype=torch.int64)}
@@ -80,7 +80,7 @@ def _expected_bytes(pieces) -> bytes:
 
 
 def _write_sink(path, pieces, **kw):
-    from moetool.writer import _HashingSink
+    from moetool.convert.output import _HashingSink
 
     sink = _HashingSink(path, **kw)
     for p in pieces:
@@ -97,7 +97,7 @@ def test_direct_io_sink_writes_and_hashes_the_same_bytes(tmp_path, monkeypatch, 
     import os
     from pathlib import Path
 
-    import moetool.writer as w
+    import moetool.convert.output as w
 
     if folder == "shm":
         if not os.path.isdir("/dev/shm") or not os.access("/dev/shm", os.W_OK):
@@ -128,7 +128,7 @@ def test_direct_io_sink_falls_back_when_a_direct_write_is_refused(tmp_path, monk
     switches the file to plain writes; the bytes and sha256 are the same."""
     import hashlib
 
-    import moetool.writer as w
+    import moetool.convert.output as w
 
     monkeypatch.setattr(w, "DIRECT_STAGE", 8192)
     monkeypatch.setattr(w, "DIRECT_ALIGN", 1)
@@ -145,8 +145,8 @@ def test_direct_io_sink_error_leaves_the_file_unfinished(tmp_path, monkeypatch):
     """A failing write surfaces from close() (the output stays .incomplete in OutputDir)."""
     import os
 
-    import moetool.writer as w
-    from moetool.writer import _HashingSink
+    import moetool.convert.output as w
+    from moetool.convert.output import _HashingSink
 
     monkeypatch.setattr(w, "DIRECT_STAGE", 8192)
 
@@ -272,7 +272,7 @@ def test_nesting_refused(tmp_path):
 
 
 def test_tiny_writer_output_is_a_valid_checkpoint(tmp_path):
-    from moetool.tiny import make_tiny_checkpoint
+    from moetool.demo.tiny import make_tiny_checkpoint
 
     path = make_tiny_checkpoint(tmp_path / "c", "mixtral", hidden=64, intermediate=48, experts=4, top_k=2,
                                 layers=2, shards=3)
@@ -285,7 +285,7 @@ def test_tiny_writer_output_is_a_valid_checkpoint(tmp_path):
 def test_plan_id_follows_inputs_and_options(tiny, tmp_path, copy_ckpt):
     import os
 
-    from moetool.quantize import plan_id
+    from moetool.convert.quantize import plan_id
 
     src = copy_ckpt(tiny("mixtral", hidden=64, intermediate=32))
     with open_checkpoint(src) as ck:

@@ -18,7 +18,7 @@ def demo_cmd(
     then print the commands it ran, to re-run by hand."""
     from moetool.lazy import import_module
 
-    run_demo = import_module("moetool.demo").run_demo
+    run_demo = import_module("moetool.demo.chain").run_demo
 
     if not run_demo(workdir, echo=typer.echo, fmt=fmt):
         raise VerificationFailed("demo verification failed")

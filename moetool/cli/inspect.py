@@ -12,10 +12,10 @@ from moetool.cli.options import Json, Revision, Source
 def inspect_cmd(source: Source, revision: Revision = None, json_out: Json = False) -> None:
     """What is in a checkpoint: architecture, MoE layers, experts, dims, weight format, bytes.
     Also one rank folder of `moetool shard` output, or its shard root (ranks, placement, files)."""
-    from moetool.checkpoint import ShardOutputError, open_checkpoint
+    from moetool.read.checkpoint import ShardOutputError, open_checkpoint
     from moetool.lazy import import_module
 
-    lib = import_module("moetool.inspect")
+    lib = import_module("moetool.read.inspect")
     try:
         with open_checkpoint(source, revision, ep_rank=True) as ckpt:
             info, text = lib.inspect_checkpoint(ckpt), lib.render

@@ -36,7 +36,7 @@ def quantize_cmd(
         raise MoetoolError(f"--group-size {group_size} must be positive")
     from moetool.lazy import import_module
 
-    quantize = import_module("moetool.quantize").quantize
+    quantize = import_module("moetool.convert.quantize").quantize
 
     result = quantize(source, out, chosen[0], group_size=group_size, symmetric=symmetric, layout=layout,
                       include_shared=include_shared_experts, max_shard_size=parse_size(max_shard_size),

@@ -6,7 +6,7 @@ import typer
 
 from moetool.cli import app
 from moetool.cli.options import DryRun, Force, MaxShardSize, Out, Quiet, Revision, Source, check_layout, parse_size
-from moetool.repack import repack
+from moetool.convert.repack import repack
 
 
 @app.command("repack")

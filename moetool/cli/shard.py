@@ -8,7 +8,7 @@ import typer
 from moetool.cli import app
 from moetool.cli.options import DryRun, Force, MaxShardSize, Out, Quiet, Revision, Source, check_layout, parse_size
 from moetool.errors import MoetoolError
-from moetool.shard import merge, shard
+from moetool.convert.shard import merge, shard
 
 
 @app.command("shard")

@@ -56,7 +56,7 @@ def verify_cmd(
     (`torchrun --nnodes ... --nproc-per-node ... -m moetool verify ...`)."""
     from moetool.lazy import import_module
 
-    vs = import_module("moetool.verify_shards")
+    vs = import_module("moetool.verify.driver")
     VerifyOptions, raise_if_failed, under_torchrun, verify, verify_torchrun = (
         vs.VerifyOptions, vs.raise_if_failed, vs.under_torchrun, vs.verify, vs.verify_torchrun)
 

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from moetool.errors import MoetoolError
 from moetool.kernels.common import PeerBuffers
-from moetool.spec import ExpertPlacement, LocalExperts
+from moetool.model.spec import ExpertPlacement, LocalExperts
 from moetool.verify.experts import ACT_GROUP, weight_and_reduce
 
 # torch 2.13 renamed the tensor collectives; the old names warn on every call

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from moetool.errors import MoetoolError
-from moetool.spec import LocalExperts
+from moetool.model.spec import LocalExperts
 
 #: fp8 activation quantization groups along H (DeepSeek-V3 block size)
 ACT_GROUP = 128

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from moetool.errors import MoetoolError
-from moetool.spec import ExpertPlacement, LocalExperts, RouterSpec
+from moetool.model.spec import ExpertPlacement, LocalExperts, RouterSpec
 from moetool.verify.dispatch import (
     ChunkInfo,
     CommStats,

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from moetool.errors import MoetoolError
-from moetool.spec import RouterSpec
+from moetool.model.spec import RouterSpec
 from moetool.verify.router import route
 
 #: one expert in fp32: (gate [N, H], up [N, H], down [H, N])

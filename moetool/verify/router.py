@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from moetool.errors import MoetoolError
-from moetool.spec import RouterSpec
+from moetool.model.spec import RouterSpec
 
 
 def gate_logits(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:

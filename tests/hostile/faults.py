@@ -29,7 +29,7 @@ def main() -> None:
     k = 0 if name else int(k)
     calls = [0]
 
-    from moetool import writer
+    from moetool.convert import output as writer
     from moetool.cli import main as moetool_main
 
     def hit() -> bool:

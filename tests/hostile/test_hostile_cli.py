@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def src(tmp_path_factory) -> Path:
-    from moetool.tiny import make_tiny_checkpoint
+    from moetool.demo.tiny import make_tiny_checkpoint
 
     return make_tiny_checkpoint(tmp_path_factory.mktemp("in") / "dsv3", "deepseek_v3", experts=8, layers=2)
 
@@ -63,7 +63,7 @@ def test_demo_without_workdir_says_its_temporary_folder_is_gone(monkeypatch):
     """Without --workdir the files go to a temporary folder: the first line says so and how
     to keep them, the last that it is removed (the chain itself stubbed: one demo run in the
     suite is enough)."""
-    import moetool.demo as demo
+    import moetool.demo.chain as demo
 
     seen = {}
 
@@ -134,14 +134,14 @@ def test_help_texts_are_shown_whole():
 @pytest.mark.parametrize("command", ["shard", "quantize"])
 def test_progress_bar_counts_in_the_summarys_units(src, tmp_path, capsys, command):
     """The bar's total is the summary's "GB out" in decimal units (MB = 1e6 bytes), not
-    KiB/MiB: shard copies bytes (moetool.bytecopy), quantize converts (moetool.convert)."""
+    KiB/MiB: shard copies bytes (moetool.convert.byte_executor), quantize converts (moetool.convert.torch_executor)."""
     from tqdm import tqdm
 
     if command == "shard":
-        from moetool.shard import shard as run
+        from moetool.convert.shard import shard as run
         args = (2,)
     else:
-        from moetool.quantize import quantize as run
+        from moetool.convert.quantize import quantize as run
         args = ("fp8-block",)
     nbytes = run(src, tmp_path / "plan", *args, dry_run=True).nbytes
     summary = run(src, tmp_path / "out", *args, progress=True).render()

@@ -22,7 +22,7 @@ from typing import Callable
 import pytest
 from hostile import assert_unfinished, digest, moetool
 
-from moetool.checkpoint import DTYPE_SIZES
+from moetool.read.checkpoint import DTYPE_SIZES
 
 INDEX = "model.safetensors.index.json"
 SHARD1, SHARD2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
@@ -37,8 +37,8 @@ def made(tiny, tmp_path_factory) -> dict[str, Path]:
     """The good inputs, made once: a Mixtral-style model (8 experts, K = 64), the same with 4
     experts, a DeepSeek-V3-style one, its fp8-block quantization, its EP-4 shards and a copy of
     them without manifest.json (an unfinished shard output)."""
-    from moetool.quantize import quantize
-    from moetool.shard import shard
+    from moetool.convert.quantize import quantize
+    from moetool.convert.shard import shard
 
     root = tmp_path_factory.mktemp("hostile-inputs")
     model = tiny("mixtral", hidden=64, intermediate=32, experts=8)
@@ -624,7 +624,7 @@ def test_a_path_under_home_is_a_local_folder(ctx, cli):
 def test_exact_shards_still_name_their_worst_expert(made):
     """Unquantized shards match the reference exactly, expert by expert: the report still
     names an expert and its rank (it said -1 (-1) when no error was above 0)."""
-    from moetool.verify_shards import VerifyOptions, verify
+    from moetool.verify.driver import VerifyOptions, verify
 
     import torch
 
@@ -641,10 +641,10 @@ def test_exact_shards_still_name_their_worst_expert(made):
 def test_a_quantized_original_release_is_a_valid_reference(made, tmp_path):
     """DeepSeek-V3 and Kimi-K2 ship fp8-block: a quantized checkpoint that moetool did not
     write is the model itself (dequantized), so it is accepted as --ref."""
-    from moetool.arch import describe
-    from moetool.checkpoint import open_checkpoint
-    from moetool.shard import EPShards
-    from moetool.verify_shards import check_reference
+    from moetool.model.families import describe
+    from moetool.read.checkpoint import open_checkpoint
+    from moetool.convert.shard import EPShards
+    from moetool.verify.driver import check_reference
 
     release = tmp_path / "release"
     shutil.copytree(made["fp8"], release)

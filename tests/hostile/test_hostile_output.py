@@ -20,14 +20,14 @@ from pathlib import Path
 import pytest
 from hostile import argv, assert_complete, assert_unfinished, digest, env, moetool, temporary_names
 
-from moetool.writer import JOURNAL_NAME, LOCK_NAME, MANIFEST_NAME, FolderLock
+from moetool.convert.output import JOURNAL_NAME, LOCK_NAME, MANIFEST_NAME, FolderLock
 
 FAULTS = Path(__file__).with_name("faults.py")
 
 
 @pytest.fixture(scope="module")
 def src(tmp_path_factory) -> Path:
-    from moetool.tiny import make_tiny_checkpoint
+    from moetool.demo.tiny import make_tiny_checkpoint
 
     return make_tiny_checkpoint(tmp_path_factory.mktemp("in") / "mixtral", "mixtral", hidden=256, intermediate=128,
                                 experts=4, top_k=2, layers=2, shards=2)
@@ -128,7 +128,7 @@ def test_signal_exits_with_its_status_and_resumes(src, clean, tmp_path, command,
 
 @pytest.fixture(scope="module")
 def other_checkpoint(tmp_path_factory) -> Path:
-    from moetool.tiny import make_tiny_checkpoint
+    from moetool.demo.tiny import make_tiny_checkpoint
 
     return make_tiny_checkpoint(tmp_path_factory.mktemp("other") / "qwen3", "qwen3_moe", hidden=128, intermediate=64,
                                 experts=4, top_k=2, layers=1, shards=1)

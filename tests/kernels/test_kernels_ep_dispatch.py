@@ -5,7 +5,7 @@ from moetool.kernels import ep_dispatch as ed
 from moetool.kernels.common import PeerBuffers
 
 from moetool.errors import MoetoolError
-from moetool.placement import linear_placement
+from moetool.model.placement import linear_placement
 from moetool.verify.dispatch import RouteTable
 
 

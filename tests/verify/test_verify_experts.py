@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import verify_workers as vw  # noqa: E402
 
 from moetool.errors import MoetoolError  # noqa: E402
-from moetool.spec import ExpertPlacement  # noqa: E402
+from moetool.model.spec import ExpertPlacement  # noqa: E402
 from moetool.verify.dispatch import RouteTable, RowLayout, check_local_experts  # noqa: E402
 from moetool.verify.experts import TorchExperts, TritonExperts, weight_and_reduce  # noqa: E402
 from moetool.verify.reference import swiglu  # noqa: E402

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from moetool.errors import MoetoolError
-from moetool.spec import RouterSpec
+from moetool.model.spec import RouterSpec
 from moetool.verify.reference import reference_moe_forward
 
 transformers = pytest.importorskip("transformers")

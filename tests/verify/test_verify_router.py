@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from moetool.errors import MoetoolError
-from moetool.spec import RouterSpec
+from moetool.model.spec import RouterSpec
 from moetool.verify.router import route
 
 transformers = pytest.importorskip("transformers")

@@ -8,7 +8,7 @@ import time
 import torch
 
 from moetool.formats import get_format
-from moetool.spec import ExpertPlacement, LocalExperts, RouterSpec
+from moetool.model.spec import ExpertPlacement, LocalExperts, RouterSpec
 from moetool.verify.dispatch import Topology, get_dispatcher
 from moetool.verify.experts import ExpertsBackend, TorchExperts, TritonExperts
 from moetool.verify.layer import run_moe_layer

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from moetool.arch import ModelSpec, describe
-from moetool.checkpoint import open_checkpoint
-from moetool.convert import (
+from moetool.model.families import ModelSpec, describe
+from moetool.read.checkpoint import open_checkpoint
+from moetool.convert.torch_executor import (
     Copy,
     Dequant,
     ErrorStats,
@@ -27,9 +27,9 @@ from moetool.convert import (
 from moetool.errors import MoetoolError
 from moetool.formats import get_format
 from moetool.formats.base import WeightFormat
-from moetool.plan import QUANTIZED_ONLY_SUFFIXES, Layout, checkpoint_files, checkpoint_plan, non_expert_tensors, \
+from moetool.convert.plan import QUANTIZED_ONLY_SUFFIXES, Layout, checkpoint_files, checkpoint_plan, non_expert_tensors, \
     plan_id
-from moetool.writer import OutputDir, TensorSpec
+from moetool.convert.output import OutputDir, TensorSpec
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -142,7 +142,7 @@ def quantize(source, out, fmt_name: str, *, group_size: int = 128, symmetric: bo
 
 
 def repack(source, out, layout: Layout, **kw) -> Summary | Plan:
-    """``moetool.repack.repack``: a byte copy where the checkpoint allows it, else ``convert_checkpoint``."""
-    from moetool.repack import repack as repack_
+    """``moetool.convert.repack.repack``: a byte copy where the checkpoint allows it, else ``convert_checkpoint``."""
+    from moetool.convert.repack import repack as repack_
 
     return repack_(source, out, layout, **kw)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Literal
 
 from moetool.errors import MoetoolError
-from moetool.spec import RouterSpec, SharedExpertSpec
+from moetool.model.spec import RouterSpec, SharedExpertSpec
 
 # ----------------------------------------------------------------------------- family table
 

@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 
-from moetool.arch import MoELayerSpec, describe, family_for
-from moetool.checkpoint import open_checkpoint
+from moetool.model.families import MoELayerSpec, describe, family_for
+from moetool.read.checkpoint import open_checkpoint
 from moetool.errors import MoetoolError, VerificationFailed
-from moetool.experts_io import ExpertReader, detect_expert_format
-from moetool.shard import EPShards
-from moetool.spec import LocalExperts
+from moetool.read.experts import ExpertReader, detect_expert_format
+from moetool.convert.shard import EPShards
+from moetool.model.spec import LocalExperts
 
 #: Pass thresholds per shard format, for the whole layer (relative error of the distributed
 #: output against the fp32 reference from the unquantized checkpoint) and for a single expert

@@ -1,16 +1,16 @@
 """Library API of ``moetool repack``: per-expert <-> stacked, the weight format unchanged.
 
 An unquantized checkpoint whose experts are stored per expert or stacked is repacked as a byte
-copy (``moetool.bytecopy``: no torch is imported); any other goes through the torch executor
-(``moetool.quantize.convert_checkpoint`` with no target format). Both write the same bytes.
+copy (``moetool.convert.byte_executor``: no torch is imported); any other goes through the torch executor
+(``moetool.convert.quantize.convert_checkpoint`` with no target format). Both write the same bytes.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-from moetool.arch import describe
-from moetool.checkpoint import open_checkpoint
-from moetool.plan import Layout, Plan, Summary, plan_id
+from moetool.model.families import describe
+from moetool.read.checkpoint import open_checkpoint
+from moetool.convert.plan import Layout, Plan, Summary, plan_id
 
 
 def repack(source, out, layout: Layout, *, max_shard_size: int | None = None, dry_run: bool = False,
@@ -18,7 +18,7 @@ def repack(source, out, layout: Layout, *, max_shard_size: int | None = None, dr
            byte_copy: bool = True) -> Summary | Plan:
     """``byte_copy=False`` forces the torch executor (same output bytes)."""
     if byte_copy and not dry_run and device == "cpu":
-        from moetool.bytecopy import FORMAT, repack_by_copy
+        from moetool.convert.byte_executor import FORMAT, repack_by_copy
 
         ckpt = open_checkpoint(source, revision)
         try:
@@ -33,6 +33,6 @@ def repack(source, out, layout: Layout, *, max_shard_size: int | None = None, dr
             ckpt.close()
     from moetool.lazy import import_module
 
-    convert_checkpoint = import_module("moetool.quantize").convert_checkpoint
+    convert_checkpoint = import_module("moetool.convert.quantize").convert_checkpoint
     return convert_checkpoint(source, out, fmt=None, layout=layout, max_shard_size=max_shard_size, dry_run=dry_run,
                               force=force, progress=progress, revision=revision, device=device)

@@ -1,4 +1,4 @@
-"""Outputs that are byte ranges of the input: the plan ``moetool.bytecopy`` executes (pure values).
+"""Outputs that are byte ranges of the input: the plan ``moetool.convert.byte_executor`` executes (pure values).
 
 When nothing is quantized and the experts of an unquantized checkpoint are stored per expert
 or stacked, every output tensor of ``repack`` and ``shard`` is a concatenation of input bytes:
@@ -10,7 +10,7 @@ or stacked, every output tensor of ``repack`` and ``shard`` is a concatenation o
 
 so an output file is its safetensors header followed by a list of :class:`Span` (input file,
 offset, length). The groups, names and files are the same as the torch executor's
-(``moetool.plan`` builds both); only the tensor specs come from the input headers here instead of
+(``moetool.convert.plan`` builds both); only the tensor specs come from the input headers here instead of
 probing converted experts. A checkpoint this module does not fully understand (quantized, fp8,
 fused experts, experts with other tensors than ``weight``, mismatched shapes...) is not
 planned here: :func:`why_not_byte_copy` says why, and the torch executor takes it (and raises the
@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moetool.arch import ModelSpec, MoELayerSpec
-from moetool.checkpoint import DTYPE_SIZES, Checkpoint, TensorInfo
+from moetool.model.families import ModelSpec, MoELayerSpec
+from moetool.read.checkpoint import DTYPE_SIZES, Checkpoint, TensorInfo
 from moetool.errors import MoetoolError
-from moetool.plan import QUANTIZED_ONLY_SUFFIXES, ROLES, Copy, ExpertLinear, Group, Plan, Stacked, \
+from moetool.convert.plan import QUANTIZED_ONLY_SUFFIXES, ROLES, Copy, ExpertLinear, Group, Plan, Stacked, \
     non_expert_tensors
 
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")

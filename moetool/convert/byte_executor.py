@@ -1,7 +1,7 @@
 """``shard`` and ``repack`` of an unquantized checkpoint as byte copies, without torch.
 
-The plan is the torch executor's (``moetool.plan``), its files turned into header + input
-byte spans by ``moetool.byteplan``. Each output file is copied by one worker (one file per
+The plan is the torch executor's (``moetool.convert.plan``), its files turned into header + input
+byte spans by ``moetool.convert.byte_plan``. Each output file is copied by one worker (one file per
 core at a time, at most 4: ``default_workers``):
 
     input (page cache) --pread--> one of 8 reused 256 KiB buffers --write--> FILE.incomplete
@@ -28,12 +28,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
-from moetool.arch import ModelSpec
-from moetool.byteplan import ByteFile, ByteSource, byte_files, coalesce, copy_groups, why_not_byte_copy
-from moetool.checkpoint import Checkpoint, pread_exactly
-from moetool.plan import Layout, Plan, Summary, checkpoint_files, checkpoint_plan, finish_plan, shard_plan
-from moetool.spec import ExpertPlacement
-from moetool.writer import WRITE_SLICE, WRITEBACK_STEP, OutputDir, naming_file, pwrite_all, start_writeback
+from moetool.model.families import ModelSpec
+from moetool.convert.byte_plan import ByteFile, ByteSource, byte_files, coalesce, copy_groups, why_not_byte_copy
+from moetool.read.checkpoint import Checkpoint, pread_exactly
+from moetool.convert.plan import Layout, Plan, Summary, checkpoint_files, checkpoint_plan, finish_plan, shard_plan
+from moetool.model.spec import ExpertPlacement
+from moetool.convert.output import WRITE_SLICE, WRITEBACK_STEP, OutputDir, naming_file, pwrite_all, start_writeback
 
 #: bytes per read / write (larger writes are slower on this kernel: see ``writer.WRITE_SLICE``)
 CHUNK = WRITE_SLICE

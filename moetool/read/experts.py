@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from moetool.arch import ExpertStorage, ModelSpec, MoELayerSpec, describe
-from moetool.checkpoint import Checkpoint
+from moetool.model.families import ExpertStorage, ModelSpec, MoELayerSpec, describe
+from moetool.read.checkpoint import Checkpoint
 from moetool.errors import MoetoolError
 from moetool.formats import detect_format, linear_format
 from moetool.formats.base import WeightFormat

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from moetool.writer import SAFETENSORS_METADATA, OutputDir, TensorSpec
+from moetool.convert.output import SAFETENSORS_METADATA, OutputDir, TensorSpec
 
 FAMILY_CONFIGS = {
     "mixtral": dict(model_type="mixtral", architectures=["MixtralForCausalLM"], num_local_experts="E",

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
-from moetool.checkpoint import writable_bytes
+from moetool.read.checkpoint import writable_bytes
 from moetool.errors import MoetoolError
 
 if TYPE_CHECKING:  # this module loads without torch: byte-copy shard / repack use OutputDir too
@@ -54,7 +54,7 @@ class TensorSpec:
 
     @property
     def dtype_name(self) -> str:
-        from moetool.checkpoint import DTYPE_NAMES
+        from moetool.read.checkpoint import DTYPE_NAMES
 
         return DTYPE_NAMES[self.dtype]
 

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from moetool.errors import MoetoolError
-from moetool.spec import ExpertPlacement
+from moetool.model.spec import ExpertPlacement
 
 PLACEMENTS = ("linear", "round-robin")
 

@@ -10,8 +10,8 @@ output tensors it produces before any data is read:
 - :class:`Stacked`       a layer's ``w13_*`` or ``w2_*`` tensors for a list of experts (stacked layout).
 
 Which groups a conversion has and how they are put into files is decided here, once, for
-both executors: ``moetool.convert`` (read, convert and write tensors with torch) and
-``moetool.bytecopy`` (outputs that are byte ranges of the input, copied without torch).
+both executors: ``moetool.convert.torch_executor`` (read, convert and write tensors with torch) and
+``moetool.convert.byte_executor`` (outputs that are byte ranges of the input, copied without torch).
 """
 from __future__ import annotations
 
@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Literal, Union
 
-from moetool.arch import ModelSpec, MoELayerSpec
-from moetool.checkpoint import Checkpoint, TensorInfo
+from moetool.model.families import ModelSpec, MoELayerSpec
+from moetool.read.checkpoint import Checkpoint, TensorInfo
 from moetool.errors import MoetoolError
-from moetool.placement import add_redundant, make_placement, placement_to_json, read_expert_load
-from moetool.spec import ExpertPlacement
-from moetool.writer import JOURNAL_NAME, MANIFEST_NAME, SAFETENSORS_METADATA, OutputDir, TensorSpec, safetensors_header
+from moetool.model.placement import add_redundant, make_placement, placement_to_json, read_expert_load
+from moetool.model.spec import ExpertPlacement
+from moetool.convert.output import JOURNAL_NAME, MANIFEST_NAME, SAFETENSORS_METADATA, OutputDir, TensorSpec, safetensors_header
 
 Layout = Literal["per-expert", "stacked"]
 #: the files of an EP rank folder holding the non-expert tensors (the same in every rank)

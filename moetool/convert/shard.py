@@ -18,25 +18,25 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from moetool.arch import describe
-from moetool.checkpoint import Checkpoint, open_checkpoint
+from moetool.model.families import describe
+from moetool.read.checkpoint import Checkpoint, open_checkpoint
 from moetool.errors import MoetoolError
 from moetool.lazy import import_module
-from moetool.placement import placement_from_json
-from moetool.plan import ROLES, ExpertLinear, Layout, Plan, Stacked, Summary, assign_files, other_files, plan_id, \
+from moetool.model.placement import placement_from_json
+from moetool.convert.plan import ROLES, ExpertLinear, Layout, Plan, Stacked, Summary, assign_files, other_files, plan_id, \
     plan_placements, rank_dir, shard_plan  # noqa: F401
-from moetool.spec import ExpertPlacement
-from moetool.writer import MANIFEST_NAME, OutputDir, verify_manifest
+from moetool.model.spec import ExpertPlacement
+from moetool.convert.output import MANIFEST_NAME, OutputDir, verify_manifest
 
-# torch is imported only where tensors are converted (moetool.convert, moetool.quantize): a
-# shard that is a byte copy of its input (moetool.bytecopy) runs without it
+# torch is imported only where tensors are converted (moetool.convert.torch_executor, moetool.convert.quantize): a
+# shard that is a byte copy of its input (moetool.convert.byte_executor) runs without it
 
 
 def build_shard_plan(src, ep: int, placements: dict[int, ExpertPlacement], layout: Layout,
                      max_shard_size: int | None, placement_name: str, redundant: int) -> Plan:
-    """The plan of ``shard`` through the torch executor (``src``: a ``moetool.convert.Source``)."""
-    from moetool.convert import Planner
-    from moetool.quantize import non_expert_groups
+    """The plan of ``shard`` through the torch executor (``src``: a ``moetool.convert.torch_executor.Source``)."""
+    from moetool.convert.torch_executor import Planner
+    from moetool.convert.quantize import non_expert_groups
 
     planner = Planner([src])
     planner.validate_experts(src)
@@ -50,7 +50,7 @@ def shard(source, out, ep: int, *, placement: str = "linear", redundant: int = 0
           progress: bool = True, revision: str | None = None, byte_copy: bool = True,
           links: bool = True) -> Summary | Plan:
     """Write one folder per EP rank and the manifest. An unquantized checkpoint whose experts
-    are stored per expert or stacked is copied byte range by byte range (``moetool.bytecopy``,
+    are stored per expert or stacked is copied byte range by byte range (``moetool.convert.byte_executor``,
     no torch; ``byte_copy=False`` forces the torch executor, same output bytes). The
     non-expert tensors are written once, in rank 0's ``model-common`` files; the other ranks'
     are hard links to them (``links=False``, or a file system without hard links: copies)."""
@@ -61,14 +61,14 @@ def shard(source, out, ep: int, *, placement: str = "linear", redundant: int = 0
         pid = plan_id(ckpt, ep=ep, placement=placement, redundant=redundant, layout=layout, load=str(expert_load),
                       max=max_shard_size)
         if byte_copy and not dry_run:
-            from moetool.bytecopy import shard_by_copy
+            from moetool.convert.byte_executor import shard_by_copy
 
             done = shard_by_copy(ckpt, spec, out, ep, placements, layout=layout, placement_name=placement,
                                  redundant=redundant, max_shard_size=max_shard_size, force=force,
                                  progress=progress, plan_id=pid, links=links)
             if done is not None:
                 return done
-        convert = import_module("moetool.convert")  # torch
+        convert = import_module("moetool.convert.torch_executor")  # torch
         ErrorStats, Source, run_plan = convert.ErrorStats, convert.Source, convert.run_plan
         src = Source(ckpt, spec, None, ErrorStats())
         plan = build_shard_plan(src, ep, placements, layout, max_shard_size, placement, redundant)
@@ -138,8 +138,8 @@ def merge(shards_dir, out, *, layout: Layout | None = None, max_shard_size: int 
           dry_run: bool = False, force: bool = False, progress: bool = True) -> Summary | Plan:
     """Rebuild the unsharded checkpoint: every expert from its primary copy, names and file
     assignment of the source (recorded in the manifest); non-expert tensors from rank 0."""
-    from moetool.convert import ErrorStats, Planner, Source, run_plan
-    from moetool.quantize import non_expert_groups
+    from moetool.convert.torch_executor import ErrorStats, Planner, Source, run_plan
+    from moetool.convert.quantize import non_expert_groups
 
     shards = EPShards(Path(shards_dir))
     man = shards.manifest

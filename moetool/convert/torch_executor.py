@@ -1,12 +1,12 @@
 """The torch executor of conversion plans, shared by quantize, repack and shard.
 
-The plans themselves (groups, files, indexes) are pure values in ``moetool.plan`` (re-exported
+The plans themselves (groups, files, indexes) are pure values in ``moetool.convert.plan`` (re-exported
 here); this module adds what needs torch: each :class:`Source` reads and converts linears,
 the :class:`Planner` learns the output tensor specs (probing one expert per layer shape), and
 the executor streams each file through :meth:`OutputDir.write_safetensors`: one expert at a
 time is read, converted and handed to the writer thread, so memory holds a few experts (plus
 the small scale tensors of one stacked group), never a shard. Outputs that are only byte
-ranges of the input are copied by ``moetool.bytecopy`` instead, without torch.
+ranges of the input are copied by ``moetool.convert.byte_executor`` instead, without torch.
 """
 from __future__ import annotations
 
@@ -21,15 +21,15 @@ from typing import Iterator
 
 import torch
 
-from moetool.arch import ModelSpec, MoELayerSpec
-from moetool.checkpoint import Checkpoint
+from moetool.model.families import ModelSpec, MoELayerSpec
+from moetool.read.checkpoint import Checkpoint
 from moetool.errors import MoetoolError
-from moetool.experts_io import ExpertReader, Linear
+from moetool.read.experts import ExpertReader, Linear
 from moetool.formats.base import WeightFormat
 from moetool.formats.common import error_sums
 from moetool.formats.dense import Dense
 from moetool.memory import trim_in_background
-from moetool.plan import (  # noqa: F401  (re-exported: the plan values predate moetool.plan)
+from moetool.convert.plan import (  # noqa: F401  (re-exported: the plan values predate moetool.convert.plan)
     OTHER_FILE_SUFFIXES,
     ROLES,
     SKIP_FILES,
@@ -48,7 +48,7 @@ from moetool.plan import (  # noqa: F401  (re-exported: the plan values predate 
     other_files,
     write_indexes,
 )
-from moetool.writer import SAFETENSORS_METADATA, OutputDir, TensorSpec
+from moetool.convert.output import SAFETENSORS_METADATA, OutputDir, TensorSpec
 
 DTYPE_BY_NAME = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

@@ -53,12 +53,12 @@ def run_demo(workdir: Path | None = None, *, echo: Callable[[str], None] = print
 
 
 def _run(root: Path, echo: Callable[[str], None], *, ep: int, dp: int, fmt: str, dispatch: str) -> bool:
-    from moetool.checkpoint import open_checkpoint
-    from moetool.inspect import inspect_checkpoint, render
-    from moetool.quantize import quantize
-    from moetool.shard import shard
-    from moetool.tiny import make_tiny_checkpoint
-    from moetool.verify_shards import VerifyOptions, verify
+    from moetool.read.checkpoint import open_checkpoint
+    from moetool.read.inspect import inspect_checkpoint, render
+    from moetool.convert.quantize import quantize
+    from moetool.convert.shard import shard
+    from moetool.demo.tiny import make_tiny_checkpoint
+    from moetool.verify.driver import VerifyOptions, verify
 
     t0 = time.perf_counter()
     model, quant = root / DEMO_PREFIX, root / f"{DEMO_PREFIX}-{fmt}"

@@ -304,9 +304,9 @@ def resolve_source(source: str | os.PathLike, revision: str | None = None) -> Pa
 # ------------------------------------------------------------------ outputs of ``moetool shard``
 # They are not models: a rank folder holds one rank's experts renumbered from 0, a shard root
 # holds only rank folders. Every command that reads a model refuses both here, in the one
-# open path; ``verify`` and ``shard --merge`` read them through ``moetool.shard.EPShards``.
+# open path; ``verify`` and ``shard --merge`` read them through ``moetool.convert.shard.EPShards``.
 
-SHARD_MANIFEST = "manifest.json"  # moetool.writer.MANIFEST_NAME (the writer is not imported here)
+SHARD_MANIFEST = "manifest.json"  # moetool.convert.output.MANIFEST_NAME (the writer is not imported here)
 RANK_DIR_RE = re.compile(r"rank-(\d{5})-of-(\d{5})")
 SHARD_COMMANDS = "`moetool verify` and `moetool shard --merge`"
 

@@ -5,11 +5,11 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from moetool.arch import describe, family_for
-from moetool.checkpoint import RANK_DIR_RE, SHARD_MANIFEST, Checkpoint
-from moetool.convert import Planner
+from moetool.model.families import describe, family_for
+from moetool.read.checkpoint import RANK_DIR_RE, SHARD_MANIFEST, Checkpoint
+from moetool.convert.torch_executor import Planner
 from moetool.errors import MoetoolError
-from moetool.experts_io import detect_expert_format
+from moetool.read.experts import detect_expert_format
 
 
 def _router_text(r) -> str:

@@ -1,0 +1,1 @@
+"""The built-in tiny model and the demo chain."""

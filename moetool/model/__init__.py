@@ -1,0 +1,1 @@
+"""MoE families as data: names, router, shared experts, activation; expert placement."""

@@ -1,0 +1,1 @@
+"""Reading checkpoints: files, headers, experts, shard outputs (imports neither convert nor verify)."""
