@@ -41,7 +41,8 @@ def build_checkpoint(path: Path, size_gib: float, shard_gib: float, hidden: int,
     import torch
 
     from moetool.demo.tiny import tiny_config
-    from moetool.convert.output import OutputDir, TensorSpec
+    from moetool.convert.output import OutputDir
+    from moetool.read.safetensors import TensorSpec
 
     per_layer = (3 * experts * hidden * intermediate + 4 * hidden * hidden + experts * hidden) * 2
     layers = max(1, math.ceil(size_gib * 2**30 / per_layer))

@@ -14,20 +14,67 @@ import sys
 import threading
 
 import typer
+from typer.core import TyperCommand, TyperGroup
 
 from moetool.errors import Interrupted, MoetoolError
+from moetool.lazy import import_module
+
+#: every command: the module that defines it (imported only when the command runs or shows its
+#: own --help, so a byte-copy shard or repack never imports torch: ~0.15 s of start-up) and the
+#: line `moetool --help` shows for it
+COMMANDS: dict[str, tuple[str, str]] = {
+    "inspect": ("moetool.cli.inspect", "What is in a checkpoint: architecture, MoE layers, experts, dims, format, bytes."),
+    "quantize": ("moetool.cli.quantize", "Requantize routed experts (fp8 block, fp8 per-channel, int4 group)."),
+    "repack": ("moetool.cli.repack", "Per-expert <-> stacked w13 / w2, bit-identical, in any format."),
+    "shard": ("moetool.cli.shard", "Split experts over EP ranks: one folder per rank plus a manifest (or --merge)."),
+    "verify": ("moetool.cli.verify", "Run EP shards through dispatch -> experts -> combine against the reference."),
+    "demo": ("moetool.cli.demo", "Quantize, shard and verify a built-in tiny model on CPU processes."),
+}
+
+
+class LazyCommands(TyperGroup):
+    """The root command group: a command's module is imported when the command is looked up;
+    the root's --help lists the commands from :data:`COMMANDS` without importing any."""
+
+    _listing = False
+
+    def list_commands(self, ctx) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx, name: str):
+        if name not in COMMANDS:
+            return None
+        module, short_help = COMMANDS[name]
+        if self._listing:
+            return TyperCommand(name, help=short_help, short_help=short_help)
+        return typer.main.get_command(import_module(module).app)
+
+    def format_help(self, ctx, formatter) -> None:
+        self._listing = True
+        try:
+            super().format_help(ctx, formatter)
+        finally:
+            self._listing = False
+
 
 app = typer.Typer(
     name="moetool",
+    cls=LazyCommands,
     help="Convert Mixture-of-Experts checkpoints (fp8 / int4, stacked, expert-parallel shards) and verify them.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
 
-# registers the commands; each imports its library when it runs (only quantize, verify and a
-# repack or shard that converts import torch: a byte-copy shard or repack starts in ~0.1 s)
-from moetool.cli import demo, inspect, quantize, repack, shard, verify  # noqa: E402,F401
+
+@app.callback()
+def _root() -> None:
+    """Convert Mixture-of-Experts checkpoints (fp8 / int4, stacked, expert-parallel shards) and verify them."""
+
+
+def command_app() -> typer.Typer:
+    """The one-command Typer app a command module defines its command on."""
+    return typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
 
 #: signals that stop a command: each raises :class:`Interrupted` in the main thread, so every

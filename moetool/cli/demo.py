@@ -5,8 +5,11 @@ from typing import Annotated, Optional
 
 import typer
 
-from moetool.cli import app
+from moetool.cli import command_app
+from moetool.demo.chain import run_demo
 from moetool.errors import VerificationFailed
+
+app = command_app()
 
 
 @app.command("demo")
@@ -16,9 +19,5 @@ def demo_cmd(
 ) -> None:
     """Write a tiny MoE model, quantize it, shard it over 4 EP ranks and verify it (CPU, < 1 min),
     then print the commands it ran, to re-run by hand."""
-    from moetool.lazy import import_module
-
-    run_demo = import_module("moetool.demo.chain").run_demo
-
     if not run_demo(workdir, echo=typer.echo, fmt=fmt):
         raise VerificationFailed("demo verification failed")

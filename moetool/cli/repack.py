@@ -4,9 +4,11 @@ from typing import Annotated
 
 import typer
 
-from moetool.cli import app
+from moetool.cli import command_app
 from moetool.cli.options import DryRun, Force, MaxShardSize, Out, Quiet, Revision, Source, check_layout, parse_size
 from moetool.convert.repack import repack
+
+app = command_app()
 
 
 @app.command("repack")

@@ -5,10 +5,16 @@ from typing import Annotated, Optional
 
 import typer
 
-from moetool.cli import app
+from moetool.cli import command_app
 from moetool.cli.options import DryRun, Force, MaxShardSize, Out, Quiet, Revision, Source, check_layout, parse_size
 from moetool.errors import MoetoolError
-from moetool.convert.shard import merge, shard
+from moetool.convert.shard import shard
+from moetool.lazy import import_module
+
+#: --merge converts through torch; a byte-copy shard never imports it
+MERGE = "moetool.convert.merge"
+
+app = command_app()
 
 
 @app.command("shard")
@@ -33,7 +39,7 @@ def shard_cmd(
     if merge_:
         if ep is not None:
             raise MoetoolError("--merge takes the rank count from the manifest; drop --ep")
-        result = merge(source, out, max_shard_size=parse_size(max_shard_size), dry_run=dry_run, force=force,
+        result = import_module(MERGE).merge(source, out, max_shard_size=parse_size(max_shard_size), dry_run=dry_run, force=force,
                        progress=not quiet)
     else:
         if ep is None:

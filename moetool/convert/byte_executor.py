@@ -30,10 +30,14 @@ from typing import Callable
 
 from moetool.model.families import ModelSpec
 from moetool.convert.byte_plan import ByteFile, ByteSource, byte_files, coalesce, copy_groups, why_not_byte_copy
-from moetool.read.checkpoint import Checkpoint, pread_exactly
-from moetool.convert.plan import Layout, Plan, Summary, checkpoint_files, checkpoint_plan, finish_plan, shard_plan
+from moetool.read.checkpoint import Checkpoint
+from moetool.read.safetensors import pread_exactly
+from moetool.convert.plan import Layout, Plan, Summary
+from moetool.convert.output import finish_plan
+from moetool.convert.planning import checkpoint_files, checkpoint_plan, shard_plan
 from moetool.model.spec import ExpertPlacement
-from moetool.convert.output import WRITE_SLICE, WRITEBACK_STEP, OutputDir, naming_file, pwrite_all, start_writeback
+from moetool.convert.output import OutputDir
+from moetool.convert.sink import WRITE_SLICE, WRITEBACK_STEP, naming_file, pwrite_all, start_writeback
 
 #: bytes per read / write (larger writes are slower on this kernel: see ``writer.WRITE_SLICE``)
 CHUNK = WRITE_SLICE

@@ -21,10 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moetool.model.families import ModelSpec, MoELayerSpec
-from moetool.read.checkpoint import DTYPE_SIZES, Checkpoint, TensorInfo
+from moetool.read.checkpoint import Checkpoint
+from moetool.read.safetensors import DTYPE_SIZES, TensorInfo
 from moetool.errors import MoetoolError
-from moetool.convert.plan import QUANTIZED_ONLY_SUFFIXES, ROLES, Copy, ExpertLinear, Group, Plan, Stacked, \
-    non_expert_tensors
+from moetool.convert.plan import QUANTIZED_ONLY_SUFFIXES, ROLES, Copy, ExpertLinear, Group, Plan, Stacked
+from moetool.convert.planning import non_expert_tensors
 
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 

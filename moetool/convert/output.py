@@ -1,4 +1,4 @@
-"""Atomic, resumable output folders and a streaming safetensors writer.
+"""Atomic, resumable output folders.
 
 Every data file is written to ``<name>.incomplete``, fsync'd and renamed. A journal
 (``.moetool-journal.json``) records each finished file with its sha256, so a re-run of the
@@ -13,91 +13,23 @@ a folder holding anything else is refused, naming a file found there.
 """
 from __future__ import annotations
 
-import ctypes
-import errno
 import hashlib
 import json
 import os
-import queue
 import shutil
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
-from moetool.read.checkpoint import writable_bytes
+from moetool.convert.plan import Plan, PlannedFile
 from moetool.errors import MoetoolError
+from moetool.read.manifest import INCOMPLETE, JOURNAL_NAME, LOCK_NAME, MANIFEST_NAME, sha256_file
+from moetool.read.safetensors import TensorSpec, safetensors_header
+from moetool.convert.sink import HashingSink
 
 if TYPE_CHECKING:  # this module loads without torch: byte-copy shard / repack use OutputDir too
     import torch
-
-MANIFEST_NAME = "manifest.json"
-JOURNAL_NAME = ".moetool-journal.json"
-LOCK_NAME = ".moetool.lock"
-INCOMPLETE = ".incomplete"
-#: the metadata every safetensors file of a conversion carries in its header
-SAFETENSORS_METADATA = {"format": "pt"}
-HASH_BLOCK = 8 << 20
-#: largest single write(): on this kernel (6.18, ext4) a write of 512 KiB or more from one
-#: buffer ran 2-5x slower in the kernel's copy into the page cache than the same bytes in
-#: 256 KiB writes (3.5 GB/s); tensors are written in slices of this size
-WRITE_SLICE = 256 << 10
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """An output tensor known before any data is computed."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-    @property
-    def dtype_name(self) -> str:
-        from moetool.read.checkpoint import DTYPE_NAMES
-
-        return DTYPE_NAMES[self.dtype]
-
-    @property
-    def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for d in self.shape:
-            n *= d
-        return n
-
-
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """Zero-copy byte view of a CPU tensor (made contiguous first if needed)."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    return writable_bytes(t.contiguous())
-
-
-def safetensors_header(specs: list[TensorSpec], metadata: dict[str, str] | None = None) -> bytes:
-    """The 8-byte length + JSON header (padded with spaces to 8 bytes) for tensors in order.
-    ``specs``: anything with ``name``, ``dtype_name`` (safetensors), ``shape`` and ``nbytes``."""
-    header: dict = {}
-    if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    offset = 0
-    for s in specs:
-        header[s.name] = {"dtype": s.dtype_name, "shape": list(s.shape), "data_offsets": [offset, offset + s.nbytes]}
-        offset += s.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    return len(raw).to_bytes(8, "little") + raw
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            block = f.read(HASH_BLOCK)
-            if not block:
-                return h.hexdigest()
-            h.update(block)
-
 
 def _fsync_dir(path: Path) -> None:
     try:
@@ -110,240 +42,6 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
-
-
-#: the writer asks the kernel to start writing back every this many bytes, so the disk works
-#: while the data is produced and the final fsync waits only for the tail
-WRITEBACK_STEP = 16 << 20
-_SYNC_FILE_RANGE_WRITE = 2  # start writeback of dirty pages in the range; do not wait
-try:
-    _sync_file_range = ctypes.CDLL(None).sync_file_range  # libc's, as moetool.memory finds it
-    _sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-except (OSError, AttributeError):  # not Linux / glibc: the fsync at the end does it all
-    _sync_file_range = None
-
-
-def start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``: a hint, its result is ignored (the
-    durability still comes from fsync)."""
-    if _sync_file_range is not None:
-        _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
-
-
-#: direct I/O (``O_DIRECT``) of the torch writer: the output is staged in page-aligned buffers
-#: of this size, each written straight to the disk by a second thread, so no page-cache copy is
-#: made and no kernel writeback follows (a quantize of the 1.38 GiB benchmark input writes
-#: 0.78 GB: 0.51-0.55 CPU-s for copy + sha256 + writes against 0.60-0.63 buffered)
-DIRECT_STAGE = 1 << 20
-#: staging buffers per file: one being filled, the rest queued for or being written
-DIRECT_BUFFERS = 4
-#: offset, length and address alignment of direct writes (the largest logical block size
-#: Linux block devices use)
-DIRECT_ALIGN = 4096
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
-_memmove = ctypes.memmove  # a ctypes foreign function: releases the GIL while it copies
-
-
-def _open_direct(path: Path) -> int | None:
-    """``path`` created for writing with ``O_DIRECT``; None where the system or file system
-    refuses it (no O_DIRECT, tmpfs on older kernels, some network file systems)."""
-    if not _O_DIRECT:
-        return None
-    try:
-        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | _O_DIRECT, 0o644)
-    except OSError:
-        return None
-
-
-def _buffer_address(view: memoryview) -> int | None:
-    """Address of a writable contiguous buffer (a tensor's bytes); None for read-only ones."""
-    try:
-        return ctypes.addressof(ctypes.c_char.from_buffer(view))
-    except (TypeError, ValueError):
-        return None
-
-
-class _HashingSink:
-    """File writer that hashes what it writes, on a background thread (write and sha256 both
-    release the GIL), so the producer's compute overlaps them. Each 256 KiB slice is hashed
-    right after it is written, while it is still in the cache: one thread for both used 0.1
-    CPU-s less per quantize of the 1.38 GiB benchmark input than a writing and a hashing thread
-    each reading the whole tensor (1.35 s against 1.42 s, median of six runs).
-
-    Where the file system takes ``O_DIRECT`` (``direct``, the default), the slices are copied
-    into page-aligned staging buffers instead and hashed there, and a second thread writes each
-    full buffer to the disk; the last partial block goes through the page cache (O_DIRECT
-    switched off for it). Where it does not, or a direct write is refused, the plain writes
-    below are used."""
-
-    def __init__(self, path: Path, depth: int = 3, direct: bool = True):
-        self.path = path
-        self.hash = hashlib.sha256()
-        self.error: BaseException | None = None
-        self.queue: queue.Queue = queue.Queue(maxsize=depth)
-        self.written = self.flushed = 0
-        fd = _open_direct(path) if direct else None
-        self.direct = fd is not None  # staging buffers and an I/O thread
-        self.o_direct = self.direct  # the file still has O_DIRECT (a refused write clears it)
-        self.file = open(path, "wb") if fd is None else open(fd, "wb", buffering=0, closefd=True)
-        if self.direct:
-            import mmap
-
-            self._free: queue.Queue = queue.Queue()
-            for _ in range(DIRECT_BUFFERS):
-                self._free.put(mmap.mmap(-1, DIRECT_STAGE))  # page-aligned, zero-filled on demand
-            self._io: queue.Queue = queue.Queue()
-            self._stage = self._stage_view = None
-            self._pos = self._offset = 0
-            self.io_thread = threading.Thread(target=self._run_io, daemon=True)
-            self.io_thread.start()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _write(self, data) -> None:
-        view = memoryview(data)
-        if self.direct:
-            self._stage_bytes(view.cast("B") if view.format != "B" or view.ndim != 1 else view)
-            return
-        for start in range(0, view.nbytes, WRITE_SLICE):
-            piece = view[start:start + WRITE_SLICE]
-            self.file.write(piece)
-            self.hash.update(piece)
-        self.written += view.nbytes
-        if self.written - self.flushed >= WRITEBACK_STEP:
-            self.file.flush()
-            start_writeback(self.file.fileno(), self.flushed, self.written - self.flushed)
-            self.flushed = self.written
-
-    # -- direct I/O ---------------------------------------------------------------------
-    def _stage_bytes(self, view: memoryview) -> None:
-        """Copy ``view`` into the staging buffers a slice at a time, hashing each slice from
-        the buffer right after the copy; full buffers go to the I/O thread."""
-        n = view.nbytes
-        src = _buffer_address(view) if n else None
-        done = 0
-        while done < n:
-            if self._stage is None:
-                self._stage = self._free.get()
-                self._stage_view = memoryview(self._stage)
-                self._stage_addr = _buffer_address(self._stage_view)
-            k = min(n - done, DIRECT_STAGE - self._pos, WRITE_SLICE)
-            if src is not None:
-                _memmove(self._stage_addr + self._pos, src + done, k)
-            else:  # read-only bytes (the header): a copy under the GIL, small
-                self._stage_view[self._pos:self._pos + k] = view[done:done + k]
-            self.hash.update(self._stage_view[self._pos:self._pos + k])
-            self._pos += k
-            done += k
-            if self._pos == DIRECT_STAGE:
-                self._submit()
-        self.written += n
-
-    def _submit(self) -> None:
-        """The buffer being filled (``_pos`` bytes) to the I/O thread, to be written at
-        ``_offset``: every buffer but the file's last is full, so offsets stay aligned."""
-        self._io.put((self._stage, self._offset, self._pos))
-        self._offset += self._pos
-        self._stage, self._stage_view, self._pos = None, None, 0
-
-    def _run_io(self) -> None:
-        while True:
-            item = self._io.get()
-            if item is None:
-                return
-            buf, offset, length = item
-            try:
-                if self.error is None:
-                    self._pwrite_staged(memoryview(buf)[:length], offset)
-            except BaseException as e:  # surfaced by write() / close()
-                self.error = e
-            finally:
-                self._free.put(buf)
-
-    def _pwrite_staged(self, view: memoryview, offset: int) -> None:
-        """Whole aligned blocks directly; a partial last block through the page cache (O_DIRECT
-        switched off for it). A direct write the file refuses (EINVAL: an alignment it does
-        not take) switches the file to plain writes for good, the same bytes written again."""
-        fd = self.file.fileno()
-        head = view.nbytes - view.nbytes % DIRECT_ALIGN if self.o_direct else 0
-        if head:
-            try:
-                pwrite_all(fd, view[:head], offset)
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-                head = 0
-        if head < view.nbytes:
-            self._direct_off(fd)
-            pwrite_all(fd, view[head:], offset + head)
-
-    def _direct_off(self, fd: int) -> None:
-        if self.o_direct:
-            import fcntl
-
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
-            self.o_direct = False
-
-    # -- threads ------------------------------------------------------------------------
-    def _run(self) -> None:
-        while True:
-            item = self.queue.get()
-            if item is None:
-                break
-            if self.error is not None:
-                continue
-            try:
-                self._write(item)
-            except BaseException as e:  # surfaced by close()
-                self.error = e
-        if self.direct:
-            if self._pos:
-                self._submit()
-            self._io.put(None)
-
-    def write(self, item) -> None:
-        if self.error is not None:
-            raise naming_file(self.error, self.path)
-        self.queue.put(item if isinstance(item, (bytes, memoryview)) else tensor_bytes(item))
-
-    def close(self, ok: bool) -> str:
-        self.queue.put(None)
-        self.thread.join()
-        if self.direct:
-            self.io_thread.join()
-        try:
-            if ok and self.error is None:
-                self.file.flush()
-                os.fsync(self.file.fileno())
-        except OSError as e:
-            raise naming_file(e, self.path)
-        finally:
-            self.file.close()
-        if self.error is not None:
-            raise naming_file(self.error, self.path)
-        return self.hash.hexdigest()
-
-
-def naming_file(err: BaseException, path: Path) -> BaseException:
-    """``err``, naming ``path`` when it is an OSError that names no file (a write or fsync
-    on a descriptor: ENOSPC, EIO, EFBIG), so the one-line error says which file failed."""
-    if isinstance(err, OSError) and err.filename is None:
-        err.filename = str(path)
-    return err
-
-
-def pwrite_all(fd: int, view: memoryview, offset: int, path: Path | None = None) -> None:
-    """All of ``view`` at byte ``offset`` of ``fd`` (a write that makes no progress is an
-    error); a failure names ``path``, the file ``fd`` writes."""
-    done = 0
-    try:
-        while done < view.nbytes:
-            n = os.pwrite(fd, view[done:], offset + done)
-            if n <= 0:
-                raise OSError(errno.EIO, "write returned 0")
-            done += n
-    except OSError as e:
-        raise naming_file(e, path) if path is not None else e
 
 
 @dataclass
@@ -567,7 +265,7 @@ class OutputDir:
         Every tensor must receive exactly its spec's byte count, dtype included, or the file
         is left as ``.incomplete`` and a MoetoolError names the tensor.
         """
-        sink = _HashingSink(self.incomplete_path(name))
+        sink = HashingSink(self.incomplete_path(name))
         ok = False
         try:
             sink.write(safetensors_header(specs, metadata))
@@ -709,28 +407,26 @@ def _refuse_nesting(out: Path, inp: Path) -> None:
         raise MoetoolError(f"input {inp} is inside the output {out}; choose an output folder elsewhere")
 
 
-def verify_manifest(root: Path, names: Iterable[str] | None = None) -> dict:
-    """Check files of a finished output against its manifest (all, or only ``names``).
+def write_indexes(plan: Plan, out: OutputDir) -> None:
+    """One model.safetensors.index.json per output folder holding several safetensors files."""
+    folders: dict[str, list[PlannedFile]] = {}
+    for f in plan.files:
+        folder = f.name.rsplit("/", 1)[0] + "/" if "/" in f.name else ""
+        folders.setdefault(folder, []).append(f)
+    for folder, files in folders.items():
+        if len(files) == 1 and files[0].name.endswith("/model.safetensors" if folder else "model.safetensors"):
+            continue
+        weight_map = {s.name: f.name[len(folder):] for f in files for s in f.specs}
+        total = sum(f.nbytes for f in files)
+        out.write_json(f"{folder}model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
 
-    Raises MoetoolError naming the first missing, truncated or modified file.
-    """
-    path = Path(root) / MANIFEST_NAME
-    if not path.is_file():
-        raise MoetoolError(f"{root}: no {MANIFEST_NAME} (output unfinished or not made by moetool)")
-    try:
-        manifest = json.loads(path.read_text())
-        files = manifest["files"]
-    except (json.JSONDecodeError, KeyError, UnicodeDecodeError):
-        raise MoetoolError(f"{path}: invalid manifest") from None
-    for name in (names if names is not None else files):
-        rec = files.get(name)
-        if rec is None:
-            raise MoetoolError(f"{path}: no entry for {name}")
-        p = Path(root) / name
-        if not p.is_file():
-            raise MoetoolError(f"{p}: missing (listed in {MANIFEST_NAME})")
-        if p.stat().st_size != rec["size"]:
-            raise MoetoolError(f"{p}: size {p.stat().st_size} bytes, manifest says {rec['size']} (truncated or modified)")
-        if sha256_file(p) != rec["sha256"]:
-            raise MoetoolError(f"{p}: sha256 does not match {MANIFEST_NAME} (file modified or corrupt)")
-    return manifest
+
+def finish_plan(plan: Plan, out: OutputDir) -> None:
+    """After the safetensors files: side files, JSON files, indexes, and the manifest last."""
+    for src_path, name in plan.other_files:
+        out.copy_file(src_path, name)
+    for name, obj in plan.json_files.items():
+        out.write_json(name, obj)
+    if plan.write_index:
+        write_indexes(plan, out)
+    out.finish(plan.manifest_extra)

@@ -2,15 +2,21 @@
 
 An unquantized checkpoint whose experts are stored per expert or stacked is repacked as a byte
 copy (``moetool.convert.byte_executor``: no torch is imported); any other goes through the torch executor
-(``moetool.convert.quantize.convert_checkpoint`` with no target format). Both write the same bytes.
+(``moetool.convert.conversion.convert_checkpoint`` with no target format). Both write the same bytes.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
+from moetool.convert.byte_executor import FORMAT, repack_by_copy
+from moetool.convert.plan import Layout, Plan, Summary
+from moetool.convert.planning import plan_id
+from moetool.lazy import import_module
 from moetool.model.families import describe
 from moetool.read.checkpoint import open_checkpoint
-from moetool.convert.plan import Layout, Plan, Summary, plan_id
+
+#: the torch path, imported only when the repack is not a byte copy (see moetool.convert.shard)
+TORCH_PATH = "moetool.convert.conversion"
 
 
 def repack(source, out, layout: Layout, *, max_shard_size: int | None = None, dry_run: bool = False,
@@ -18,8 +24,6 @@ def repack(source, out, layout: Layout, *, max_shard_size: int | None = None, dr
            byte_copy: bool = True) -> Summary | Plan:
     """``byte_copy=False`` forces the torch executor (same output bytes)."""
     if byte_copy and not dry_run and device == "cpu":
-        from moetool.convert.byte_executor import FORMAT, repack_by_copy
-
         ckpt = open_checkpoint(source, revision)
         try:
             spec = describe(ckpt.config, ckpt.tensors)
@@ -31,8 +35,5 @@ def repack(source, out, layout: Layout, *, max_shard_size: int | None = None, dr
                 return done
         finally:
             ckpt.close()
-    from moetool.lazy import import_module
-
-    convert_checkpoint = import_module("moetool.convert.quantize").convert_checkpoint
-    return convert_checkpoint(source, out, fmt=None, layout=layout, max_shard_size=max_shard_size, dry_run=dry_run,
+    return import_module(TORCH_PATH).convert_checkpoint(source, out, fmt=None, layout=layout, max_shard_size=max_shard_size, dry_run=dry_run,
                               force=force, progress=progress, revision=revision, device=device)

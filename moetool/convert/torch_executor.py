@@ -29,26 +29,9 @@ from moetool.formats.base import WeightFormat
 from moetool.formats.common import error_sums
 from moetool.formats.dense import Dense
 from moetool.memory import trim_in_background
-from moetool.convert.plan import (  # noqa: F401  (re-exported: the plan values predate moetool.convert.plan)
-    OTHER_FILE_SUFFIXES,
-    ROLES,
-    SKIP_FILES,
-    Copy,
-    Dequant,
-    ExpertLinear,
-    Group,
-    Plan,
-    PlannedFile,
-    SharedLinear,
-    Stacked,
-    Summary,
-    assign_files,
-    expert_tensor_names,
-    finish_plan,
-    other_files,
-    write_indexes,
-)
-from moetool.convert.output import SAFETENSORS_METADATA, OutputDir, TensorSpec
+from moetool.convert.plan import ROLES, Copy, Dequant, ExpertLinear, Group, Plan, PlannedFile, SharedLinear, Stacked, Summary
+from moetool.convert.output import OutputDir, finish_plan
+from moetool.read.safetensors import SAFETENSORS_METADATA, TensorSpec
 
 DTYPE_BY_NAME = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -228,9 +211,6 @@ class Planner:
     def __init__(self, sources: list[Source]):
         self.sources = sources
         self._probe_cache: dict[tuple, dict[str, tuple[torch.dtype, tuple[int, ...]]]] = {}
-
-    # -- expert tensors in the input, for "what is not an expert" and up-front validation ---
-    expert_tensor_names = staticmethod(expert_tensor_names)
 
     def validate_experts(self, src: Source) -> None:
         """Every expert of a layer must store the same tensors with the same dtypes and shapes."""

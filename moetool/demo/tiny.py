@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from moetool.convert.output import SAFETENSORS_METADATA, OutputDir, TensorSpec
+from moetool.convert.output import OutputDir
+from moetool.read.safetensors import SAFETENSORS_METADATA, TensorSpec
 
 FAMILY_CONFIGS = {
     "mixtral": dict(model_type="mixtral", architectures=["MixtralForCausalLM"], num_local_experts="E",

@@ -10,164 +10,27 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import struct
-import ctypes
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from moetool.errors import MoetoolError
+from moetool.read.manifest import MANIFEST_NAME, RANK_DIR_RE
+from moetool.read.safetensors import TensorInfo, pread_exactly, read_safetensors_header, writable_bytes
 
 if TYPE_CHECKING:
     import torch
 
+    from moetool.model.families import MoELayerSpec
+
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
-MAX_HEADER_BYTES = 100 * 1024 * 1024
-
-#: safetensors dtype string -> bytes per element. Anything else is refused. Headers are parsed
-#: and checked with this table alone: opening a checkpoint needs no torch (a byte-copy
-#: shard or repack never imports it); ``DTYPES`` maps the names to torch dtypes when data is read.
-DTYPE_SIZES: dict[str, int] = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
-    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-}
-_TORCH_DTYPE_ATTRS = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
-    "BOOL": "bool",
-}
-_torch_tables: dict[str, dict] = {}
-
-
-def __getattr__(name: str):
-    """``DTYPES`` (safetensors name -> torch dtype) and ``DTYPE_NAMES`` (the inverse), built on
-    first use so that importing this module does not import torch."""
-    if name in ("DTYPES", "DTYPE_NAMES"):
-        if not _torch_tables:
-            import torch
-
-            dtypes = {k: getattr(torch, v) for k, v in _TORCH_DTYPE_ATTRS.items()}
-            _torch_tables.update(DTYPES=dtypes, DTYPE_NAMES={v: k for k, v in dtypes.items()})
-        return _torch_tables[name]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def writable_bytes(t: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous CPU tensor (keeps the tensor alive)."""
-    n = t.numel() * t.element_size()
-    if n == 0:
-        return memoryview(bytearray())
-    buf = (ctypes.c_char * n).from_address(t.data_ptr())
-    buf.owner = t
-    return memoryview(buf).cast("B")
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """Where one tensor lives: file (relative to the checkpoint root), dtype, shape and the
-    byte range of its data inside the file (absolute offsets)."""
-
-    name: str
-    file: str
-    dtype_name: str  # safetensors dtype name: "BF16", "F8_E4M3"...
-    shape: tuple[int, ...]
-    begin: int
-    end: int
-
-    @property
-    def dtype(self) -> "torch.dtype":
-        return __getattr__("DTYPES")[self.dtype_name]
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.begin
-
-
-def read_safetensors_header(path: Path) -> tuple[int, dict[str, TensorInfo], dict]:
-    """Parse and check one safetensors file's header without reading tensor data.
-
-    Returns (data_start, {name: TensorInfo}, metadata). Raises MoetoolError naming the file
-    for truncation, corruption, overlapping ranges or a dtype outside ``DTYPES``.
-    """
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise MoetoolError(f"{path}: truncated safetensors file ({size} bytes, no header)")
-        (n,) = struct.unpack("<Q", head)
-        if n > MAX_HEADER_BYTES or 8 + n > size:
-            raise MoetoolError(f"{path}: corrupt or truncated safetensors header (header length {n}, file size {size})")
-        raw = f.read(n)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise MoetoolError(f"{path}: corrupt safetensors header ({e.__class__.__name__})") from None
-    if not isinstance(header, dict):
-        raise MoetoolError(f"{path}: corrupt safetensors header (not a JSON object)")
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict):
-        raise MoetoolError(f"{path}: corrupt safetensors header (__metadata__ is not a JSON object)")
-    data_start = 8 + n
-    infos: dict[str, TensorInfo] = {}
-    data_end = 0
-    for name, entry in header.items():
-        try:
-            dtype_name, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
-            if not isinstance(dtype_name, str) or not isinstance(shape, list) or not all(
-                    type(v) is int and v >= 0 for v in (*shape, begin, end)):
-                raise TypeError
-        except (KeyError, TypeError, ValueError):
-            raise MoetoolError(f"{path}: corrupt safetensors header entry for tensor {name}") from None
-        if dtype_name not in DTYPE_SIZES:
-            raise MoetoolError(
-                f"{path}: tensor {name} has dtype {dtype_name}, not one of {', '.join(DTYPE_SIZES)}"
-            )
-        numel = 1
-        for d in shape:
-            numel *= int(d)
-        if end - begin != numel * DTYPE_SIZES[dtype_name] or begin < 0:
-            raise MoetoolError(f"{path}: tensor {name} byte range {begin}..{end} does not match shape {shape} {dtype_name}")
-        infos[name] = TensorInfo(name, path.name, dtype_name, tuple(int(d) for d in shape), data_start + begin, data_start + end)
-        data_end = max(data_end, end)
-    ordered = sorted(infos.values(), key=lambda i: (i.begin, i.end))
-    for prev, cur in zip(ordered, ordered[1:]):
-        if cur.begin < prev.end:
-            raise MoetoolError(f"{path}: tensors {prev.name} and {cur.name} overlap in the file (corrupt header)")
-    if data_start + data_end > size:
-        raise MoetoolError(
-            f"{path}: truncated safetensors file: header says {data_start + data_end} bytes, file has {size}"
-        )
-    # the data section is exactly the tensors, back to back (as the safetensors library demands):
-    # no bytes after the last one, no hole before or between them
-    if data_start + data_end < size:
-        raise MoetoolError(f"{path}: {size - data_start - data_end} trailing bytes after the last tensor "
-                           f"(header says {data_start + data_end} bytes, file has {size}; corrupt or appended to)")
-    at = data_start
-    for cur in ordered:
-        if cur.begin != at:
-            raise MoetoolError(f"{path}: bytes {at - data_start}..{cur.begin - data_start} of the data section "
-                               f"belong to no tensor (before {cur.name}; corrupt header)")
-        at = cur.end
-    return data_start, infos, metadata
 
 
 def _check_relative(name: str, where: str) -> None:
     p = Path(name)
     if p.is_absolute() or ".." in p.parts or len(p.parts) != 1 or not name:  # shards sit next to the index
         raise MoetoolError(f"{where}: shard path {name!r} must be a plain relative file name")
-
-
-def pread_exactly(fd: int, view: memoryview, offset: int, path: Path) -> None:
-    """Fill ``view`` from byte ``offset`` of the open file ``fd``; ``path`` names it in the error."""
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n <= 0:
-            raise MoetoolError(f"{path}: unexpected end of file at byte {offset + done} (file changed while reading?)")
-        done += n
 
 
 class Checkpoint:
@@ -304,10 +167,8 @@ def resolve_source(source: str | os.PathLike, revision: str | None = None) -> Pa
 # ------------------------------------------------------------------ outputs of ``moetool shard``
 # They are not models: a rank folder holds one rank's experts renumbered from 0, a shard root
 # holds only rank folders. Every command that reads a model refuses both here, in the one
-# open path; ``verify`` and ``shard --merge`` read them through ``moetool.convert.shard.EPShards``.
+# open path; ``verify`` and ``shard --merge`` read them through ``moetool.read.shards.EPShards``.
 
-SHARD_MANIFEST = "manifest.json"  # moetool.convert.output.MANIFEST_NAME (the writer is not imported here)
-RANK_DIR_RE = re.compile(r"rank-(\d{5})-of-(\d{5})")
 SHARD_COMMANDS = "`moetool verify` and `moetool shard --merge`"
 
 
@@ -323,7 +184,7 @@ class ShardOutputError(MoetoolError):
 
 def _shard_root_summary(root: Path) -> str | None:
     """'EP 4, finished' (or unfinished) for a folder written by ``moetool shard``, else None."""
-    manifest = root / SHARD_MANIFEST
+    manifest = root / MANIFEST_NAME
     if manifest.is_file():
         try:
             data = json.loads(manifest.read_text())
@@ -333,7 +194,7 @@ def _shard_root_summary(root: Path) -> str | None:
             return f"EP {data.get('ep')}, finished"
     ranks = sorted(m.group(2) for p in root.iterdir() if p.is_dir() and (m := RANK_DIR_RE.fullmatch(p.name)))
     if ranks:
-        return f"EP {int(ranks[0])}, unfinished: no {SHARD_MANIFEST}"
+        return f"EP {int(ranks[0])}, unfinished: no {MANIFEST_NAME}"
     return None
 
 
@@ -428,3 +289,20 @@ def open_checkpoint(source: str | os.PathLike, revision: str | None = None, *,
             if name not in tensors:
                 raise MoetoolError(f"{root / shard}: tensor {name} is listed in {INDEX_NAME} but absent from its shard")
     return Checkpoint(root, config, dict(sorted(tensors.items())), list(shard_names))
+
+
+def expert_tensor_names(ckpt: Checkpoint, layer: MoELayerSpec) -> set[str]:
+    """Every input tensor holding a routed expert of ``layer`` (whatever is not one is copied,
+    or dequantized, as a non-expert tensor)."""
+    st = layer.storage
+    names: set[str] = set()
+    if st.kind == "per-expert":
+        for e in range(layer.n_stored):
+            for base in st.per_expert_bases(e):
+                names |= {f"{base}.{s}" for s in ckpt.suffixes(base)}
+    elif st.kind == "stacked":
+        names |= {n for n in ckpt.tensors if n.startswith(st.gate_up + "_") or n.startswith(st.down + "_")}
+    else:
+        names |= {st.gate_up, st.down}
+        names |= {b for b in (st.gate_up_bias, st.down_bias) if b}
+    return names

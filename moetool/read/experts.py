@@ -151,3 +151,5 @@ def detect_expert_format(ckpt: Checkpoint, spec: ModelSpec) -> WeightFormat:
         return detect_format(ckpt.config, sufs, info.dtype if info else None)
     except MoetoolError as err:
         raise MoetoolError(f"{ckpt.root}: experts of {layer.prefix}: {err}") from None
+
+

@@ -6,10 +6,11 @@ from collections import Counter
 from pathlib import Path
 
 from moetool.model.families import describe, family_for
-from moetool.read.checkpoint import RANK_DIR_RE, SHARD_MANIFEST, Checkpoint
-from moetool.convert.torch_executor import Planner
+from moetool.read.checkpoint import Checkpoint
+from moetool.read.manifest import MANIFEST_NAME, RANK_DIR_RE
 from moetool.errors import MoetoolError
 from moetool.read.experts import detect_expert_format
+from moetool.read.checkpoint import expert_tensor_names
 
 
 def _router_text(r) -> str:
@@ -31,7 +32,7 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict:
     fmt = detect_expert_format(ckpt, spec)
     expert_names: set[str] = set()
     for layer in spec.moe_layers:
-        expert_names |= Planner.expert_tensor_names(ckpt, layer)
+        expert_names |= expert_tensor_names(ckpt, layer)
     expert_bytes = sum(ckpt.tensors[n].nbytes for n in expert_names)
     total_bytes = sum(i.nbytes for i in ckpt.tensors.values())
     dtypes = Counter(str(i.dtype).replace("torch.", "") for i in ckpt.tensors.values())
@@ -98,9 +99,9 @@ def inspect_shards(root: Path) -> dict:
     for f in files:
         st = f.stat()
         inodes[(st.st_dev, st.st_ino)] = st.st_size
-    manifest = _read_json(root / SHARD_MANIFEST)
-    if (root / SHARD_MANIFEST).is_file() and (manifest is None or manifest.get("kind") != "ep-shards"):
-        raise MoetoolError(f"{root / SHARD_MANIFEST}: not a manifest of moetool shard (unreadable, or another kind)")
+    manifest = _read_json(root / MANIFEST_NAME)
+    if (root / MANIFEST_NAME).is_file() and (manifest is None or manifest.get("kind") != "ep-shards"):
+        raise MoetoolError(f"{root / MANIFEST_NAME}: not a manifest of moetool shard (unreadable, or another kind)")
     configs = {d: _read_json(root / d / "config.json") for d in ranks}
     config = next((c for c in configs.values() if c is not None), None)
     arch = model_type = None
@@ -125,7 +126,7 @@ def inspect_shards(root: Path) -> dict:
                         moe_layers=sorted(layers), experts=layers[min(layers)]["num_experts"] if layers else None,
                         experts_per_rank=per_rank)
         except (KeyError, TypeError, ValueError, AttributeError):
-            raise MoetoolError(f"{root / SHARD_MANIFEST}: malformed manifest of moetool shard") from None
+            raise MoetoolError(f"{root / MANIFEST_NAME}: malformed manifest of moetool shard") from None
         info["complete"] = not bad
         info["status"] = ("complete" if not bad else
                           f"damaged: {len(bad)} listed file(s) missing or of another size, first {bad[0]}")
@@ -152,7 +153,7 @@ def inspect_shards(root: Path) -> dict:
         info.update(ep=ep, placement=None, redundant_experts=None, layout=first.get("layout"), weight_format=None,
                     format_params={}, moe_layers=sorted(int(k) for k in found if str(k).isdigit()),
                     experts=experts, experts_per_rank=found)
-        info["status"] = (f"unfinished: no {SHARD_MANIFEST} ({len(ranks)} rank folder(s) so far); "
+        info["status"] = (f"unfinished: no {MANIFEST_NAME} ({len(ranks)} rank folder(s) so far); "
                           "re-run the same moetool shard command to finish it")
     info.update(ranks=ranks, files=len(files), bytes=sum(f.stat().st_size for f in files),
                 unique_bytes=sum(inodes.values()))

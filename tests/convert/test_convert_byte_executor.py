@@ -24,7 +24,7 @@ from moetool.read.checkpoint import open_checkpoint
 from moetool.errors import MoetoolError
 from moetool.convert.repack import repack
 from moetool.convert.shard import shard
-from moetool.convert.output import JOURNAL_NAME, MANIFEST_NAME, verify_manifest
+from moetool.read.manifest import JOURNAL_NAME, MANIFEST_NAME, verify_manifest
 from moeutil import rewrite_file, tensor_files, tree_hashes
 
 
@@ -269,7 +269,7 @@ def test_torch_stays_importable_lazily():
     """Library modules on the byte-copy path import without torch (checked in a fresh process)."""
     code = ("import sys\nimport moetool.cli, moetool.convert.shard, moetool.convert.repack, moetool.convert.byte_executor, moetool.read.checkpoint\n"
             "assert 'torch' not in sys.modules\n"
-            "from moetool.read.checkpoint import DTYPES\nimport torch\nassert DTYPES['BF16'] is torch.bfloat16\n")
+            "from moetool.read.safetensors import DTYPES\nimport torch\nassert DTYPES['BF16'] is torch.bfloat16\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert torch.bfloat16  # the test process itself has torch

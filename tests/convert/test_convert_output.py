@@ -8,18 +8,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from moetool.read.checkpoint import DTYPES, open_checkpoint, read_safetensors_header
+from moetool.read.checkpoint import open_checkpoint
+from moetool.read.safetensors import DTYPES, read_safetensors_header
 from moetool.errors import MoetoolError
-from moetool.convert.output import (
-    INCOMPLETE,
-    JOURNAL_NAME,
-    MANIFEST_NAME,
-    OutputDir,
-    TensorSpec,
-    sha256_file,
-    tensor_bytes,
-    verify_manifest,
-)
+from moetool.convert.output import OutputDir
+from moetool.read.manifest import INCOMPLETE, JOURNAL_NAME, MANIFEST_NAME, sha256_file, verify_manifest
+from moetool.read.safetensors import TensorSpec, tensor_bytes
 from moeutil import bit_equal
 
 
@@ -57,7 +51,7 @@ def test_every_allowed_dtype_round_trips(tmp_path):
 
 def test_tensors_larger_than_one_write(tmp_path):
     """A tensor of several ``WRITE_SLICE`` writes (and a ragged tail) lands byte for byte."""
-    from moetool.convert.output import WRITE_SLICE
+    from moetool.convert.sink import WRITE_SLICE
 
     big = torch.randn(WRITE_SLICE // 4 * 3 + 37, generator=torch.Generator().manual_seed(1))  # float32
     tensors = {"big": big, "after": torch.arange(5, dtype=torch.int64)}
@@ -80,9 +74,9 @@ def _expected_bytes(pieces) -> bytes:
 
 
 def _write_sink(path, pieces, **kw):
-    from moetool.convert.output import _HashingSink
+    from moetool.convert.sink import HashingSink
 
-    sink = _HashingSink(path, **kw)
+    sink = HashingSink(path, **kw)
     for p in pieces:
         sink.write(p)
     return sink, sink.close(True)
@@ -97,7 +91,7 @@ def test_direct_io_sink_writes_and_hashes_the_same_bytes(tmp_path, monkeypatch, 
     import os
     from pathlib import Path
 
-    import moetool.convert.output as w
+    import moetool.convert.sink as w
 
     if folder == "shm":
         if not os.path.isdir("/dev/shm") or not os.access("/dev/shm", os.W_OK):
@@ -128,7 +122,7 @@ def test_direct_io_sink_falls_back_when_a_direct_write_is_refused(tmp_path, monk
     switches the file to plain writes; the bytes and sha256 are the same."""
     import hashlib
 
-    import moetool.convert.output as w
+    import moetool.convert.sink as w
 
     monkeypatch.setattr(w, "DIRECT_STAGE", 8192)
     monkeypatch.setattr(w, "DIRECT_ALIGN", 1)
@@ -145,8 +139,8 @@ def test_direct_io_sink_error_leaves_the_file_unfinished(tmp_path, monkeypatch):
     """A failing write surfaces from close() (the output stays .incomplete in OutputDir)."""
     import os
 
-    import moetool.convert.output as w
-    from moetool.convert.output import _HashingSink
+    import moetool.convert.sink as w
+    from moetool.convert.sink import HashingSink
 
     monkeypatch.setattr(w, "DIRECT_STAGE", 8192)
 
@@ -154,7 +148,7 @@ def test_direct_io_sink_error_leaves_the_file_unfinished(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "pwrite", refuse)
-    sink = _HashingSink(tmp_path / "f")
+    sink = HashingSink(tmp_path / "f")
     if not sink.direct:
         sink.close(False)
         pytest.skip("this file system does not take O_DIRECT")
@@ -285,7 +279,7 @@ def test_tiny_writer_output_is_a_valid_checkpoint(tmp_path):
 def test_plan_id_follows_inputs_and_options(tiny, tmp_path, copy_ckpt):
     import os
 
-    from moetool.convert.quantize import plan_id
+    from moetool.convert.planning import plan_id
 
     src = copy_ckpt(tiny("mixtral", hidden=64, intermediate=32))
     with open_checkpoint(src) as ck:

@@ -18,10 +18,11 @@ import pytest
 import torch
 
 from moetool.read.checkpoint import open_checkpoint
-from moetool.convert.torch_executor import Planner, model_dtype
+from moetool.convert.torch_executor import model_dtype
 from moetool.read.experts import ExpertReader
+from moetool.read.checkpoint import expert_tensor_names
 from moetool.formats import TOLERANCES, Fp8Block, Fp8Channel, Int4Group, get_format
-from moetool.convert.output import JOURNAL_NAME, MANIFEST_NAME, sha256_file
+from moetool.read.manifest import JOURNAL_NAME, MANIFEST_NAME, sha256_file
 from moeutil import bit_equal, file_of, read_tensors, rewrite_file, tensor_files, tree_hashes
 
 FORMATS = {
@@ -37,7 +38,7 @@ def expert_names(ckpt) -> set[str]:
     spec = ExpertReader(ckpt).spec
     names: set[str] = set()
     for layer in spec.moe_layers:
-        names |= Planner.expert_tensor_names(ckpt, layer)
+        names |= expert_tensor_names(ckpt, layer)
     return names
 
 
@@ -585,7 +586,7 @@ def test_unfinished_output_used_as_input(tiny, cli, tmp_path):
     out = tmp_path / "out"
     assert cli("quantize", src, out, "--int4", "--quiet").code == 0
     assert not (out / JOURNAL_NAME).exists()
-    from moetool.convert.output import verify_manifest
+    from moetool.read.manifest import verify_manifest
 
     assert JOURNAL_NAME not in verify_manifest(out)["files"]
 

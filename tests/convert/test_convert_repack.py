@@ -12,7 +12,7 @@ import torch
 
 from moetool.read.checkpoint import open_checkpoint
 from moetool.read.experts import ExpertReader
-from moetool.convert.output import MANIFEST_NAME
+from moetool.read.manifest import MANIFEST_NAME
 from moeutil import bit_equal, file_of, hf_expert, read_tensors, rewrite_file, tensor_files, tree_hashes
 
 FORMAT_ARGS = {
@@ -133,7 +133,7 @@ def test_round_trip_same_bytes(tiny, cli, tmp_path, fmt_id):
 def test_fp8_block_stacked_scale_rows_per_half(inputs):
     """N = 192: one w13 of 384 rows has 2*ceil(192/128) = 4 scale rows (gate's 2, then up's 2),
     not ceil(384/128) = 3: vLLM's w13_weight_scale_inv."""
-    from moetool.convert.quantize import repack
+    from moetool.convert.repack import repack
 
     stacked = inputs["fp8-block"].parent / "fp8-block-stacked"
     repack(inputs["fp8-block"], stacked, "stacked", progress=False)

@@ -18,8 +18,9 @@ from moetool.read.checkpoint import open_checkpoint
 from moetool.errors import MoetoolError
 from moetool.read.experts import ExpertReader
 from moetool.model.placement import add_redundant, linear_placement, make_placement, round_robin_placement
-from moetool.convert.shard import EPShards, rank_dir
-from moetool.convert.output import JOURNAL_NAME, MANIFEST_NAME, sha256_file
+from moetool.read.manifest import rank_dir
+from moetool.read.shards import EPShards
+from moetool.read.manifest import JOURNAL_NAME, MANIFEST_NAME, sha256_file
 from moeutil import bit_equal, read_tensors, tensor_files, tree_hashes
 
 # ------------------------------------------------------------------------------ placement tables
@@ -103,7 +104,8 @@ def test_placement_errors(kind, E, ep, message):
 def sources(tiny, tmp_path_factory):
     """DeepSeek-V3 layout (dense layer 0, MoE layers 1-2, 8 experts): bf16, fp8-block, int4
     (asymmetric: zero points packed along N), each per-expert and stacked."""
-    from moetool.convert.quantize import quantize, repack
+    from moetool.convert.quantize import quantize
+    from moetool.convert.repack import repack
 
     bf16 = tiny("deepseek_v3")
     root = tmp_path_factory.mktemp("shard_sources")
@@ -346,7 +348,7 @@ def test_resumed_links_are_not_hashed_again_nor_written_through(sources, tmp_pat
 
 def test_plan_version_is_in_the_plan_id(sources, monkeypatch):
     """Another version's plan (other file names for the same options) never resumes this one's journal."""
-    import moetool.convert.plan as plan
+    import moetool.convert.planning as plan
 
     with open_checkpoint(sources["bf16"]) as ck:
         a = plan.plan_id(ck, ep=2)

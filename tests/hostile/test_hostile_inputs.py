@@ -22,7 +22,7 @@ from typing import Callable
 import pytest
 from hostile import assert_unfinished, digest, moetool
 
-from moetool.read.checkpoint import DTYPE_SIZES
+from moetool.read.safetensors import DTYPE_SIZES
 
 INDEX = "model.safetensors.index.json"
 SHARD1, SHARD2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
@@ -643,7 +643,7 @@ def test_a_quantized_original_release_is_a_valid_reference(made, tmp_path):
     write is the model itself (dequantized), so it is accepted as --ref."""
     from moetool.model.families import describe
     from moetool.read.checkpoint import open_checkpoint
-    from moetool.convert.shard import EPShards
+    from moetool.read.shards import EPShards
     from moetool.verify.driver import check_reference
 
     release = tmp_path / "release"

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 from hostile import argv, assert_complete, assert_unfinished, digest, env, moetool, temporary_names
 
-from moetool.convert.output import JOURNAL_NAME, LOCK_NAME, MANIFEST_NAME, FolderLock
+from moetool.convert.output import FolderLock
+from moetool.read.manifest import JOURNAL_NAME, LOCK_NAME, MANIFEST_NAME
 
 FAULTS = Path(__file__).with_name("faults.py")
 

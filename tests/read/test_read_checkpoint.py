@@ -13,7 +13,8 @@ import struct
 import pytest
 import torch
 
-from moetool.read.checkpoint import DTYPES, open_checkpoint, read_safetensors_header, resolve_source
+from moetool.read.checkpoint import open_checkpoint, resolve_source
+from moetool.read.safetensors import DTYPES, read_safetensors_header
 from moetool.errors import MoetoolError
 from moeutil import file_of, raw_safetensors, rewrite_file
 

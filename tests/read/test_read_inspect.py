@@ -156,7 +156,7 @@ def test_entry_point_output_and_exit_status(tiny, tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert (out / "manifest.json").exists() and not list(out.rglob("*.incomplete"))
-    from moetool.convert.output import verify_manifest
+    from moetool.read.manifest import verify_manifest
 
     verify_manifest(out)
     assert "int4-group error over" in subprocess.run(

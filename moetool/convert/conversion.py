@@ -1,0 +1,145 @@
+"""Conversions through the torch executor, shared by the entry points (quantize, repack,
+shard, merge), which never import each other: the non-expert groups of a checkpoint, the
+output config, the plan of a whole-checkpoint conversion or of EP shards, and the run.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from moetool.convert.output import OutputDir
+from moetool.convert.plan import QUANTIZED_ONLY_SUFFIXES, Copy, Dequant, Group, Layout, Plan, SharedLinear, Summary
+from moetool.convert.planning import checkpoint_files, checkpoint_plan, non_expert_tensors, plan_id, shard_plan
+from moetool.convert.torch_executor import ErrorStats, Planner, Source, run_plan
+from moetool.errors import MoetoolError
+from moetool.formats.base import WeightFormat
+from moetool.model.families import ModelSpec, describe
+from moetool.model.spec import ExpertPlacement
+from moetool.read.checkpoint import open_checkpoint
+from moetool.read.safetensors import TensorSpec
+
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def non_expert_groups(src: Source, *, include_shared: bool) -> tuple[list[Group], list[str]]:
+    """Everything that is not a routed expert: copied, or requantized (shared experts when
+    asked), or dequantized (a quantized linear whose format the output does not keep)."""
+    ckpt = src.ckpt
+    shared = {b for layer in src.spec.moe_layers for b in (layer.shared_bases or ())} if include_shared else set()
+    bases_done: set[str] = set()
+    groups: list[Group] = []
+    homes: list[str] = []
+    for name, info in non_expert_tensors(ckpt, src.spec):
+        base, _, suffix = name.rpartition(".")
+        if base in shared:
+            if base not in bases_done:
+                bases_done.add(base)
+                groups.append(SharedLinear(base, base))
+                homes.append(info.file)
+            continue
+        quantized_linear = suffix in QUANTIZED_ONLY_SUFFIXES or (
+            suffix == "weight" and any(f"{base}.{s}" in ckpt for s in QUANTIZED_ONLY_SUFFIXES))
+        if suffix == "weight" and not quantized_linear and info.dtype in FP8_DTYPES:
+            # an fp8 weight whose scale partner is missing: never pass it through unscaled
+            scales = [s for s in src.in_fmt.suffixes if s != "weight"] or ["weight_scale_inv"]
+            raise MoetoolError(f"{name}: {str(info.dtype).replace('torch.', '')} weight without its scale "
+                               f"({', '.join(f'{base}.{s}' for s in scales)} not found)")
+        if quantized_linear and not src.passthrough:
+            if base not in bases_done:
+                bases_done.add(base)
+                groups.append(Dequant(base, f"{base}.weight"))
+                homes.append(info.file)
+            continue
+        groups.append(Copy(name, name))
+        homes.append(info.file)
+    return groups, homes
+
+
+def output_config(config: dict, out_fmt: WeightFormat, changed: bool, specs: list[TensorSpec]) -> dict:
+    """config.json of the output: the input's, with the output format's quantization_config and
+    an ignore list of every linear left unquantized."""
+    cfg = dict(config)
+    if not changed:
+        return cfg
+    ignore = sorted({s.name[: -len(".weight")] for s in specs
+                     if s.name.endswith(".weight") and len(s.shape) == 2 and s.dtype.is_floating_point
+                     and s.dtype.itemsize > 1})
+    qc = out_fmt.quantization_config(ignore)
+    if qc is None:
+        cfg.pop("quantization_config", None)
+    else:
+        cfg["quantization_config"] = qc
+    return cfg
+
+
+def build_plan(src: Source, *, layout: Layout, include_shared: bool, max_shard_size: int | None,
+               changed_format: bool) -> Plan:
+    planner = Planner([src])
+    planner.validate_experts(src)
+    files = checkpoint_files(src.ckpt, src.spec, layout, non_expert_groups(src, include_shared=include_shared),
+                             planner.specs, max_shard_size)
+    config = output_config(src.ckpt.config, src.out_fmt, changed_format, [s for f in files for s in f.specs])
+    return checkpoint_plan(src.ckpt, files, config, src.out_fmt.name, layout)
+
+
+def convert_checkpoint(
+    source: str | Path,
+    out: str | Path,
+    *,
+    fmt: WeightFormat | None,
+    layout: Layout = "per-expert",
+    include_shared: bool = False,
+    max_shard_size: int | None = None,
+    dry_run: bool = False,
+    force: bool = False,
+    progress: bool = True,
+    revision: str | None = None,
+    device: str = "cpu",
+) -> Summary | Plan:
+    """Quantize (``fmt`` given) or repack (``fmt`` None) a checkpoint into ``out``."""
+    ckpt = open_checkpoint(source, revision)
+    try:
+        spec: ModelSpec = describe(ckpt.config, ckpt.tensors)
+        stats = ErrorStats()
+        if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+            raise MoetoolError(f"--device {device!r}: expected cpu or cuda")
+        if device.startswith("cuda"):
+            if not torch.cuda.is_available():
+                raise MoetoolError("--device cuda: no CUDA device is available")
+        src = Source(ckpt, spec, fmt, stats, device=device)
+        if include_shared and src.passthrough:
+            raise MoetoolError("--include-shared-experts needs a target format different from the input's")
+        plan = build_plan(src, layout=layout, include_shared=include_shared, max_shard_size=max_shard_size,
+                          changed_format=not src.passthrough)
+        if dry_run:
+            return plan
+        outdir = OutputDir(Path(out), inputs=[ckpt.root], force=force,
+                           plan_id=plan_id(ckpt, fmt=src.out_fmt.name, params=vars(src.out_fmt), layout=layout,
+                                           shared=include_shared, max=max_shard_size))
+        return run_plan(plan, [src], outdir, bytes_in=ckpt.files_bytes(), progress=progress, stats=stats)
+    finally:
+        ckpt.close()
+
+
+def build_shard_plan(src, ep: int, placements: dict[int, ExpertPlacement], layout: Layout,
+                     max_shard_size: int | None, placement_name: str, redundant: int) -> Plan:
+    """The plan of ``shard`` through the torch executor (``src``: a ``moetool.convert.torch_executor.Source``)."""
+    planner = Planner([src])
+    planner.validate_experts(src)
+    return shard_plan(src.ckpt, src.spec, ep, placements, layout, max_shard_size, placement_name, redundant,
+                      non_expert_groups(src, include_shared=False), planner.specs, src.out_fmt.name,
+                      {k: v for k, v in vars(src.out_fmt).items() if k != "suffixes"})
+
+
+def shard_checkpoint(ckpt, spec: ModelSpec, out, ep: int, placements: dict[int, ExpertPlacement], *, layout: Layout,
+                     placement_name: str, redundant: int, max_shard_size: int | None, dry_run: bool, force: bool,
+                     progress: bool, plan_id: str, links: bool) -> Summary | Plan:
+    """``shard`` through the torch executor (an input the byte copy does not take)."""
+    src = Source(ckpt, spec, None, ErrorStats())
+    plan = build_shard_plan(src, ep, placements, layout, max_shard_size, placement_name, redundant)
+    if dry_run:
+        return plan
+    outdir = OutputDir(Path(out), inputs=[ckpt.root], force=force, plan_id=plan_id)
+    return run_plan(plan, [src], outdir, bytes_in=ckpt.files_bytes(), progress=progress, links=links)

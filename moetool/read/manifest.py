@@ -1,0 +1,70 @@
+"""The names moetool gives the files of an output folder, and the check of a finished one
+against its ``manifest.json`` (sha256 and size of every file, written last)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Iterable
+
+from moetool.errors import MoetoolError
+
+
+MANIFEST_NAME = "manifest.json"
+
+
+JOURNAL_NAME = ".moetool-journal.json"
+
+
+LOCK_NAME = ".moetool.lock"
+
+
+INCOMPLETE = ".incomplete"
+
+
+HASH_BLOCK = 8 << 20
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(HASH_BLOCK)
+            if not block:
+                return h.hexdigest()
+            h.update(block)
+
+
+def verify_manifest(root: Path, names: Iterable[str] | None = None) -> dict:
+    """Check files of a finished output against its manifest (all, or only ``names``).
+
+    Raises MoetoolError naming the first missing, truncated or modified file.
+    """
+    path = Path(root) / MANIFEST_NAME
+    if not path.is_file():
+        raise MoetoolError(f"{root}: no {MANIFEST_NAME} (output unfinished or not made by moetool)")
+    try:
+        manifest = json.loads(path.read_text())
+        files = manifest["files"]
+    except (json.JSONDecodeError, KeyError, UnicodeDecodeError):
+        raise MoetoolError(f"{path}: invalid manifest") from None
+    for name in (names if names is not None else files):
+        rec = files.get(name)
+        if rec is None:
+            raise MoetoolError(f"{path}: no entry for {name}")
+        p = Path(root) / name
+        if not p.is_file():
+            raise MoetoolError(f"{p}: missing (listed in {MANIFEST_NAME})")
+        if p.stat().st_size != rec["size"]:
+            raise MoetoolError(f"{p}: size {p.stat().st_size} bytes, manifest says {rec['size']} (truncated or modified)")
+        if sha256_file(p) != rec["sha256"]:
+            raise MoetoolError(f"{p}: sha256 does not match {MANIFEST_NAME} (file modified or corrupt)")
+    return manifest
+
+
+RANK_DIR_RE = re.compile(r"rank-(\d{5})-of-(\d{5})")
+
+
+def rank_dir(rank: int, ep: int) -> str:
+    return f"rank-{rank:05d}-of-{ep:05d}"
