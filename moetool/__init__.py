@@ -1,4 +1,5 @@
 """moetool: convert Mixture-of-Experts checkpoints and prove the result is right."""
+import importlib.util
 import os
 import sys
 
@@ -27,10 +28,8 @@ class _SourceTreeFinder:
         pkg, _, name = fullname.partition(".")
         if pkg != __name__ or name not in TOP_LEVEL_SUBPACKAGES:
             return None
-        from importlib.util import spec_from_file_location
-
         folder = os.path.join(self.moetool_source_tree, name)
-        return spec_from_file_location(fullname, os.path.join(folder, "__init__.py"),
+        return importlib.util.spec_from_file_location(fullname, os.path.join(folder, "__init__.py"),
                                        submodule_search_locations=[folder])
 
 

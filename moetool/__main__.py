@@ -1,4 +1,8 @@
 """``python -m moetool`` and the ``moetool`` command."""
+import os
+import sys
+
+from moetool import lazy
 
 #: commands whose process ends with os._exit once they have returned: every file they write
 #: is fsync'd and renamed (or written and closed) before they return, they start no child
@@ -12,17 +16,10 @@ def entry() -> None:
     """The moetool process. Importing torch, typer and the rest makes about 250,000 objects
     that live until exit and no garbage: the collector is off while they are made, and they are
     frozen out of its scans afterwards (otherwise it walks them again and again, about 0.15 s
-    of each run)."""
-    import gc
-    import sys
-
-    gc.disable()
-    from moetool.cli import main
-    from moetool import lazy
-
-    lazy.freeze_imports = True  # the same for what a command imports when it runs (moetool.lazy)
-    gc.freeze()
-    gc.enable()
+    of each run). ``lazy.import_module`` does both, for the CLI here and for what a command
+    imports when it runs."""
+    lazy.freeze_imports = True
+    main = lazy.import_module("moetool.cli").main
     main()
     if sys.argv[1:2] and sys.argv[1] in FAST_EXIT_COMMANDS:
         exit_now()
@@ -31,9 +28,6 @@ def entry() -> None:
 def exit_now() -> None:
     """Exit status 0 without interpreter shutdown, once stdout and stderr are flushed (a
     failed flush, such as a closed pipe, leaves the exit to the interpreter as usual)."""
-    import os
-    import sys
-
     try:
         sys.stdout.flush()
         sys.stderr.flush()

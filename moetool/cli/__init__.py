@@ -18,6 +18,7 @@ from typer.core import TyperCommand, TyperGroup
 
 from moetool.errors import Interrupted, MoetoolError
 from moetool.lazy import import_module
+from moetool.memory import bound_malloc
 
 #: every command: the module that defines it (imported only when the command runs or shows its
 #: own --help, so a byte-copy shard or repack never imports torch: ~0.15 s of start-up) and the
@@ -85,8 +86,6 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 def main(argv: list[str] | None = None) -> None:
     """Run one command; a failure ends the process through ``sys.exit`` with its status:
     2 bad input or I/O error, 1 failed verification, 130 SIGINT, 143 SIGTERM."""
-    from moetool.memory import bound_malloc
-
     bound_malloc()
     previous = _catch_stop_signals()
     try:

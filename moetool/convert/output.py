@@ -13,6 +13,7 @@ a folder holding anything else is refused, naming a file found there.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 from moetool.convert.plan import Plan, PlannedFile
+from moetool import __version__
 from moetool.errors import MoetoolError
 from moetool.read.manifest import INCOMPLETE, JOURNAL_NAME, LOCK_NAME, MANIFEST_NAME, sha256_file
 from moetool.read.safetensors import TensorSpec, safetensors_header
@@ -339,8 +341,6 @@ class FolderLock:
     flock with its process), so a stale lock file is simply taken over."""
 
     def __init__(self, root: Path):
-        import fcntl
-
         self.fd: int | None = None
         self.path = Path(root) / LOCK_NAME
         self.created = not self.path.exists()  # by this run (under the lock, checked again below)
@@ -394,8 +394,6 @@ def _copy_durably(src: Path, dst: Path) -> None:
 
 
 def _version() -> str:
-    from moetool import __version__
-
     return __version__
 
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import hashlib
+import mmap
 import os
 import queue
 import threading
@@ -98,8 +100,6 @@ class HashingSink:
         self.o_direct = self.direct  # the file still has O_DIRECT (a refused write clears it)
         self.file = open(path, "wb") if fd is None else open(fd, "wb", buffering=0, closefd=True)
         if self.direct:
-            import mmap
-
             self._free: queue.Queue = queue.Queue()
             for _ in range(DIRECT_BUFFERS):
                 self._free.put(mmap.mmap(-1, DIRECT_STAGE))  # page-aligned, zero-filled on demand
@@ -190,8 +190,6 @@ class HashingSink:
 
     def _direct_off(self, fd: int) -> None:
         if self.o_direct:
-            import fcntl
-
             fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
             self.o_direct = False
 

@@ -14,7 +14,13 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from moetool.convert.quantize import quantize
+from moetool.convert.shard import shard
+from moetool.demo.tiny import make_tiny_checkpoint
 from moetool.errors import MoetoolError
+from moetool.read.checkpoint import open_checkpoint
+from moetool.read.inspect import inspect_checkpoint, render
+from moetool.verify.driver import VerifyOptions, verify
 
 #: int4's group size here: it must divide the tiny model's K of every linear (hidden 256,
 #: expert intermediate 192), and quantize's default 128 does not divide 192
@@ -53,13 +59,6 @@ def run_demo(workdir: Path | None = None, *, echo: Callable[[str], None] = print
 
 
 def _run(root: Path, echo: Callable[[str], None], *, ep: int, dp: int, fmt: str, dispatch: str) -> bool:
-    from moetool.read.checkpoint import open_checkpoint
-    from moetool.read.inspect import inspect_checkpoint, render
-    from moetool.convert.quantize import quantize
-    from moetool.convert.shard import shard
-    from moetool.demo.tiny import make_tiny_checkpoint
-    from moetool.verify.driver import VerifyOptions, verify
-
     t0 = time.perf_counter()
     model, quant = root / DEMO_PREFIX, root / f"{DEMO_PREFIX}-{fmt}"
     shards = root / f"{DEMO_PREFIX}-{fmt}-ep{ep}"

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from moetool.errors import MoetoolError
+from moetool.memory import scratch as scratch_buffer
 from moetool.read.manifest import MANIFEST_NAME, RANK_DIR_RE
 from moetool.read.safetensors import TensorInfo, pread_exactly, read_safetensors_header, writable_bytes
 
@@ -96,7 +97,6 @@ class Checkpoint:
 
     def _read(self, file: str, offset: int, nbytes: int, scratch: str | None = None) -> torch.Tensor:
         import torch
-        from moetool.memory import scratch as scratch_buffer
 
         fd = self._fds.get(file)
         if fd is None:
