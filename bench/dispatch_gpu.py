@@ -75,13 +75,14 @@ def host_costs(disp, x, ids, w, token_index, table, num_slots, world: int, reps:
 
     from moetool.kernels import ep_combine, ep_dispatch
     from moetool.verify.experts import ACT_GROUP
+    from moetool.verify.wire import token_rows
 
     m, k = ids.shape
     H = x.shape[1]
     counts = torch.empty(world, dtype=torch.int64, device=x.device)
     recv = torch.empty_like(counts)
     order = ep_dispatch.route_tokens(ids, token_index, table.rank, table.count, counts)
-    layout = disp._row_layout(H, k, True)  # fp8 rows, as the timed dispatch sends
+    layout = token_rows(H, k, True, disp.comm_dtype)  # fp8 rows, as the timed dispatch sends
     offs = (layout.offsets[1], *layout.offsets[-4:-1])
     send = torch.empty(m * min(k, world), layout.row_bytes, dtype=torch.uint8, device=x.device)
     rows = torch.randn(m * 2, H, device=x.device).to(torch.bfloat16)
@@ -127,16 +128,18 @@ def mapped_host_costs(disp, x, ids, w, token_index, info, table, num_slots, act_
     """Host microseconds per call of the mapped prepare and finalize once their CUDA graphs
     replay, and of the pieces of a replay (key, one staged copy, the graph launch); each loop
     ends with a synchronize outside the timing, so the GPU never holds the host back."""
-    from moetool.verify.dispatch import CommStats
+    from moetool.verify.chunk import CommStats
+    from moetool.verify.wire import token_rows
 
     stats = CommStats(expert_tokens=[0] * num_slots)
     prep = disp.prepare(x, ids, w, token_index, info, table, num_slots, act_quant, stats)
     out = _expert_output(prep, fake_out)
     disp.finalize(out, prep, True, stats)
     torch.cuda.synchronize()
-    cache = disp._graphs
-    args = (x, ids, w, token_index, table, num_slots, act_quant, disp._row_layout(x.shape[1], ids.shape[1], act_quant),
-            disp._mapped)  # as _prepare_mapped passes them
+    cache = disp.transport.dispatch_graphs
+    args = (x, ids, w, token_index, table, num_slots, act_quant,
+            token_rows(x.shape[1], ids.shape[1], act_quant, disp.comm_dtype),
+            disp.transport.buffers)  # as MappedTransport.dispatch passes them
     graph, buffers, _ = next(iter(cache._graphs.values()))
     steps = {
         "prepare": lambda: disp.prepare(x, ids, w, token_index, info, table, num_slots, act_quant, stats),
@@ -163,7 +166,9 @@ def worker(rank: int, world: int, opts: dict) -> dict:
     import torch.distributed as dist
 
     from moetool.model.placement import linear_placement
-    from moetool.verify.dispatch import ChunkInfo, CommStats, RouteTable, Topology, all_gather_tensor, get_dispatcher
+    from moetool.verify.chunk import ChunkInfo, CommStats
+    from moetool.verify.dispatchers import get_dispatcher
+    from moetool.verify.topology import RouteTable, Topology, all_gather_tensor
 
     topo = Topology.create(opts["dp"])
     cuda = topo.device.type == "cuda"

@@ -169,7 +169,7 @@ def _rank_jobs(rank: int, world_size: int, jobs: list[tuple[str, VerifyOptions, 
     """One rank of a world running several verifications of the same ep in turn."""
     import torch.distributed as dist
 
-    from moetool.verify.dispatch import Topology
+    from moetool.verify.topology import Topology
 
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     topologies: dict[int, Topology] = {}
@@ -183,9 +183,10 @@ def _rank_jobs(rank: int, world_size: int, jobs: list[tuple[str, VerifyOptions, 
 
 def _rank_main(rank: int, shards_root: str, opts: VerifyOptions, layer_ids: list[int], topo) -> dict:
     """One rank: load own shard, run every selected layer, return its outputs and stats."""
-    from moetool.verify.dispatch import choose_transport, get_dispatcher
+    from moetool.verify.dispatchers import get_dispatcher
     from moetool.verify.experts import get_experts
     from moetool.verify.layer import run_moe_layer
+    from moetool.verify.transports import choose_transport
 
     shards = EPShards(Path(shards_root), check=False)
     ckpt, spec = shards.open_rank(rank, check=True)
@@ -193,7 +194,7 @@ def _rank_main(rank: int, shards_root: str, opts: VerifyOptions, layer_ids: list
     reader = ExpertReader(ckpt, spec)
     transport = choose_transport(opts.transport, device) if opts.dispatch == "all2all" else None
     dispatcher = get_dispatcher(opts.dispatch, topo, comm_dtype=getattr(torch, opts.comm_dtype),
-                                **({"transport": transport} if transport else {}))
+                                **({"transport": transport, "timeout_s": opts.timeout_s} if transport else {}))
     experts = get_experts(opts.experts)
     results: dict[int, dict] = {}
     try:

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from moetool.errors import MoetoolError
+from moetool.kernels.fused_moe import fused_experts
+from moetool.kernels.quant import fp8_dequant_act_ref
 from moetool.model.spec import LocalExperts
 
 #: fp8 activation quantization groups along H (DeepSeek-V3 block size)
@@ -25,8 +27,6 @@ ACT_GROUP = 128
 
 def dequant_activations(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """q float8_e4m3fn [M, H], scale float32 [M, G] (per 128-column group) -> float32 [M, H]."""
-    from moetool.kernels.quant import fp8_dequant_act_ref
-
     if q.dtype != torch.float8_e4m3fn:
         raise MoetoolError(f"quantized activations must be float8_e4m3fn, got {q.dtype}")
     return fp8_dequant_act_ref(q, scale, ACT_GROUP)
@@ -183,8 +183,6 @@ class TritonExperts(ExpertsBackend):
               out=None):
         if self._bound is None:
             raise MoetoolError("TritonExperts.apply before bind")
-        from moetool.kernels.fused_moe import fused_experts  # lazy: needs triton + CUDA
-
         _check_ids(local_ids, self._num_slots)
         if local_ids.shape[0] == 0:
             return torch.zeros(0, hidden.shape[1], dtype=out_dtype, device=hidden.device) if out is None else out

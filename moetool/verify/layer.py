@@ -13,17 +13,12 @@ import torch.distributed as dist
 
 from moetool.errors import MoetoolError
 from moetool.model.spec import ExpertPlacement, LocalExperts, RouterSpec
-from moetool.verify.dispatch import (
-    ChunkInfo,
-    CommStats,
-    Dispatcher,
-    all_gather_tensor,
-    check_local_experts,
-    num_chunks,
-)
+from moetool.verify.chunk import ChunkInfo, CommStats, num_chunks
+from moetool.verify.dispatchers import Dispatcher
 from moetool.verify.experts import ExpertsBackend
 from moetool.verify.reference import SharedWeights, shared_forward
 from moetool.verify.router import route
+from moetool.verify.topology import all_gather_tensor, check_local_experts
 
 PHASES = ("route", "dispatch", "experts", "combine", "shared")
 

@@ -6,7 +6,8 @@ from moetool.kernels.common import PeerBuffers
 
 from moetool.errors import MoetoolError
 from moetool.model.placement import linear_placement
-from moetool.verify.dispatch import RouteTable
+from moetool.verify.topology import RouteTable
+from moetool.verify.wire import RowLayout
 
 
 def _table(E: int, R: int, redundant: dict | None = None) -> RouteTable:
@@ -113,8 +114,6 @@ def test_bad_arguments_are_named(device):
 
 def _offsets(H: int, k: int, dtype: torch.dtype, group: int) -> tuple[tuple, int]:
     """Parts 16-byte aligned as RowLayout lays them out: (scale, ids, weights, token), row bytes."""
-    from moetool.verify.dispatch import RowLayout
-
     payload = ((dtype, H),) + (((torch.float32, -(-H // group)),) if dtype == torch.float8_e4m3fn else ())
     layout = RowLayout(payload + ((torch.int32, k), (torch.float32, k), (torch.int64, 1)))
     offs = layout.offsets

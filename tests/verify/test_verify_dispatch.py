@@ -270,21 +270,21 @@ def test_transport_choice_is_the_same_on_every_rank(monkeypatch):
     for out in results:  # rank 1 alone "on another host": both ranks refuse mapped
         assert out[:3] == ["collectives", "mapped", "collectives"]
         assert out[3].startswith("--transport mapped needs every rank on one host"), out[3]
-    from moetool.verify import dispatch
+    from moetool.verify import transports
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: (a, b) != (2, 0))
-    assert not dispatch._all_peers_reachable()
+    assert not transports._all_peers_reachable()
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
-    assert dispatch._all_peers_reachable()
+    assert transports._all_peers_reachable()
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
 def test_auto_transport_on_gpus_is_one_answer():
     """On the GPUs of one host, auto is mapped when they all reach each other, and every rank agrees."""
-    from moetool.verify import dispatch
+    from moetool.verify import transports
 
     results = spawn_world(vw.transports_cuda, 2, backend="nccl", timeout_s=120)
-    want = "mapped" if dispatch._all_peers_reachable() else "collectives"
+    want = "mapped" if transports._all_peers_reachable() else "collectives"
     assert results == [want, want]

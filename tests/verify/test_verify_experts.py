@@ -12,7 +12,8 @@ import verify_workers as vw  # noqa: E402
 
 from moetool.errors import MoetoolError  # noqa: E402
 from moetool.model.spec import ExpertPlacement  # noqa: E402
-from moetool.verify.dispatch import RouteTable, RowLayout, check_local_experts  # noqa: E402
+from moetool.verify.topology import RouteTable, check_local_experts  # noqa: E402
+from moetool.verify.wire import RowLayout  # noqa: E402
 from moetool.verify.experts import TorchExperts, TritonExperts, weight_and_reduce  # noqa: E402
 from moetool.verify.reference import swiglu  # noqa: E402
 

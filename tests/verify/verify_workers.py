@@ -9,9 +9,10 @@ import torch
 
 from moetool.formats import get_format
 from moetool.model.spec import ExpertPlacement, LocalExperts, RouterSpec
-from moetool.verify.dispatch import Topology, get_dispatcher
+from moetool.verify.dispatchers import get_dispatcher
 from moetool.verify.experts import ExpertsBackend, TorchExperts, TritonExperts
 from moetool.verify.layer import run_moe_layer
+from moetool.verify.topology import Topology
 
 #: H > 128 and not a multiple of it: two fp8 activation groups, the second partial
 H, N = 136, 32
@@ -171,7 +172,7 @@ def run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
             y, stats = run_moe_layer(x, layer["gate"], layer["bias"], layer["spec"], local, placement,
                                      layer["shared"], dispatcher, experts, case.get("chunk_size", 4096))
             ys.append(y)
-        graphs = getattr(dispatcher, "_graphs", None)
+        graphs = getattr(getattr(dispatcher, "transport", None), "dispatch_graphs", None)  # mapped only
         results.append({"y": y, "ys": ys, "stats": stats,
                         "graph_replays": graphs.replays if graphs is not None else 0})
     return results
@@ -210,7 +211,7 @@ def shm_full(rank: int, world: int) -> str:
     import errno
 
     from moetool.errors import MoetoolError
-    from moetool.verify.dispatch import PeerMemory
+    from moetool.verify.peer_memory import PeerMemory
 
     def no_space(fd, offset, length):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -226,7 +227,7 @@ def shm_full(rank: int, world: int) -> str:
 def transports(rank: int, world: int) -> list[str]:
     """choose_transport on CPU ranks: auto, explicit mapped, and mapped with a rank not on this host."""
     from moetool.errors import MoetoolError
-    from moetool.verify.dispatch import choose_transport
+    from moetool.verify.transports import choose_transport
 
     cpu = torch.device("cpu")
     out = [choose_transport("auto", cpu), choose_transport("mapped", cpu), choose_transport("collectives", cpu)]
@@ -241,6 +242,6 @@ def transports(rank: int, world: int) -> list[str]:
 
 def transports_cuda(rank: int, world: int) -> str:
     """choose_transport("auto") on NCCL ranks, one GPU each."""
-    from moetool.verify.dispatch import choose_transport
+    from moetool.verify.transports import choose_transport
 
     return choose_transport("auto", torch.device("cuda", torch.cuda.current_device()))
