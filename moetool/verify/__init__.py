@@ -1,4 +1,8 @@
-"""The distributed verify runtime: the driver (shards and reference in, a report out), the
-rank launcher, router, reference forward, dispatchers, experts backends and the per-layer
-forward. Import the modules themselves: this package imports nothing, so the parent process
-of a verify run never loads Triton (its ranks do)."""
+"""The distributed verify runtime. Import the modules themselves: this package imports nothing.
+
+Parent of a run (never loads Triton): ``driver`` (shards and reference in, a report out),
+``report``, ``launch`` (rank processes), ``tokens`` (the test inputs), ``reference`` and
+``router`` (the single-process reference, shared with the ranks).
+Rank processes: ``rank`` (one rank's run), ``layer`` (route -> dispatch -> experts ->
+combine), ``dispatchers``, ``transports``, ``wire``, ``peer_memory``, ``graphs``,
+``topology``, ``chunk``, ``experts``."""

@@ -16,18 +16,21 @@ from __future__ import annotations
 import json
 import math
 import os
-import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
+from moetool.errors import MoetoolError, VerificationFailed
 from moetool.model.families import MoELayerSpec, describe, family_for
 from moetool.read.checkpoint import open_checkpoint
-from moetool.errors import MoetoolError, VerificationFailed
 from moetool.read.experts import ExpertReader, detect_expert_format
-from moetool.convert.shard import EPShards
-from moetool.model.spec import LocalExperts
+from moetool.read.shards import EPShards
+from moetool.verify.launch import run_under_torchrun, spawn_world
+from moetool.verify.reference import reference_moe_forward, swiglu
+from moetool.verify.report import LayerReport, VerifyReport
+from moetool.verify.tokens import make_tokens, norm_weight_name, probe_tokens
 
 #: Pass thresholds per shard format, for the whole layer (relative error of the distributed
 #: output against the fp32 reference from the unquantized checkpoint) and for a single expert
@@ -44,7 +47,6 @@ THRESHOLDS: dict[str, dict[str, float]] = {
     "fp8-channel": {"rel_err": 0.08, "expert_rel_err": 0.09},
     "int4-group": {"rel_err": 0.25, "expert_rel_err": 0.35},
 }
-PROBE_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -67,185 +69,15 @@ class VerifyOptions:
     transport: str = "auto"  # all2all only: collectives | mapped | auto (mapped on the GPUs of one host)
 
 
-@dataclass
-class LayerReport:
-    layer: int
-    rel_err: float
-    sqnr_db: float
-    max_abs_err: float
-    tokens_per_rank: list[int]
-    worst_expert: int
-    worst_expert_rank: int
-    worst_expert_rel_err: float
-    passed: bool
-    reason: str = ""
-    timings_ms: dict = field(default_factory=dict)
-    bytes_moved: dict = field(default_factory=dict)
-
-
-@dataclass
-class VerifyReport:
-    shards: str
-    reference: str
-    format: str
-    options: dict
-    thresholds: dict
-    layers: list[LayerReport]
-
-    @property
-    def passed(self) -> bool:
-        return all(l.passed for l in self.layers)
-
-    def to_json(self) -> dict:
-        return {"shards": self.shards, "reference": self.reference, "format": self.format, "passed": self.passed,
-                "options": self.options, "thresholds": self.thresholds, "layers": [asdict(l) for l in self.layers]}
-
-    def render(self) -> str:
-        o = self.options
-        head = (f"verify {self.shards} against {self.reference}: format {self.format}, ep {o['ep']}, dp {o['dp']}, "
-                f"dispatch {o['dispatch']}{' (' + o['transport'] + ')' if o.get('transport') else ''}, experts {o['experts']}, {o['tokens']} tokens per dp group, backend {o['backend']}")
-        cols = f"{'layer':>5}  {'rel err':>9}  {'SQNR dB':>8}  {'max abs':>9}  {'worst expert (rank)':>19}  {'exp err':>8}  {'ms/fwd':>7}  tokens per rank   result"
-        lines = [head, cols]
-        for l in self.layers:
-            ms = l.timings_ms.get("total", float("nan"))
-            lines.append(
-                f"{l.layer:>5}  {l.rel_err:>9.2e}  {l.sqnr_db:>8.1f}  {l.max_abs_err:>9.2e}  "
-                f"{str(l.worst_expert) + ' (' + str(l.worst_expert_rank) + ')':>19}  {l.worst_expert_rel_err:>8.2e}  "
-                f"{ms:>7.2f}  {str(l.tokens_per_rank):<16}  {'PASS' if l.passed else 'FAIL: ' + l.reason}")
-        failed = [l.layer for l in self.layers if not l.passed]
-        t = self.thresholds
-        lines.append(
-            f"{'PASSED' if not failed else 'FAILED'}: {len(self.layers) - len(failed)}/{len(self.layers)} layers within "
-            f"rel err {t['rel_err']:g} (layer) / {t['expert_rel_err']:g} (each expert)"
-            + (f"; failing layers {failed}" if failed else ""))
-        return "\n".join(lines)
-
-
-# ------------------------------------------------------------------------------------ tokens
-
-
-def make_tokens(layer: int, group: int, tokens: int, hidden: int, seed: int,
-                norm_weight: torch.Tensor | None) -> torch.Tensor:
-    """Deterministic test tokens [T, H] float32 for one (layer, dp group): N(0, 1) rows scaled
-    by the layer's post-attention RMSNorm weight, as real MoE inputs are."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + layer * 1_009 + group)
-    x = torch.randn(tokens, hidden, generator=g)
-    if norm_weight is not None:
-        x = x * norm_weight.float()
-    return x
-
-
-def probe_tokens(layer: int, hidden: int, seed: int, norm_weight: torch.Tensor | None) -> torch.Tensor:
-    return make_tokens(layer, 10_007, PROBE_TOKENS, hidden, seed, norm_weight)
-
-
-def norm_weight_name(layer: MoELayerSpec) -> str:
-    return layer.prefix.rsplit(".", 1)[0] + ".post_attention_layernorm.weight"
-
-
 # ------------------------------------------------------------------------------------ ranks
 
 
-def load_local_experts(reader: ExpertReader, layer: MoELayerSpec, slot_to_global: list[int]) -> LocalExperts:
-    """This rank's experts of ``layer`` in the stacked layout of the shard's format."""
-    ckpt, st = reader.ckpt, layer.storage
-    if st.kind == "stacked":
-        w13 = {s: ckpt.get(f"{st.gate_up}_{s}") for s in reader.fmt.suffixes if f"{st.gate_up}_{s}" in ckpt}
-        w2 = {s: ckpt.get(f"{st.down}_{s}") for s in reader.fmt.suffixes if f"{st.down}_{s}" in ckpt}
-    else:
-        per13 = [reader.w13(layer, i) for i in range(layer.n_stored)]
-        per2 = [reader.down(layer, i) for i in range(layer.n_stored)]
-        w13 = {s: torch.stack([p[s] for p in per13]) for s in per13[0]}
-        w2 = {s: torch.stack([p[s] for p in per2]) for s in per2[0]}
-    for name, t in (("w13", w13), ("w2", w2)):
-        for s, v in t.items():
-            if v.shape[0] != len(slot_to_global):
-                raise MoetoolError(f"{layer.prefix}.experts.{name}_{s}: {v.shape[0]} experts stored, "
-                                   f"the manifest places {len(slot_to_global)} on this rank")
-    return LocalExperts(reader.fmt, w13, w2, list(slot_to_global), layer.intermediate, layer.hidden)
-
-
 def _rank_jobs(rank: int, world_size: int, jobs: list[tuple[str, VerifyOptions, list[int]]]) -> list[dict]:
-    """One rank of a world running several verifications of the same ep in turn."""
-    import torch.distributed as dist
+    """Entry of a rank process (spawned, or this process under torchrun): ``rank.run_jobs``."""
+    # imported in the rank only: the rank runtime loads Triton, which the parent must never load
+    from moetool.verify.rank import run_jobs
 
-    from moetool.verify.topology import Topology
-
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    topologies: dict[int, Topology] = {}
-    out = []
-    for shards_root, opts, layer_ids in jobs:
-        if opts.dp not in topologies:
-            topologies[opts.dp] = Topology.create(opts.dp, device)
-        out.append(_rank_main(rank, shards_root, opts, layer_ids, topologies[opts.dp]))
-    return out
-
-
-def _rank_main(rank: int, shards_root: str, opts: VerifyOptions, layer_ids: list[int], topo) -> dict:
-    """One rank: load own shard, run every selected layer, return its outputs and stats."""
-    from moetool.verify.dispatchers import get_dispatcher
-    from moetool.verify.experts import get_experts
-    from moetool.verify.layer import run_moe_layer
-    from moetool.verify.transports import choose_transport
-
-    shards = EPShards(Path(shards_root), check=False)
-    ckpt, spec = shards.open_rank(rank, check=True)
-    device = topo.device
-    reader = ExpertReader(ckpt, spec)
-    transport = choose_transport(opts.transport, device) if opts.dispatch == "all2all" else None
-    dispatcher = get_dispatcher(opts.dispatch, topo, comm_dtype=getattr(torch, opts.comm_dtype),
-                                **({"transport": transport, "timeout_s": opts.timeout_s} if transport else {}))
-    experts = get_experts(opts.experts)
-    results: dict[int, dict] = {}
-    try:
-        for i in layer_ids:
-            layer = spec.layer(i)
-            placement = shards.placements[i]
-            local = load_local_experts(reader, layer, placement.slots[rank])
-            gate = ckpt.get(layer.router_weight).float()
-            bias = ckpt.get(layer.correction_bias).float() if layer.correction_bias else None
-            shared = reader.shared_fp32(layer)
-            nw_name = norm_weight_name(layer)
-            nw = ckpt.get(nw_name) if nw_name in ckpt else None
-            x = make_tokens(i, topo.group_index, opts.tokens, layer.hidden, opts.seed, nw).to(device)
-            # everything on the rank's device before the timed runs (no host copies inside)
-            gate = gate.to(device)
-            bias = None if bias is None else bias.to(device)
-            shared = None if shared is None else tuple(None if w is None else w.float().to(device) for w in shared)
-            for _ in range(opts.warmup):
-                run_moe_layer(x, gate, bias, layer.router, local, placement, shared, dispatcher, experts,
-                              opts.chunk_size)
-            timed = []
-            for _ in range(opts.repeat):
-                y, stats = run_moe_layer(x, gate, bias, layer.router, local, placement, shared, dispatcher,
-                                         experts, opts.chunk_size, align_phases=opts.warmup > 0)
-                timed.append({k: v for k, v in stats.items() if k.startswith(("time_", "cuda_"))})
-            stats.update({k: statistics.median(t[k] for t in timed) for k in timed[0]}, transport=transport)
-            probe = _probe_slots(experts, local, probe_tokens(i, layer.hidden, opts.seed, nw), device)
-            results[i] = {"y": y.cpu() if topo.tp_index == 0 else None, "group": topo.group_index,
-                          "probe": probe.cpu(), "slots": list(local.slot_to_global), "stats": stats}
-            experts.release()
-    finally:
-        ckpt.close()
-    return results
-
-
-def _probe_slots(experts, local: LocalExperts, x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Each local slot alone on the probe batch: [L, P, H] float32 (weight 1, no routing)."""
-    experts.bind(local, device)
-    x = x.to(device)
-    P = x.shape[0]
-    outs = []
-    for s in range(len(local.slot_to_global)):
-        ids = torch.full((P, 1), s, dtype=torch.int64, device=device)
-        w = torch.ones(P, 1, dtype=torch.float32, device=device)
-        counts = torch.zeros(len(local.slot_to_global), dtype=torch.int64, device=device)
-        counts[s] = P
-        y = experts.apply(x, None, ids, w, counts)
-        if not experts.applies_weights_and_reduces:
-            y = y.sum(dim=1)
-        outs.append(y.float())
-    return torch.stack(outs) if outs else torch.zeros(0, P, x.shape[1])
+    return run_jobs(rank, world_size, jobs)
 
 
 # ------------------------------------------------------------------------------------ parent
@@ -411,8 +243,6 @@ def verify_many(jobs: list[tuple], *, revision: str | None = None) -> list[Verif
             specs.append(describe(ref_ckpt.config, ref_ckpt.tensors))
             check_reference(shards, ref_ckpt, specs[-1], ref)
             rank_jobs.append((str(shards.root), opts, _layers_to_check(shards, specs[-1], opts)))
-        from moetool.verify.launch import spawn_world
-
         ep, backend = eps.pop(), backends.pop()
         timeout = sum(o.timeout_s for _, _, o, _ in prepared)
         results = spawn_world(_rank_jobs, ep, backend, args=(rank_jobs,), timeout_s=timeout)
@@ -435,8 +265,6 @@ def build_report(shards: EPShards, ref_ckpt, spec, ref_reader: ExpertReader, opt
         th["rel_err"] = opts.max_rel_err
     if opts.max_expert_rel_err is not None:
         th["expert_rel_err"] = opts.max_expert_rel_err
-    from moetool.verify.reference import reference_moe_forward, swiglu
-
     # the reference runs on a GPU when there is one (the ranks are done with them by now)
     dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     reports = []
@@ -494,8 +322,6 @@ def under_torchrun() -> bool:
 
 
 def _torchrun_rank(rank: int, world_size: int, jobs) -> list | None:
-    import torch.distributed as dist
-
     res = _rank_jobs(rank, world_size, jobs)
     gathered = [None] * world_size if rank == 0 else None
     dist.gather_object(res, gathered, dst=0)
@@ -507,8 +333,6 @@ def verify_torchrun(shards_dir, ref, opts: VerifyOptions, *, revision: str | Non
 
     Every rank loads its own shard; rank 0 gathers the outputs, computes the reference and
     returns the report; the other ranks return None."""
-    from moetool.verify.launch import run_under_torchrun
-
     shards = EPShards(Path(shards_dir), check=False)
     world = int(os.environ.get("WORLD_SIZE", "0"))
     if world != opts.ep:
@@ -527,10 +351,6 @@ def verify_torchrun(shards_dir, ref, opts: VerifyOptions, *, revision: str | Non
         _layers_to_check(shards, spec, VerifyOptions(**{**asdict(opts), "layers": tuple(layer_ids)}))
         return build_report(shards, ref_ckpt, spec, ExpertReader(ref_ckpt, spec), opts, backend, layer_ids,
                             [g[0] for g in gathered])
-
-
-def save_json(report: VerifyReport, path: Path) -> None:
-    Path(path).write_text(json.dumps(report.to_json(), indent=2))
 
 
 def raise_if_failed(report: VerifyReport) -> None:

@@ -1,0 +1,125 @@
+"""One rank of a verify run: load its own shard, run every selected MoE layer through the
+dispatcher and the experts backend, run each local expert alone on the probe batch, and hand
+outputs and counters back to the parent. Only rank processes load this module (it loads the
+Triton kernels; the parent of a spawned run never does).
+
+Letters: L = local expert slots, P = probe tokens, H = hidden, T_g = tokens per dp group.
+"""
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from moetool.errors import MoetoolError
+from moetool.model.families import MoELayerSpec
+from moetool.model.spec import LocalExperts
+from moetool.read.experts import ExpertReader
+from moetool.read.shards import EPShards
+from moetool.verify.dispatchers import get_dispatcher
+from moetool.verify.experts import ExpertsBackend, get_experts
+from moetool.verify.layer import run_moe_layer
+from moetool.verify.tokens import make_tokens, norm_weight_name, probe_tokens
+from moetool.verify.topology import Topology
+from moetool.verify.transports import choose_transport
+
+if TYPE_CHECKING:
+    from moetool.verify.driver import VerifyOptions
+
+
+def run_jobs(rank: int, world_size: int, jobs: list[tuple[str, VerifyOptions, list[int]]]) -> list[dict]:
+    """One rank of a world running several verifications of the same ep in turn:
+    jobs [(shards folder, options, layer indices)] -> one ``run_job`` result per job."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    topologies: dict[int, Topology] = {}
+    out = []
+    for shards_root, opts, layer_ids in jobs:
+        if opts.dp not in topologies:
+            topologies[opts.dp] = Topology.create(opts.dp, device)
+        out.append(run_job(rank, shards_root, opts, layer_ids, topologies[opts.dp]))
+    return out
+
+
+def run_job(rank: int, shards_root: str, opts: VerifyOptions, layer_ids: list[int], topo: Topology) -> dict:
+    """Load this rank's shard and run every selected layer: {layer: {"y": [T_g, H] on tp index 0
+    (else None), "group": dp group, "probe": [L, P, H], "slots": [L] global ids, "stats": ...}}."""
+    shards = EPShards(Path(shards_root), check=False)
+    ckpt, spec = shards.open_rank(rank, check=True)
+    device = topo.device
+    reader = ExpertReader(ckpt, spec)
+    transport = choose_transport(opts.transport, device) if opts.dispatch == "all2all" else None
+    dispatcher = get_dispatcher(opts.dispatch, topo, comm_dtype=getattr(torch, opts.comm_dtype),
+                                **({"transport": transport, "timeout_s": opts.timeout_s} if transport else {}))
+    experts = get_experts(opts.experts)
+    results: dict[int, dict] = {}
+    try:
+        for i in layer_ids:
+            layer = spec.layer(i)
+            placement = shards.placements[i]
+            local = load_local_experts(reader, layer, placement.slots[rank])
+            gate = ckpt.get(layer.router_weight).float()
+            bias = ckpt.get(layer.correction_bias).float() if layer.correction_bias else None
+            shared = reader.shared_fp32(layer)
+            nw_name = norm_weight_name(layer)
+            nw = ckpt.get(nw_name) if nw_name in ckpt else None
+            x = make_tokens(i, topo.group_index, opts.tokens, layer.hidden, opts.seed, nw).to(device)
+            # everything on the rank's device before the timed runs (no host copies inside)
+            gate = gate.to(device)
+            bias = None if bias is None else bias.to(device)
+            shared = None if shared is None else tuple(None if w is None else w.float().to(device) for w in shared)
+            for _ in range(opts.warmup):
+                run_moe_layer(x, gate, bias, layer.router, local, placement, shared, dispatcher, experts,
+                              opts.chunk_size)
+            timed = []
+            for _ in range(opts.repeat):
+                y, stats = run_moe_layer(x, gate, bias, layer.router, local, placement, shared, dispatcher,
+                                         experts, opts.chunk_size, align_phases=opts.warmup > 0)
+                timed.append({k: v for k, v in stats.items() if k.startswith(("time_", "cuda_"))})
+            stats.update({k: statistics.median(t[k] for t in timed) for k in timed[0]}, transport=transport)
+            probe = _probe_slots(experts, local, probe_tokens(i, layer.hidden, opts.seed, nw), device)
+            results[i] = {"y": y.cpu() if topo.tp_index == 0 else None, "group": topo.group_index,
+                          "probe": probe.cpu(), "slots": list(local.slot_to_global), "stats": stats}
+            experts.release()
+    finally:
+        ckpt.close()
+    return results
+
+
+def load_local_experts(reader: ExpertReader, layer: MoELayerSpec, slot_to_global: list[int]) -> LocalExperts:
+    """This rank's experts of ``layer`` in the stacked layout of the shard's format."""
+    ckpt, st = reader.ckpt, layer.storage
+    if st.kind == "stacked":
+        w13 = {s: ckpt.get(f"{st.gate_up}_{s}") for s in reader.fmt.suffixes if f"{st.gate_up}_{s}" in ckpt}
+        w2 = {s: ckpt.get(f"{st.down}_{s}") for s in reader.fmt.suffixes if f"{st.down}_{s}" in ckpt}
+    else:
+        per13 = [reader.w13(layer, i) for i in range(layer.n_stored)]
+        per2 = [reader.down(layer, i) for i in range(layer.n_stored)]
+        w13 = {s: torch.stack([p[s] for p in per13]) for s in per13[0]}
+        w2 = {s: torch.stack([p[s] for p in per2]) for s in per2[0]}
+    for name, t in (("w13", w13), ("w2", w2)):
+        for s, v in t.items():
+            if v.shape[0] != len(slot_to_global):
+                raise MoetoolError(f"{layer.prefix}.experts.{name}_{s}: {v.shape[0]} experts stored, "
+                                   f"the manifest places {len(slot_to_global)} on this rank")
+    return LocalExperts(reader.fmt, w13, w2, list(slot_to_global), layer.intermediate, layer.hidden)
+
+
+def _probe_slots(experts: ExpertsBackend, local: LocalExperts, x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Each local slot alone on the probe batch: [L, P, H] float32 (weight 1, no routing)."""
+    experts.bind(local, device)
+    x = x.to(device)
+    P = x.shape[0]
+    outs = []
+    for s in range(len(local.slot_to_global)):
+        ids = torch.full((P, 1), s, dtype=torch.int64, device=device)
+        w = torch.ones(P, 1, dtype=torch.float32, device=device)
+        counts = torch.zeros(len(local.slot_to_global), dtype=torch.int64, device=device)
+        counts[s] = P
+        y = experts.apply(x, None, ids, w, counts)
+        if not experts.applies_weights_and_reduces:
+            y = y.sum(dim=1)
+        outs.append(y.float())
+    return torch.stack(outs) if outs else torch.zeros(0, P, x.shape[1])
