@@ -1,8 +1,9 @@
 """Distributed dispatch -> experts -> combine against the single-process reference (gloo, CPU).
 
 Spawning a world costs seconds, so each world (ep = 2, 4, and 3 with an uneven placement and
-redundant replicas) runs once per module and carries many cases; the tests then read its
-results. Criteria: ProbeExperts outputs are exact, so dispatch + combine must be bit-exact;
+redundant replicas) runs once per module and carries many cases (the ep 2 world also the
+transport vote and a full shared-memory folder), the three worlds at once; the tests then read
+their results. Criteria: ProbeExperts outputs are exact, so dispatch + combine must be bit-exact;
 real float32 experts must match the reference to float32 rounding (GEMM batch shapes and
 summation order differ); fp8-block must match an fp8-emulating reference as tightly.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -18,6 +20,8 @@ sys.path.insert(0, os.path.dirname(__file__))  # spawned ranks import verify_wor
 import verify_workers as vw  # noqa: E402
 
 from moetool.formats import TOLERANCES, get_format  # noqa: E402
+from moetool.kernels.quant import fp8_act_quant_ref, fp8_dequant_act_ref  # noqa: E402
+from moetool.verify import transports  # noqa: E402
 from moetool.verify.launch import spawn_world  # noqa: E402
 from moetool.verify.reference import reference_moe_forward, shared_forward, swiglu  # noqa: E402
 from moetool.verify.router import route  # noqa: E402
@@ -53,7 +57,8 @@ WORLDS = {
         dict(dp=1, router="v3-grouped", dispatcher=d, group_sizes=[19], chunk_size=c, fmt="fp8-block")
         for d in DISPATCHERS for c in (4096, 6)] + [
         dict(dp=1, router="softmax", dispatcher="all2all", group_sizes=[19], swap=(1, 0, 1), fault="swap"),
-        dict(dp=1, router="softmax", dispatcher="all2all-mapped", group_sizes=[19], swap=(0, 0, 1), fault="swap"),
+        dict(dp=1, router="softmax", dispatcher="all2all-mapped", group_sizes=[19], swap=(0, 0, 1), fault="swap",
+             timeout_s=42.5),
         dict(dp=1, router="softmax", dispatcher="allgather", group_sizes=[19], scale=(0, 1), fault="scale"),
         dict(dp=1, router="v3-grouped", dispatcher="all2all", group_sizes=[19], fmt="fp8-block", scale=(1, 2),
              fault="scale"),
@@ -70,12 +75,26 @@ WORLDS = {
 }
 
 
+#: checks of verify_workers.CHECKS each world runs after its cases
+WORLD_CHECKS = {"ep2": ("transports", "shm_full")}
+
+
 @pytest.fixture(scope="module")
-def worlds():
-    out = {}
-    for name, (world, cases) in WORLDS.items():
-        out[name] = (world, cases, spawn_world(vw.run_cases, world, args=(cases,), timeout_s=120))
-    return out
+def world_runs():
+    """{world name: [per rank {"cases": [...], check: ...}]}. The worlds run at the same time
+    (each spawn_world waits for its ranks in a thread of its own), so one world's start-up
+    and collective waits overlap another's work."""
+    with ThreadPoolExecutor(len(WORLDS)) as pool:
+        futures = {name: pool.submit(spawn_world, vw.run_world, world, args=(cases, WORLD_CHECKS.get(name, ())),
+                                     timeout_s=300)
+                   for name, (world, cases) in WORLDS.items()}
+        return {name: f.result() for name, f in futures.items()}
+
+
+@pytest.fixture(scope="module")
+def worlds(world_runs):
+    """{world name: (world size, cases, per rank [per case {"y", "stats", ...}])}."""
+    return {name: (world, cases, [r["cases"] for r in world_runs[name]]) for name, (world, cases) in WORLDS.items()}
 
 
 def _layer(case):
@@ -89,8 +108,6 @@ def _tokens(case):
 def _fp8_emulated_reference(case):
     """What fp8-block W8A8 computes: weights dequantized from the format, each token's
     activation quantized per 1x128 group then dequantized, everything else float32."""
-    from moetool.kernels.quant import fp8_act_quant_ref, fp8_dequant_act_ref
-
     layer, x = _layer(case), _tokens(case)
     fmt = get_format("fp8-block")
     deq = [[fmt.dequantize(fmt.quantize(w, torch.float32)) for w in (g, u, d)] for g, u, d in layer["experts"]]
@@ -213,6 +230,18 @@ def test_injected_faults_are_caught(worlds, fault):
         assert rel > 0.05, f"{fault} not caught (rel err {rel:.3g}): {_label(case)}"
 
 
+def test_mapped_barriers_wait_the_timeout_given(worlds):
+    """The all2all dispatcher's timeout_s (what a verify rank passes from --timeout) is the limit
+    of the mapped transport's peer-memory barriers; PeerMemory's own default is 300 s."""
+    world, cases, results = worlds["ep2"]
+    given = [(ci, c) for ci, c in enumerate(cases) if "timeout_s" in c]
+    assert given
+    for ci, case in given:
+        assert [results[r][ci]["peer_timeout_ms"] for r in range(world)] == [42_500] * world
+    default = next(ci for ci, c in enumerate(cases) if c["dispatcher"] == "all2all-mapped" and "timeout_s" not in c)
+    assert results[0][default]["peer_timeout_ms"] == 300_000
+
+
 def _gpu_cases(world):
     groups = ((1, [300]), (2, [170, 90])) if world >= 2 else ((1, [300]),)
     return [dict(dp=dp, router="v3-grouped", dispatcher=d, group_sizes=sizes, chunk_size=c, fmt=f, experts=e,
@@ -255,23 +284,18 @@ def test_nccl_torch_and_triton_experts():
                 assert results[r][ci]["graph_replays"] > 0, f"rank {r}: no CUDA graph replayed: {_label(case)}"
 
 
-def test_mapped_transport_without_shared_memory_room_is_one_error():
-    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    msgs = spawn_world(vw.shm_full, 2, timeout_s=60)
-    for rank, msg in enumerate(msgs):
+def test_mapped_transport_without_shared_memory_room_is_one_error(world_runs):
+    for rank, run in enumerate(world_runs["ep2"]):
+        msg, created = run["shm_full"]
         assert msg.startswith(f"rank {rank}: --transport mapped: cannot map 1048576 bytes of shared memory"), msg
         assert msg.endswith("(No space left on device); use --transport collectives"), msg
-    after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    assert not {n for n in after - before if n.startswith("moetool-peer-")}
+        assert len(created) == 1 and not os.path.exists(created[0]), created  # its file was created, then removed
 
 
-def test_transport_choice_is_the_same_on_every_rank(monkeypatch):
-    results = spawn_world(vw.transports, 2, timeout_s=60)
-    for out in results:  # rank 1 alone "on another host": both ranks refuse mapped
+def test_transport_choice_is_the_same_on_every_rank(world_runs, monkeypatch):
+    for out in (run["transports"] for run in world_runs["ep2"]):  # rank 1 alone "on another host": both refuse mapped
         assert out[:3] == ["collectives", "mapped", "collectives"]
         assert out[3].startswith("--transport mapped needs every rank on one host"), out[3]
-    from moetool.verify import transports
-
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: (a, b) != (2, 0))
     assert not transports._all_peers_reachable()
@@ -283,8 +307,6 @@ def test_transport_choice_is_the_same_on_every_rank(monkeypatch):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
 def test_auto_transport_on_gpus_is_one_answer():
     """On the GPUs of one host, auto is mapped when they all reach each other, and every rank agrees."""
-    from moetool.verify import transports
-
     results = spawn_world(vw.transports_cuda, 2, backend="nccl", timeout_s=120)
     want = "mapped" if transports._all_peers_reachable() else "collectives"
     assert results == [want, want]

@@ -2,17 +2,21 @@
 pickles them by name). Letters: T = tokens, H = hidden, N = intermediate, E = experts."""
 from __future__ import annotations
 
+import errno
 import os
 import time
 
 import torch
 
+from moetool.errors import MoetoolError
 from moetool.formats import get_format
 from moetool.model.spec import ExpertPlacement, LocalExperts, RouterSpec
 from moetool.verify.dispatchers import get_dispatcher
 from moetool.verify.experts import ExpertsBackend, TorchExperts, TritonExperts
 from moetool.verify.layer import run_moe_layer
+from moetool.verify.peer_memory import PeerMemory
 from moetool.verify.topology import Topology
+from moetool.verify.transports import choose_transport
 
 #: H > 128 and not a multiple of it: two fp8 activation groups, the second partial
 H, N = 136, 32
@@ -130,8 +134,9 @@ def group_tokens(x: torch.Tensor, group_sizes: list[int], g: int) -> torch.Tenso
 
 def run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
     """Each case: dp, router, seed, shared, shared_gate, group_sizes [dp], placement extra,
-    dispatcher, reduce (TorchExperts), chunk_size, fmt, swap (rank, slot a, slot b) to corrupt.
-    Returns per case {"y": this rank's [T_g, H], "stats": ...}."""
+    dispatcher, reduce (TorchExperts), chunk_size, fmt, swap (rank, slot a, slot b) to corrupt,
+    timeout_s (all2all: the transport's own waits). Returns per case {"y": this rank's [T_g, H],
+    "stats": ..., "peer_timeout_ms": the mapped transport's barrier timeout, or None}."""
     torch.manual_seed(0)
     topos: dict[int, Topology] = {}
     results = []
@@ -159,8 +164,10 @@ def run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
         x = group_tokens(make_tokens(sum(sizes), case.get("seed", 0) + 1, case.get("probe", False)),
                          sizes, topo.group_index)
         name, _, transport = case["dispatcher"].partition("-")  # "all2all-mapped": the mapped transport
-        dispatcher = get_dispatcher(name, topo, comm_dtype=getattr(torch, case.get("comm_dtype", "float32")),
-                                    **({"transport": transport} if transport else {}))
+        options = {"transport": transport} if transport else {}
+        if "timeout_s" in case:
+            options["timeout_s"] = case["timeout_s"]
+        dispatcher = get_dispatcher(name, topo, comm_dtype=getattr(torch, case.get("comm_dtype", "float32")), **options)
         if case.get("probe"):
             experts = ProbeExperts()
         elif case.get("experts") == "triton":
@@ -173,8 +180,10 @@ def run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
                                      layer["shared"], dispatcher, experts, case.get("chunk_size", 4096))
             ys.append(y)
         graphs = getattr(getattr(dispatcher, "transport", None), "dispatch_graphs", None)  # mapped only
+        buffers = getattr(getattr(dispatcher, "transport", None), "buffers", None)  # mapped only
         results.append({"y": y, "ys": ys, "stats": stats,
-                        "graph_replays": graphs.replays if graphs is not None else 0})
+                        "graph_replays": graphs.replays if graphs is not None else 0,
+                        "peer_timeout_ms": buffers.memory.timeout_ms if buffers is not None else None})
     return results
 
 
@@ -205,43 +214,59 @@ def hang_on(rank: int, world: int, bad_rank: int) -> int:
     return rank
 
 
-def shm_full(rank: int, world: int) -> str:
-    """PeerMemory on CPU ranks when the shared-memory folder has no room: one MoetoolError,
-    no file left behind."""
-    import errno
-
-    from moetool.errors import MoetoolError
-    from moetool.verify.peer_memory import PeerMemory
+def shm_full(rank: int, world: int) -> tuple[str, list[str]]:
+    """PeerMemory on CPU ranks when the shared-memory folder has no room: (the MoetoolError's
+    text, the shared-memory files this rank created, all of which must be gone)."""
+    created = []
 
     def no_space(fd, offset, length):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    os.posix_fallocate = no_space
+    def recording_open(path, flags, *args):
+        if flags & os.O_CREAT and "moetool-peer-" in str(path):
+            created.append(str(path))
+        return real_open(path, flags, *args)
+
+    real_open, real_fallocate = os.open, os.posix_fallocate
+    os.open, os.posix_fallocate = recording_open, no_space
     try:
         PeerMemory(1 << 20, torch.device("cpu"))
     except MoetoolError as e:
-        return str(e)
-    return "no error"
+        return str(e), created
+    finally:  # the world may run more checks after this one
+        os.open, os.posix_fallocate = real_open, real_fallocate
+    return "no error", created
 
 
 def transports(rank: int, world: int) -> list[str]:
     """choose_transport on CPU ranks: auto, explicit mapped, and mapped with a rank not on this host."""
-    from moetool.errors import MoetoolError
-    from moetool.verify.transports import choose_transport
-
     cpu = torch.device("cpu")
     out = [choose_transport("auto", cpu), choose_transport("mapped", cpu), choose_transport("collectives", cpu)]
+    local_world = os.environ["LOCAL_WORLD_SIZE"]
     if rank == 1:
         os.environ["LOCAL_WORLD_SIZE"] = "1"  # as torchrun on two hosts would set it
     try:
         out.append(choose_transport("mapped", cpu))
     except MoetoolError as e:
         out.append(str(e))
+    finally:  # the world may run more checks after this one
+        os.environ["LOCAL_WORLD_SIZE"] = local_world
+    return out
+
+
+#: checks a world can run after its cases (``run_world``), by name
+CHECKS = {"transports": transports, "shm_full": shm_full}
+
+
+def run_world(rank: int, world: int, cases: list[dict], checks: tuple[str, ...] = ()) -> dict:
+    """``run_cases`` then each named check of CHECKS, in one world (one start-up for all):
+    {"cases": run_cases' list, check name: its result}."""
+    out = {"cases": run_cases(rank, world, cases)}
+    for name in checks:
+        out[name] = CHECKS[name](rank, world)
     return out
 
 
 def transports_cuda(rank: int, world: int) -> str:
     """choose_transport("auto") on NCCL ranks, one GPU each."""
-    from moetool.verify.transports import choose_transport
-
     return choose_transport("auto", torch.device("cuda", torch.cuda.current_device()))
