@@ -7,6 +7,7 @@ lower case and never name the tensor themselves.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import ClassVar
 
 import torch
 
@@ -255,3 +256,62 @@ def _check_inner_boundaries(
                     f"{format_name}: a part of N={n} rows is not a multiple of {block}, "
                     f"so its {suffix} rows cannot be joined exactly (parts: {rows})"
                 )
+
+
+# ------------------------------------------------------------------- compressed-tensors configs
+
+
+class CompressedTensors:
+    """Mixin of the formats that compressed-tensors stores (``quant_method``
+    "compressed-tensors", one config group). A format names the weights it reads,
+    ``ct_weights`` = (type, num_bits, strategy), and the ``format`` values it is stored
+    under, ``ct_storage``; ``params_from_weights`` reads the rest of the group's weights."""
+
+    config_method: ClassVar[str | None] = "compressed-tensors"
+    ct_weights: ClassVar[tuple[str, int, str]]
+    ct_storage: ClassVar[tuple[str, ...]]
+
+    @classmethod
+    def params_from_config(cls, config: dict) -> dict | None:
+        weights, storage = compressed_tensors_group(config)
+        kind = (weights.get("type"), weights.get("num_bits"), weights.get("strategy"))
+        if kind != cls.ct_weights or storage not in cls.ct_storage:
+            return None
+        return cls.params_from_weights(weights)
+
+    @classmethod
+    def params_from_weights(cls, weights: dict) -> dict:
+        """The group's ``weights`` arguments -> the format's parameters."""
+        return {}
+
+    @classmethod
+    def config_mismatch(cls, config: dict, readers: list) -> str:
+        weights, storage = compressed_tensors_group(config)
+        described = ", ".join(f"{key} {weights.get(key)}" for key in ("type", "num_bits", "strategy"))
+        reads = " and ".join(f"{r.ct_storage[0]} {_weights_kind(r.ct_weights)}" for r in readers)
+        return (f"unsupported compressed-tensors quantization_config: format {storage}, weights "
+                f"{described} (moetool reads {reads})")
+
+
+def compressed_tensors_group(config: dict) -> tuple[dict, str | None]:
+    """A compressed-tensors ``quantization_config`` -> (its one group's ``weights`` arguments,
+    its storage ``format``). Several groups, or a group given as a preset name, raise."""
+    groups = config.get("config_groups") or {}
+    if len(groups) != 1:
+        raise MoetoolError(
+            f"unsupported compressed-tensors quantization_config with {len(groups)} "
+            "config_groups; moetool reads exactly one"
+        )
+    group_name, scheme = next(iter(groups.items()))
+    if not isinstance(scheme, dict):
+        raise MoetoolError(
+            f"unsupported compressed-tensors config group {group_name!r} given as a preset name; "
+            "moetool reads groups with explicit weights arguments"
+        )
+    return scheme.get("weights") or {}, scheme.get("format") or config.get("format")
+
+
+def _weights_kind(kind: tuple[str, int, str]) -> str:
+    """("float", 8, "channel") -> "fp8 channel"."""
+    kind_type, bits, strategy = kind
+    return f"{'fp' if kind_type == 'float' else kind_type}{bits} {strategy}"
