@@ -79,7 +79,7 @@ def routing(T, E_global, E_local, k, device):
 
 def make_experts(fmt, E, H, N, device, group=128):
     """Random bf16 experts -> (w13, w2 in fmt, w13 bf16, w2 bf16, weight bytes per expert)."""
-    from moetool.kernels import fp8_block_quant, int4_group_quant_pack
+    from moetool.kernels.quant import fp8_block_quant, int4_group_quant_pack
 
     w13 = torch.randn(E, 2 * N, H, device=device, dtype=torch.bfloat16) * 0.02
     w2 = torch.randn(E, H, N, device=device, dtype=torch.bfloat16) * 0.02
@@ -130,7 +130,9 @@ def torch_loop_bf16(x, w13, w2, ids, weights):
 
 
 def bench_moe(args, peak, rows):
-    from moetool.kernels import fp8_act_quant, fused_experts, fused_experts_ref
+    from moetool.formats import get_format
+    from moetool.kernels.fused_moe import fused_experts, fused_experts_ref
+    from moetool.kernels.quant import fp8_act_quant
 
     dev = "cuda"
     for layer in args.layers:
@@ -157,7 +159,10 @@ def bench_moe(args, peak, rows):
                        "k": k, "pairs": P, "active_experts": active, "triton_us": t_tri * 1e6}
                 if not args.no_ref:
                     ref_kwargs = {key: v for key, v in kwargs.items() if key != "check_ids"}
-                    ref_fn = functools.partial(fused_experts_ref, hidden, t13, t2, fmt, ids, tw, **ref_kwargs)
+                    weights = get_format(fmt)  # the reference reads the weights as the format does (int4: g128)
+                    ref_fn = functools.partial(fused_experts_ref, hidden, t13, t2, fmt, ids, tw,
+                                               dequantize=weights.dequantize, split_rows=weights.split_rows,
+                                               **ref_kwargs)
                     row["ref_us"] = time_cuda(ref_fn, max(1, args.reps // 5), warmup=1) * 1e6
                     ref = ref_fn()
                     row["rel_err_vs_ref"] = ((out - ref).norm() / ref.norm()).item()
@@ -184,7 +189,9 @@ SWEEP = [  # MoeConfig(block_m, block_n, block_k, group_m, num_warps, num_stages
 
 def sweep_moe(args, rows):
     """Time fused_experts under each SWEEP tile config (for choosing default_config)."""
-    from moetool.kernels import MoeConfig, fp8_act_quant, fused_experts
+    from moetool.kernels.fused_moe import fused_experts
+    from moetool.kernels.moe_tiles import MoeConfig
+    from moetool.kernels.quant import fp8_act_quant
 
     for layer in args.layers:
         H, N, E_global, ep, k = LAYERS[layer]
@@ -218,7 +225,7 @@ def sweep_moe(args, rows):
 
 
 def bench_quant(args, peak, rows):
-    from moetool.kernels import (
+    from moetool.kernels.quant import (
         fp8_act_quant,
         fp8_act_quant_ref,
         fp8_block_quant,

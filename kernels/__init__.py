@@ -1,43 +1,19 @@
 """Triton kernels with thin checked host wrappers, each with a pure-torch reference beside it.
 
 Run on CUDA tensors, or on CPU with TRITON_INTERPRET=1 set before this package is imported.
-"""
-from .fused_moe import (
-    MoeConfig,
-    fused_experts,
-    fused_experts_ref,
-    moe_align_block_size,
-    moe_align_block_size_ref,
-    moe_sum,
-    moe_sum_ref,
-    silu_and_mul,
-    silu_and_mul_ref,
-)
-from .quant import (
-    fp8_act_quant,
-    fp8_act_quant_ref,
-    fp8_block_quant,
-    fp8_block_quant_ref,
-    int4_dequant_ref,
-    int4_group_quant_pack,
-    int4_group_quant_pack_ref,
-)
+A leaf: the modules import torch, triton and ``moetool.errors`` only (a weight format passes
+what a kernel needs to know about it; it names its scheme as ``kernel_scheme``).
 
-__all__ = [
-    "MoeConfig",
-    "fp8_act_quant",
-    "fp8_act_quant_ref",
-    "fp8_block_quant",
-    "fp8_block_quant_ref",
-    "fused_experts",
-    "fused_experts_ref",
-    "int4_dequant_ref",
-    "int4_group_quant_pack",
-    "int4_group_quant_pack_ref",
-    "moe_align_block_size",
-    "moe_align_block_size_ref",
-    "moe_sum",
-    "moe_sum_ref",
-    "silu_and_mul",
-    "silu_and_mul_ref",
-]
+Modules (import the names from them):
+
+* ``quant``        fp8 block / per-token-group and int4 group quantization (weights, activations)
+* ``fused_moe``    ``fused_experts``: one rank's routed experts, the pipeline below, and its reference
+* ``moe_align``    token-slot pairs sorted by expert and padded to the GEMM's row blocks
+* ``moe_weights``  the stacked weight schemes: their checks and the reference's dequantization
+* ``moe_gemm``     the grouped expert GEMM
+* ``moe_tiles``    its tile sizes per scheme
+* ``moe_silu``     silu(gate) * up, optionally fp8-quantized per 1x128 group
+* ``moe_sum``      the sum over each token's k slots
+* ``ep_dispatch``, ``ep_combine``  expert-parallel routing, packing and combining of token rows
+* ``common``       exact rounding helpers and host checks shared by the kernels
+"""

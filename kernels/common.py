@@ -20,6 +20,15 @@ from moetool.errors import MoetoolError
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 AMAX_EPS = 1e-12  # amax clamp so an all-zero block gets a finite scale
+FP8_BLOCK = 128  # fp8 weight blocks are 128x128, fp8 activation groups 1x128 (DeepSeek-V3)
+#: the float activation dtypes the MoE kernels take
+FLOAT_ACTS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check(cond: bool, msg: str) -> None:
+    """A host wrapper's argument check: raise MoetoolError(msg) unless ``cond``."""
+    if not cond:
+        raise MoetoolError(msg)
 
 
 def is_interpreted(fn) -> bool:

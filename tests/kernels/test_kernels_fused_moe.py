@@ -5,8 +5,15 @@ Letters: T tokens, H hidden, N intermediate, E local experts, k top-k.
 """
 import pytest
 import torch
+from moetool.formats import format_params, get_format
 from moetool.kernels import fused_moe as fm
 from moetool.kernels import quant as kq
+from moetool.kernels.moe_align import moe_align_block_size, moe_align_block_size_ref
+from moetool.kernels.moe_gemm import moe_gemm, moe_gemm_ref
+from moetool.kernels.moe_silu import silu_and_mul, silu_and_mul_ref
+from moetool.kernels.moe_sum import moe_sum, moe_sum_ref
+from moetool.kernels.moe_tiles import MoeConfig, default_config
+from moetool.kernels.moe_weights import dequantize_stacked, parse_weights
 
 from moetool.errors import MoetoolError
 
@@ -65,6 +72,19 @@ def make_weights(fmt, E, H, N, group=128, symmetric=True, dtype=torch.bfloat16, 
     return _stack(per13), _stack(per2)
 
 
+def weight_format(fmt, group=128, symmetric=True):
+    """The weight format ``fmt`` names, with int4's group size and symmetry where it takes them."""
+    params, _ = format_params(fmt, {"group_size": group, "symmetric": symmetric})
+    return get_format(fmt, **params)
+
+
+def fused_ref(x, w13, w2, fmt, ids, tw, group=128, symmetric=True, **kwargs):
+    """fused_experts_ref with the weights read by the format's own dequantize / split_rows."""
+    f = weight_format(fmt, group, symmetric)
+    return fm.fused_experts_ref(x, w13, w2, f.kernel_scheme, ids, tw, dequantize=f.dequantize,
+                                split_rows=f.split_rows, **kwargs)
+
+
 def make_routing(T, E, k, E_global=None, seed=0):
     """topk over E_global experts of which the first E are local; others map to -1."""
     g = torch.Generator().manual_seed(seed)
@@ -98,9 +118,10 @@ def run_case(case, shape, device, apply_router_weight=True):
     w13, w2 = make_weights(fmt, E, H, N, group, bool(symmetric))
     ids, tw = make_routing(T, E, k)
     x, xs = make_hidden(T, H, hdtype)
-    kwargs = {"hidden_scale": xs, "apply_router_weight": apply_router_weight, "group_size": group}
-    ref = fm.fused_experts_ref(x, w13, w2, fmt, ids, tw, **kwargs)
+    kwargs = {"hidden_scale": xs, "apply_router_weight": apply_router_weight}
+    ref = fused_ref(x, w13, w2, fmt, ids, tw, group, bool(symmetric), **kwargs)
     kwargs["hidden_scale"] = xs.to(device) if xs is not None else None
+    kwargs["group_size"] = group
     out = fm.fused_experts(x.to(device), _to(w13, device), _to(w2, device), fmt, ids.to(device), tw.to(device),
                            **kwargs)
     assert out.dtype == torch.float32 and out.shape == (T, H)
@@ -172,7 +193,7 @@ def test_dropped_and_idle_experts_are_never_computed(device):
     tw = torch.rand(T, 2)
     x = torch.randn(T, H, dtype=torch.float16)
     out = fm.fused_experts(x.to(device), _to(w13, device), _to(w2, device), "dense", ids.to(device), tw.to(device))
-    ref = fm.fused_experts_ref(x, w13, w2, "dense", ids, tw)
+    ref = fused_ref(x, w13, w2, "dense", ids, tw)
     assert torch.isfinite(out).all()
     assert (out[5].cpu() == 0).all()
     assert rel_err(out, ref) < 3e-3
@@ -218,8 +239,8 @@ def test_int32_ids_and_explicit_config(device):
     w13, w2 = make_weights("dense", E, H, N, dtype=torch.float16)
     ids, tw = make_routing(T, E, 2)
     x = torch.randn(T, H, dtype=torch.float16)
-    ref = fm.fused_experts_ref(x, w13, w2, "dense", ids, tw)
-    cfg = fm.MoeConfig(block_m=32, block_n=16, block_k=16, group_m=2)
+    ref = fused_ref(x, w13, w2, "dense", ids, tw)
+    cfg = MoeConfig(block_m=32, block_n=16, block_k=16, group_m=2)
     out = fm.fused_experts(x.to(device), _to(w13, device), _to(w2, device), "dense",
                            ids.to(torch.int32).to(device), tw.to(device), config=cfg)
     assert rel_err(out, ref) < 3e-3
@@ -258,8 +279,8 @@ def test_align_matches_loop_reference(T, k, E, block_m, device):
     ids, _ = make_routing(T, E, k, E_global=max(E + 3, k), seed=T)
     if T == 700:
         ids = ids.to(torch.int32)
-    got = [t.cpu() for t in fm.moe_align_block_size(ids.to(device), block_m, E)]
-    ref = fm.moe_align_block_size_ref(ids, block_m, E)
+    got = [t.cpu() for t in moe_align_block_size(ids.to(device), block_m, E)]
+    ref = moe_align_block_size_ref(ids, block_m, E)
     for a, b in zip(got, ref):
         assert a.dtype == b.dtype and torch.equal(a, b)
     sorted_ids, _, num_post = got
@@ -269,19 +290,51 @@ def test_align_matches_loop_reference(T, k, E, block_m, device):
     assert int(num_post) % block_m == 0
 
 
+@pytest.mark.parametrize("fmt, act_dtype, symmetric", [
+    ("dense", torch.float32, None), ("fp8-block", torch.float8_e4m3fn, None),
+    ("fp8-channel", torch.float32, None), ("int4-group", torch.float32, False),
+])
+def test_moe_gemm_matches_ref(fmt, act_dtype, symmetric, device):
+    """Both grouped GEMMs alone (w13 on token rows with fp8-block's separately scaled gate/up
+    halves, w2 on pair rows with the router weight) against the torch reference on the
+    format's dequantized weights; rows of pairs on other ranks are never written."""
+    T, E, H, N, k, group = SHAPES[0]
+    f = weight_format(fmt, group, bool(symmetric))
+    w13, w2 = make_weights(fmt, E, H, N, group, bool(symmetric))
+    ids, tw = make_routing(T, E, k)
+    P = T * k
+    cfg = default_config(f.kernel_scheme, P / E, torch.float32, device == "cpu", group)
+    sorted_ids, expert_ids, num_post_pad = (t.cpu() for t in moe_align_block_size(ids.to(device), cfg.block_m, E))
+    x, xs = make_hidden(T, H, act_dtype)
+    h, hs = make_hidden(P, N, act_dtype)
+    for a, a_scale, w, R, C, a_row_div, split, mul in ((x, xs, w13, 2 * N, H, k, N, False),
+                                                       (h, hs, w2, H, N, 1, None, True)):
+        wts = parse_weights(f.kernel_scheme, _to(w, device), "w", E, R, C, group, split)
+        c = torch.full((P, R), float("nan"), device=device)
+        moe_gemm(a.to(device), a_scale.to(device) if a_scale is not None else None, wts, c, tw.view(-1).to(device),
+                 sorted_ids.to(device), expert_ids.to(device), num_post_pad.to(device), P, a_row_div,
+                 split or R, mul, group, cfg)
+        dense = torch.stack([dequantize_stacked(f.kernel_scheme, w, e, R, C, f.dequantize,
+                                                f.split_rows if split else None) for e in range(E)])
+        ref = moe_gemm_ref(a, a_scale, dense, tw, sorted_ids, expert_ids, P, a_row_div, mul, cfg.block_m)
+        local = ids.view(-1) >= 0
+        assert torch.isnan(c.cpu()[~local]).all()
+        assert rel_err(c.cpu()[local], ref[local]) < 1e-5, (fmt, R)
+
+
 def test_silu_and_mul(device):
     x = torch.randn(37, 2 * 200) * 4
-    ref = fm.silu_and_mul_ref(x)
-    y = fm.silu_and_mul(x.to(device)).cpu()
+    ref = silu_and_mul_ref(x)
+    y = silu_and_mul(x.to(device)).cpu()
     torch.testing.assert_close(y, ref, rtol=2e-6, atol=1e-6)
     ids = torch.randint(-1, 3, (37,))
-    q, s = fm.silu_and_mul(x.to(device), ids.to(device), quant_fp8=True)
+    q, s = silu_and_mul(x.to(device), ids.to(device), quant_fp8=True)
     keep = ids >= 0
     q_ref, s_ref = kq.fp8_act_quant_ref(ref[keep])
     torch.testing.assert_close(s.cpu()[keep], s_ref, rtol=2e-6, atol=0)
     same = (q.cpu()[keep].view(torch.uint8) == q_ref.view(torch.uint8)).float().mean().item()
     assert same > 0.99  # exp() may differ from torch's by an ulp: rare 1-step e4m3 flips
-    half = fm.silu_and_mul(x.to(device), out_dtype=torch.float16).cpu()
+    half = silu_and_mul(x.to(device), out_dtype=torch.float16).cpu()
     assert half.dtype == torch.float16
     torch.testing.assert_close(half.float(), ref, rtol=1e-3, atol=1e-3)
 
@@ -291,10 +344,10 @@ def test_moe_sum_bit_exact_and_ignores_dropped_rows(device):
     ids = torch.randint(-1, 4, (T, k))
     c = torch.randn(T * k, H)
     c[ids.view(-1) < 0] = float("nan")  # rows of dropped pairs are never written
-    out = fm.moe_sum(c.to(device), ids.to(device)).cpu()
-    assert torch.equal(out, fm.moe_sum_ref(c, ids))
-    half = fm.moe_sum(c.to(device), ids.to(device), torch.bfloat16).cpu()
-    assert half.dtype == torch.bfloat16 and torch.equal(half, fm.moe_sum_ref(c, ids, torch.bfloat16))
+    out = moe_sum(c.to(device), ids.to(device)).cpu()
+    assert torch.equal(out, moe_sum_ref(c, ids))
+    half = moe_sum(c.to(device), ids.to(device), torch.bfloat16).cpu()
+    assert half.dtype == torch.bfloat16 and torch.equal(half, moe_sum_ref(c, ids, torch.bfloat16))
     assert torch.equal(half, out.to(torch.bfloat16))
 
 

@@ -1,0 +1,232 @@
+"""The grouped expert GEMM (steps 2 and 4 of :func:`moetool.kernels.fused_moe.fused_experts`):
+C[p] = B[expert of p's block] @ A[p // a_row_div] for the pairs sorted by
+:func:`moetool.kernels.moe_align.moe_align_block_size`.
+
+Letters: P = token-slot pairs, R x C = one expert's logical weight (out x in), K = C, E =
+local experts, BM / BN / BK = tile sizes (:class:`moetool.kernels.moe_tiles.MoeConfig`).
+
+:func:`moe_gemm` is the host wrapper (weights checked by
+:func:`moetool.kernels.moe_weights.parse_weights`), :func:`moe_gemm_ref` its torch reference
+on dequantized weights.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import FP8_BLOCK, check, is_interpreted
+from .moe_tiles import MoeConfig
+from .moe_weights import SCHEMES, StackedWeights
+from .quant import fp8_dequant_act_ref
+
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _load_k(ptrs, even_mask, mask, EVEN_K: tl.constexpr):
+    """Load a tile whose K extent is whole (EVEN_K: only ``even_mask``, None = unmasked) or
+    ragged (``mask``, zero fill)."""
+    if EVEN_K:
+        if even_mask is None:
+            return tl.load(ptrs)
+        else:
+            return tl.load(ptrs, mask=even_mask, other=0.0)
+    else:
+        return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, b_zp_ptr, c_ptr, topk_weights_ptr,
+    sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr,
+    N, K, EM, num_valid, a_row_div, split_n, split_nb, group_k,
+    stride_am, stride_ak, stride_asm, stride_ask,
+    stride_be, stride_bn, stride_bk,
+    stride_se, stride_sn, stride_sk,
+    stride_ze, stride_zn, stride_zk,
+    stride_cm, stride_cn,
+    FMT: tl.constexpr, HAS_ZP: tl.constexpr, GROUP_TILE: tl.constexpr, EVEN_K: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """One program: BLOCK_M sorted pairs (one expert) x BLOCK_N output columns.
+
+    A [rows, K] (row of pair p: p // a_row_div); B logical [E, N, K]; C [P, N].
+    FMT 0 dense: B float, cast to DOT_DTYPE.
+    FMT 1 fp8-block (W8A8): A, B e4m3; per 128-wide K block acc += (A@B) * a_s[m] * b_s[n];
+          a_scale [rows, ceil(K/128)], b_scale rows: n // 128 below split_n, else
+          split_nb + (n - split_n) // 128 (gate / up blocks stacked separately).
+    FMT 2 fp8-channel (W8A16): B e4m3 cast to DOT_DTYPE, scale [E, N, 1] applied after the K loop.
+    FMT 3 int4-group (W4A16): B int32 [E, N, ceil(K/8)] nibbles, scale [E, N, ceil(K/g)],
+          zero points [E, ceil(N/8), ceil(K/g)] (HAS_ZP); tile dequantized as (q - z) * s.
+          GROUP_TILE: g % BLOCK_K == 0, so scales / zero points are loaded once per K tile.
+    EVEN_K: K % BLOCK_K == 0, no K masks. Weight rows are read modulo N (always in bounds, no
+    N masks on weight loads); the extra columns are dropped by the masked store.
+    """
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(EM, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_in_group
+    first_m = group_id * GROUP_M
+    group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + ((pid % num_in_group) % group_m)
+    pid_n = (pid % num_in_group) // group_m
+
+    if pid_m * BLOCK_M >= tl.load(num_post_pad_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ids_ptr + offs_m)  # [BM] int32, P = padding
+    m_mask = pair < num_valid
+    pair64 = pair.to(tl.int64)
+    a_rows = (pair // a_row_div).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output columns
+    n_mask = offs_n < N
+    offs_bn = offs_n % N  # weight rows, always in range: B loads need no N mask
+    offs_bn64 = offs_bn.to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    b_base = b_ptr + expert * stride_be
+    if FMT == 1:  # fp8-block weight scale row of each output row (gate / up blocks apart)
+        s_rows = tl.where(offs_bn < split_n, offs_bn // 128, split_nb + (offs_bn - split_n) // 128)
+        bs_base = b_scale_ptr + expert * stride_se + s_rows.to(tl.int64) * stride_sn  # [BN]
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k  # [BK]
+        k_mask = kk < K
+        a = _load_k(a_ptr + a_rows[:, None] * stride_am + kk[None, :] * stride_ak,
+                    m_mask[:, None], m_mask[:, None] & k_mask[None, :], EVEN_K)  # [BM, BK]
+        if FMT == 3:
+            # one load per int32 word (contiguous along K), then 8 nibbles each: k = 8 * w + i
+            kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # [BK/8]
+            words = _load_k(b_base + offs_bn64[None, :] * stride_bn + kw[:, None] * stride_bk,
+                            None, (kw < tl.cdiv(K, 8))[:, None], EVEN_K)  # [BK/8, BN] int32
+            shifts = tl.arange(0, 8) * 4
+            q = (words[:, None, :] >> shifts[None, :, None]) & 0xF  # [BK/8, 8, BN]: q + 8
+            q = tl.reshape(q, [BLOCK_K, BLOCK_N])  # padding nibbles past K give finite b, a = 0
+            if GROUP_TILE:  # the K tile lies in one group: one scale / zero point per column
+                grp = k0 // group_k
+                s = tl.load(b_scale_ptr + expert * stride_se + offs_bn64 * stride_sn + grp * stride_sk)
+                s = s.to(tl.float32)[None, :]
+                if HAS_ZP:
+                    zw = tl.load(b_zp_ptr + expert * stride_ze + (offs_bn64 // 8) * stride_zn + grp * stride_zk)
+                    q = q - ((zw >> ((offs_bn % 8) * 4)) & 0xF)[None, :]  # (q + 8) - (z + 8)
+                else:
+                    q = q - 8
+            else:
+                grp = kk // group_k
+                s = tl.load(
+                    b_scale_ptr + expert * stride_se + offs_bn64[None, :] * stride_sn + grp[:, None] * stride_sk,
+                    mask=k_mask[:, None], other=0.0,
+                ).to(tl.float32)
+                if HAS_ZP:
+                    zw = tl.load(
+                        b_zp_ptr + expert * stride_ze + (offs_bn64 // 8)[None, :] * stride_zn
+                        + grp[:, None] * stride_zk,
+                        mask=k_mask[:, None], other=0,
+                    )
+                    q = q - ((zw >> ((offs_bn % 8) * 4)[None, :]) & 0xF)
+                else:
+                    q = q - 8
+            b = (q.to(tl.float32) * s).to(DOT_DTYPE)
+            acc += tl.dot(a.to(DOT_DTYPE), b, input_precision=PREC)
+        elif FMT == 1:
+            b = _load_k(b_base + offs_bn64[None, :] * stride_bn + kk[:, None] * stride_bk,
+                        None, k_mask[:, None], EVEN_K)  # [BK, BN] e4m3
+            kb = k0 // 128
+            a_s = tl.load(a_scale_ptr + a_rows * stride_asm + kb * stride_ask, mask=m_mask, other=0.0)
+            b_s = tl.load(bs_base + kb * stride_sk)
+            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        else:
+            b = _load_k(b_base + offs_bn64[None, :] * stride_bn + kk[:, None] * stride_bk,
+                        None, k_mask[:, None], EVEN_K)
+            acc += tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), input_precision=PREC)
+
+    if FMT == 2:
+        cs = tl.load(b_scale_ptr + expert * stride_se + offs_bn64 * stride_sn)
+        acc = acc * cs.to(tl.float32)[None, :]
+    if MUL_WEIGHT:
+        w = tl.load(topk_weights_ptr + pair64, mask=m_mask, other=0.0)
+        acc = acc * w[:, None]
+    tl.store(
+        c_ptr + pair64[:, None] * stride_cm + offs_n.to(tl.int64)[None, :] * stride_cn,
+        acc.to(c_ptr.dtype.element_ty),
+        mask=m_mask[:, None] & n_mask[None, :],
+    )
+
+
+def moe_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, wts: StackedWeights, c: torch.Tensor,
+             topk_weights: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
+             num_post_pad: torch.Tensor, num_valid: int, a_row_div: int, split_n: int, mul_weight: bool,
+             group_size: int, cfg: MoeConfig) -> None:
+    """c[p] = A[p // a_row_div] @ W[e]^T (* topk_weights[p] when mul_weight) for every pair
+    p < num_valid of a block of sorted_ids, e = that block's expert; other rows of c untouched.
+
+    a [rows, K] with contiguous rows: e4m3 with a_scale fp32 [rows, ceil(K/128)] for fp8-block,
+    else fp16/bf16/fp32 (a_scale None); wts: one stacked linear, logical [E, R, K], checked by
+    :func:`moetool.kernels.moe_weights.parse_weights`; c [P, R]; topk_weights fp32 [P] (read
+    only when mul_weight); sorted_ids / expert_ids / num_post_pad: ``moe_align_block_size`` with
+    BM = cfg.block_m; split_n: the gate rows of an fp8-block w13 (R for any other linear);
+    group_size: int4's g.
+    """
+    check(a.dim() == 2 and a.stride(1) == 1 and c.dim() == 2, "moe_gemm: a and c must be 2-D, a's rows contiguous")
+    check(c.shape[1] == wts.main.shape[1],
+          f"moe_gemm: c has {c.shape[1]} columns, the weights {wts.main.shape[1]} rows")
+    R = c.shape[1]
+    K = a.shape[1]
+    EM = sorted_ids.numel()
+    main, scale = wts.main, wts.scale
+    scale_ = scale if scale is not None else main
+    zp_ = wts.zp if wts.zp is not None else main
+    a_scale_ = a_scale if a_scale is not None else a
+    if wts.fmt == SCHEMES["fp8-block"].code:  # e4m3 x e4m3 dots
+        dot_dtype, prec = tl.float8e4nv, "ieee"
+    else:
+        dot_dtype = _TL_DTYPES[a.dtype]
+        if dot_dtype == tl.bfloat16 and is_interpreted(_moe_gemm_kernel):
+            dot_dtype = tl.float32  # the interpreter's bf16 tl.dot is wrong
+        prec = "ieee" if dot_dtype == tl.float32 else "tf32"
+    grid = (triton.cdiv(EM, cfg.block_m) * triton.cdiv(R, cfg.block_n),)
+    _moe_gemm_kernel[grid](
+        a, a_scale_, main, scale_, zp_, c, topk_weights,
+        sorted_ids, expert_ids, num_post_pad,
+        R, K, EM, num_valid, a_row_div, split_n, triton.cdiv(split_n, FP8_BLOCK), group_size,
+        a.stride(0), a.stride(1), a_scale_.stride(0), a_scale_.stride(-1),
+        main.stride(0), main.stride(1), main.stride(2),
+        scale_.stride(0), scale_.stride(1), scale_.stride(-1),
+        zp_.stride(0), zp_.stride(1), zp_.stride(-1),
+        c.stride(0), c.stride(1),
+        FMT=wts.fmt, HAS_ZP=wts.zp is not None, GROUP_TILE=group_size % cfg.block_k == 0,
+        EVEN_K=K % cfg.block_k == 0,
+        MUL_WEIGHT=bool(mul_weight),
+        DOT_DTYPE=dot_dtype, PREC=prec,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def moe_gemm_ref(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, topk_weights: torch.Tensor,
+                 sorted_ids: torch.Tensor, expert_ids: torch.Tensor, num_valid: int, a_row_div: int,
+                 mul_weight: bool, block_m: int) -> torch.Tensor:
+    """Reference of :func:`moe_gemm` in fp32 on dequantized weights w fp32 [E, R, K] (e.g.
+    ``dequantize_stacked`` of each expert) -> [num_valid, R], zero rows for pairs in no block.
+    Not bit-exact: the kernel sums its K tiles in another order, and fp8-block scales each
+    128-column block's partial sum."""
+    x = fp8_dequant_act_ref(a, a_scale, FP8_BLOCK) if a.dtype == torch.float8_e4m3fn else a.float()
+    out = torch.zeros((num_valid, w.shape[1]), dtype=torch.float32, device=a.device)
+    for b, e in enumerate(expert_ids.tolist()):
+        if e < 0:
+            continue
+        pairs = sorted_ids[b * block_m:(b + 1) * block_m].long()
+        pairs = pairs[pairs < num_valid]  # [n] (padding dropped)
+        y = x[pairs // a_row_div] @ w[e].t()  # [n, R]
+        if mul_weight:
+            y = y * topk_weights.reshape(-1)[pairs].float()[:, None]
+        out[pairs] = y
+    return out

@@ -1,0 +1,117 @@
+"""The stacked expert weights the fused-MoE kernels read, per weight scheme: the scheme table,
+the host-side checks (:func:`parse_weights`) and the torch reference's reading
+(:func:`dequantize_stacked`).
+
+Letters: E = local experts, N = expert intermediate size, H = hidden size, g = int4 group
+size. Stacked tensors have a leading dim E; "logical" [R, C] is [2N, H] for w13 (gate rows,
+then up rows), [H, N] for w2. The schemes (a weight format names its scheme as
+``kernel_scheme``; the kernels never import the formats):
+
+  dense        weight [E, R, C] float
+  fp8-block    weight e4m3 [E, R, C]; weight_scale_inv fp32 [E, ceil(R/128), ceil(C/128)], for w13
+               gate and up blocks stacked separately: [E, 2*ceil(N/128), ceil(H/128)]  (W8A8)
+  fp8-channel  weight e4m3 [E, R, C]; weight_scale [E, R, 1]                         (W8A16)
+  int4-group   weight_packed int32 [E, R, ceil(C/8)]; weight_scale [E, R, ceil(C/g)];
+               weight_shape [E, 2] (not read); optional weight_zero_point int32
+               [E, ceil(R/8), ceil(C/g)] packed along R (w13: over all 2N rows)       (W4A16)
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from .common import FLOAT_ACTS, FP8_BLOCK, check
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """How the kernels read one scheme's stacked tensors."""
+
+    code: int  # the FMT constexpr of moetool.kernels.moe_gemm._moe_gemm_kernel
+    main: str  # the tensor holding the weights, [E, R, C] (int4: packed words [E, R, C/8])
+    fp8_acts: bool = False  # W8A8: activations quantized to e4m3 per token and 128 columns
+    groups: bool = False  # weights scaled per group of g columns along K
+    shape_key: str | None = None  # a tensor of logical shapes [E, 2], never read by the GEMM
+
+
+SCHEMES = {
+    "dense": Scheme(0, "weight"),
+    "fp8-block": Scheme(1, "weight", fp8_acts=True),
+    "fp8-channel": Scheme(2, "weight"),
+    "int4-group": Scheme(3, "weight_packed", groups=True, shape_key="weight_shape"),
+}
+
+
+@dataclass
+class StackedWeights:
+    """One stacked linear, checked: logical [E, R, C] in the scheme of kernel code ``fmt``."""
+
+    fmt: int
+    main: torch.Tensor  # weight / weight_packed
+    scale: torch.Tensor | None
+    zp: torch.Tensor | None
+
+
+def parse_weights(scheme: str, t: dict, name: str, E: int, R: int, C: int, group_size: int,
+                  split_rows: int | None) -> StackedWeights:
+    """Validate the stacked tensors of ``name`` (w13 / w2), logical [E, R, C], in ``scheme``
+    (module docstring). split_rows: N of a w13 whose gate and up halves of N rows each carry
+    their own fp8 block scale rows."""
+    for key, v in t.items():
+        check(isinstance(v, torch.Tensor), f"{name}[{key!r}] is not a tensor")
+        check(key == "weight_shape" or v.is_contiguous(), f"{name}[{key!r}] must be contiguous")
+
+    def need(key, shape, dtypes=None, floating=False):
+        check(key in t, f"{name} ({scheme}) is missing {key!r}")
+        v = t[key]
+        check(tuple(v.shape) == tuple(shape), f"{name}[{key!r}] has shape {list(v.shape)}, expected {list(shape)}")
+        if dtypes is not None:
+            check(v.dtype in dtypes, f"{name}[{key!r}] has dtype {v.dtype}, expected {dtypes}")
+        if floating:
+            check(v.dtype in FLOAT_ACTS, f"{name}[{key!r}] has dtype {v.dtype}, expected a float dtype")
+        return v
+
+    code = SCHEMES[scheme].code
+    if scheme == "dense":
+        return StackedWeights(code, need("weight", (E, R, C), floating=True), None, None)
+    if scheme == "fp8-block":
+        nb = triton.cdiv(C, FP8_BLOCK)
+        rb = triton.cdiv(R, FP8_BLOCK) if split_rows is None else 2 * triton.cdiv(split_rows, FP8_BLOCK)
+        w = need("weight", (E, R, C), [torch.float8_e4m3fn])
+        return StackedWeights(code, w, need("weight_scale_inv", (E, rb, nb), [torch.float32]), None)
+    if scheme == "fp8-channel":
+        w = need("weight", (E, R, C), [torch.float8_e4m3fn])
+        return StackedWeights(code, w, need("weight_scale", (E, R, 1), floating=True), None)
+    # int4-group
+    G = triton.cdiv(C, group_size)
+    w = need("weight_packed", (E, R, triton.cdiv(C, 8)), [torch.int32])
+    s = need("weight_scale", (E, R, G), floating=True)
+    if "weight_shape" in t:
+        check(tuple(t["weight_shape"].shape) in ((E, 2), (2,)), f"{name}['weight_shape'] must be [E, 2]")
+    zp = need("weight_zero_point", (E, triton.cdiv(R, 8), G), [torch.int32]) if "weight_zero_point" in t else None
+    return StackedWeights(code, w, s, zp)
+
+
+def dequantize_stacked(scheme: str, t: dict[str, torch.Tensor], e: int, rows: int, cols: int,
+                       dequantize: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+                       split_rows: Callable[[dict[str, torch.Tensor], list[int]], list[dict]] | None = None,
+                       ) -> torch.Tensor:
+    """Expert e of stacked tensors ``t`` in ``scheme`` (logical [E, rows, cols]) -> fp32
+    [rows, cols], through the weight format's own functions (the one definition of its
+    dequantization), which the caller passes:
+
+    dequantize: one expert's 2-D tensors -> fp32 (``WeightFormat.dequantize``);
+    split_rows: for a w13, (tensors, [N, N]) -> [gate, up] (``WeightFormat.split_rows``): each
+    half is dequantized on its own, as the format stacked them (fp8-block scales the gate and
+    up blocks apart when N % 128 != 0).
+    """
+    check(scheme in SCHEMES, f"unknown weight format {scheme!r} (known: {', '.join(SCHEMES)})")
+    shape_key = SCHEMES[scheme].shape_key
+    one = {key: v[e] for key, v in t.items() if key != shape_key}
+    if shape_key is not None:
+        one[shape_key] = torch.tensor([rows, cols], dtype=torch.int32)
+    parts = split_rows(one, [rows // 2] * 2) if split_rows is not None else [one]
+    return torch.cat([dequantize(part) for part in parts])
