@@ -1,25 +1,29 @@
+"""``moetool quantize``: its format options come from the format registry.
+
+``--format NAME`` takes any format ``moetool.formats`` can write; each format adds its own
+alias flags (``--fp8-block``, ``--int4``) and its parameters as options (int4-group:
+``--group-size``, ``--symmetric/--asymmetric``). The command is built from the registry each
+time it is looked up, so a format module in formats/ is all a new format needs.
+"""
 from __future__ import annotations
 
-from typing import Annotated
+import dataclasses
+import inspect
+from typing import Annotated, Optional
 
 import typer
 
 from moetool.cli import command_app
 from moetool.cli.options import DryRun, Force, MaxShardSize, Out, Quiet, Revision, Source, check_layout, parse_size
 from moetool.errors import MoetoolError
+from moetool.lazy import import_module
 
-app = command_app()
+HELP = "Requantize routed-expert weights; everything else passes through bit-identical."
 
 
-@app.command("quantize")
-def quantize_cmd(
+def _options(
     source: Source,
     out: Out,
-    fp8_block: Annotated[bool, typer.Option("--fp8-block", help="fp8 e4m3, 128x128 block scales (DeepSeek-V3)")] = False,
-    fp8_channel: Annotated[bool, typer.Option("--fp8-channel", help="fp8 e4m3, per-channel scales (compressed-tensors)")] = False,
-    int4: Annotated[bool, typer.Option("--int4", help="int4 group W4A16 (compressed-tensors pack-quantized)")] = False,
-    group_size: Annotated[int, typer.Option("--group-size", help="int4 group size")] = 128,
-    symmetric: Annotated[bool, typer.Option("--symmetric/--asymmetric", help="int4 zero point")] = True,
     include_shared_experts: Annotated[bool, typer.Option("--include-shared-experts", help="quantize shared experts too")] = False,
     layout: Annotated[str, typer.Option("--layout", help="per-expert (what vLLM loads) or stacked")] = "per-expert",
     device: Annotated[str, typer.Option("--device", help="cpu or cuda")] = "cpu",
@@ -29,18 +33,82 @@ def quantize_cmd(
     quiet: Quiet = False,
     revision: Revision = None,
 ) -> None:
-    """Requantize routed-expert weights; everything else passes through bit-identical."""
-    chosen = [n for n, on in (("fp8-block", fp8_block), ("fp8-channel", fp8_channel), ("int4-group", int4)) if on]
-    if len(chosen) != 1:
-        raise MoetoolError("choose exactly one of --fp8-block, --fp8-channel, --int4")
-    check_layout(layout)
-    if group_size < 1:
-        raise MoetoolError(f"--group-size {group_size} must be positive")
-    from moetool.lazy import import_module
+    """The options of every format (the format's own go between ``out`` and these)."""
 
+
+def quantize_app() -> typer.Typer:
+    """A one-command Typer app: ``quantize`` with the options of the formats registered now."""
+    registry = import_module("moetool.formats.registry")  # torch: the command converts anyway
+    targets = registry.quantize_targets()
+    FormatName = registry.name_enum([cls.name for cls in targets])  # the choices of --format
+    given = inspect.signature(_options, eval_str=True).parameters
+    names = [cls.name for cls in targets]
+    listed = " or ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+    params = [given["source"], given["out"], _option(
+        "format_name", Optional[FormatName], None, "--format", f"output weight format: {listed} (or its flag below)",
+        metavar="NAME")]
+    for cls in targets:
+        params += [_option(_identifier(flag), bool, False, flag, cls.cli_help) for flag in cls.cli_flags]
+    for cls in targets:
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        params += [_option(field, type(defaults[field]), defaults[field], p.flag, p.help)
+                   for field, p in cls.cli_params.items()]
+    params += [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for name, p in given.items()
+               if name not in ("source", "out")]
+    unique: dict[str, inspect.Parameter] = {}
+    for p in params:
+        unique.setdefault(p.name, p)  # a parameter two formats share: one option
+
+    def quantize_cmd(**options) -> None:
+        _run(registry, options)
+
+    quantize_cmd.__signature__ = inspect.Signature(list(unique.values()))
+    quantize_cmd.__doc__ = HELP
+    app = command_app()
+    app.command("quantize")(quantize_cmd)
+    return app
+
+
+def __getattr__(name: str):
+    """``app``, built from the registry each time ``moetool.cli`` looks the command up."""
+    if name == "app":
+        return quantize_app()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _option(name: str, kind, default, flag: str, help_text: str, **option) -> inspect.Parameter:
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                             annotation=Annotated[kind, typer.Option(flag, help=help_text, **option)])
+
+
+def _identifier(flag: str) -> str:
+    """"--fp8-block" -> "fp8_block"."""
+    return flag.lstrip("-").replace("-", "_")
+
+
+def _run(registry, options: dict) -> None:
+    targets = registry.quantize_targets()
+    name = options["format_name"]
+    chosen = [name.value] if name is not None else []
+    flags = [(cls.name, flag) for cls in targets for flag in cls.cli_flags]
+    chosen += [fmt for fmt, flag in flags if options[_identifier(flag)]]
+    if len(set(chosen)) != 1:
+        if name is not None:
+            others = ", ".join(flag for fmt, flag in flags if fmt in chosen and fmt != name.value)
+            raise MoetoolError(f"--format {name.value} and {others} choose different formats")
+        raise MoetoolError(f"choose exactly one of {', '.join(flag for _, flag in flags)}")
+    check_layout(options["layout"])
+    for cls in targets:
+        for field, p in cls.cli_params.items():
+            if p.positive and options[field] < 1:
+                raise MoetoolError(f"{p.flag} {options[field]} must be positive")
+    fmt = registry.FORMATS[chosen[0]]
+    params = {field: options[field] for field in fmt.cli_params}
     quantize = import_module("moetool.convert.quantize").quantize
 
-    result = quantize(source, out, chosen[0], group_size=group_size, symmetric=symmetric, layout=layout,
-                      include_shared=include_shared_experts, max_shard_size=parse_size(max_shard_size),
-                      dry_run=dry_run, force=force, progress=not quiet, revision=revision, device=device)
-    typer.echo(result.describe() if dry_run else result.render())
+    result = quantize(options["source"], options["out"], fmt.name, **params, layout=options["layout"],
+                      include_shared=options["include_shared_experts"],
+                      max_shard_size=parse_size(options["max_shard_size"]), dry_run=options["dry_run"],
+                      force=options["force"], progress=not options["quiet"], revision=options["revision"],
+                      device=options["device"])
+    typer.echo(result.describe() if options["dry_run"] else result.render())

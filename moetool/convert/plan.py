@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Literal, Union
 
+from moetool.formats.cards import quantized_suffixes
 from moetool.read.manifest import JOURNAL_NAME, MANIFEST_NAME
 from moetool.read.safetensors import SAFETENSORS_METADATA, TensorSpec, safetensors_header
 
@@ -28,9 +29,10 @@ COMMON_STEM = "model-common"
 ROLES = ("gate", "up", "down")
 OTHER_FILE_SUFFIXES = (".json", ".txt", ".model", ".tiktoken", ".jinja")
 SKIP_FILES = {"config.json", "model.safetensors.index.json", MANIFEST_NAME, JOURNAL_NAME}
-#: tensor suffixes only a quantized linear has (its weight is then no plain tensor to copy)
-QUANTIZED_ONLY_SUFFIXES = {"weight_scale_inv", "weight_scale", "weight_packed", "weight_shape", "weight_zero_point",
-                           "input_scale", "weight_global_scale"}
+#: tensor suffixes only a quantized linear has (its weight is then no plain tensor to copy): every
+#: format's, read from formats/ without importing torch (the byte-copy path never does), and
+#: those of formats moetool does not read (static fp8 activation scales, fp4 global scales)
+QUANTIZED_ONLY_SUFFIXES = set(quantized_suffixes()) | {"input_scale", "weight_global_scale"}
 
 
 @dataclass(frozen=True)

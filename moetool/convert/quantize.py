@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from moetool.convert.conversion import convert_checkpoint
 from moetool.convert.plan import Plan, Summary
-from moetool.formats import get_format
+from moetool.formats import format_params, get_format
 
 
-def quantize(source, out, fmt_name: str, *, group_size: int = 128, symmetric: bool = True, **kw) -> Summary | Plan:
-    params = {"group_size": group_size, "symmetric": symmetric} if fmt_name == "int4-group" else {}
+def quantize(source, out, fmt_name: str, **kw) -> Summary | Plan:
+    """``kw``: the format's parameters (its fields, e.g. group_size; another format's are
+    ignored, so one call can pass group_size=64 whatever the format) and
+    ``convert_checkpoint``'s options."""
+    params, kw = format_params(fmt_name, kw)
     return convert_checkpoint(source, out, fmt=get_format(fmt_name, **params), **kw)
 
 

@@ -141,21 +141,10 @@ def _thread_stream(device: torch.device):
 
 
 def gpu_quantize(fmt: WeightFormat, w: torch.Tensor, orig_dtype: torch.dtype) -> Linear | None:
-    """Quantize a CUDA weight with the Triton kernels; None where no kernel applies or the
-    input is not finite (the format's torch code then quantizes, or raises naming the problem)."""
-    from moetool.kernels import quant as kq
-
-    if fmt.name == "fp8-block":
-        q, scale = kq.fp8_block_quant(w.contiguous())
-        t = {"weight": q, "weight_scale_inv": scale}
-    elif fmt.name == "int4-group" and w.shape[1] % fmt.group_size == 0 and fmt.group_size % 8 == 0:
-        t = kq.int4_group_quant_pack(w.contiguous(), fmt.group_size, fmt.symmetric, orig_dtype)
-        scale = t["weight_scale"]
-    else:
-        return None
-    if not bool(torch.isfinite(scale).all()):
-        return None
-    return {s: t[s] for s in fmt.suffixes}
+    """Quantize a CUDA weight with the format's Triton kernel (``WeightFormat.quantize_cuda``);
+    None where no kernel applies or the input is not finite (the format's torch code then
+    quantizes, or raises naming the problem)."""
+    return fmt.quantize_cuda(w, orig_dtype)
 
 
 class ErrorStats:

@@ -444,9 +444,27 @@ def test_missing_scale_partner(tiny, cli, tmp_path, expert):
         assert not out.exists()
 
 
+@pytest.mark.parametrize("flags, spelled", [
+    (["--fp8-block"], ["--format", "fp8-block"]),
+    (["--fp8-channel"], ["--format", "fp8-channel"]),
+    (["--int4", "--group-size", "64", "--asymmetric"], ["--format", "int4-group", "--group-size", "64", "--asymmetric"]),
+    (["--int4"], ["--int4", "--format", "int4-group"]),  # both spellings of one format
+], ids=["fp8-block", "fp8-channel", "int4-g64-asym", "int4-both"])
+def test_format_option_writes_what_the_flag_writes(tiny, cli, tmp_path, flags, spelled):
+    """``--format NAME`` (and its parameters' options) is another spelling of the format's flag:
+    the same bytes in every output file."""
+    src = tiny("mixtral")
+    assert cli("quantize", src, tmp_path / "flag", *flags, "--quiet").code == 0
+    r = cli("quantize", src, tmp_path / "format", *spelled, "--quiet")
+    assert r.code == 0, r.err
+    assert tree_hashes(tmp_path / "format") == tree_hashes(tmp_path / "flag")
+
+
 @pytest.mark.parametrize("args, message", [
     (["--fp8-block", "--int4"], "choose exactly one of --fp8-block, --fp8-channel, --int4"),
     ([], "choose exactly one of --fp8-block, --fp8-channel, --int4"),
+    (["--format", "fp8-block", "--int4"], "--format fp8-block and --int4 choose different formats"),
+    (["--format", "int4-group", "--group-size", "0"], "--group-size 0 must be positive"),
     (["--int4", "--group-size", "0"], "--group-size 0 must be positive"),
     (["--fp8-block", "--layout", "fused"], "--layout 'fused': expected per-expert or stacked"),
     (["--fp8-block", "--device", "tpu"], "--device 'tpu': expected cpu or cuda"),
@@ -477,6 +495,14 @@ def test_usage_error_is_not_a_traceback(tiny, cli, tmp_path):
     r = cli("quantize", tiny("mixtral"), tmp_path / "out", "--fp8-blok")
     assert r.code == 2
     assert "Traceback" not in r.err and "No such option: --fp8-blok" in r.err
+
+
+@pytest.mark.parametrize("name", ["nf4", "dense"])
+def test_format_option_takes_only_quantized_formats(tiny, cli, tmp_path, name):
+    r = cli("quantize", tiny("mixtral"), tmp_path / "out", "--format", name)
+    assert r.code == 2 and "Traceback" not in r.err
+    assert "Invalid value for '--format'" in r.err and "fp8-block" in r.err and "int4-group" in r.err
+    assert not (tmp_path / "out").exists()
 
 
 def test_max_shard_size(tiny, cli, tmp_path):
