@@ -15,7 +15,7 @@ app = command_app()
 @app.command("demo")
 def demo_cmd(
     workdir: Annotated[Optional[Path], typer.Option("--workdir", help="write the demo's files here and keep them (default: a temporary folder, removed at the end)")] = None,
-    fmt: Annotated[str, typer.Option("--format", help="fp8-block, fp8-channel or int4-group (int4 with group size 64)")] = "fp8-block",
+    fmt: Annotated[str, typer.Option("--format", help="a format `moetool quantize` writes, by name or by its flag (int4); int4 with group size 64")] = "fp8-block",
 ) -> None:
     """Write a tiny MoE model, quantize it, shard it over 4 EP ranks and verify it (CPU, < 1 min),
     then print the commands it ran, to re-run by hand."""

@@ -18,21 +18,38 @@ from moetool.convert.quantize import quantize
 from moetool.convert.shard import shard
 from moetool.demo.tiny import make_tiny_checkpoint
 from moetool.errors import MoetoolError
+from moetool.formats.registry import FORMATS, quantize_targets
 from moetool.read.checkpoint import open_checkpoint
 from moetool.read.inspect import inspect_checkpoint, render
 from moetool.verify.driver import VerifyOptions, verify
 
-#: int4's group size here: it must divide the tiny model's K of every linear (hidden 256,
-#: expert intermediate 192), and quantize's default 128 does not divide 192
-INT4_GROUP_SIZE = 64
-#: the ``moetool quantize`` options of each format (what the demo runs)
-FORMAT_OPTIONS = {
-    "fp8-block": ["--fp8-block"],
-    "fp8-channel": ["--fp8-channel"],
-    "int4-group": ["--int4", "--group-size", str(INT4_GROUP_SIZE)],
-}
-#: what ``--format`` also takes (quantize's own flag name)
-FORMAT_ALIASES = {"int4": "int4-group"}
+#: the parameters the demo gives a format that takes them: int4's group size must divide the
+#: tiny model's K of every linear (hidden 256, expert intermediate 192), and quantize's default
+#: 128 does not divide 192
+DEMO_PARAMS = {"group_size": 64}
+
+
+def format_options(name: str) -> tuple[list[str], dict]:
+    """The ``moetool quantize`` options of format ``name`` as the demo runs it, and its
+    parameters (from the registry: the format's own CLI options)."""
+    cls = FORMATS[name]
+    params = {k: v for k, v in DEMO_PARAMS.items() if k in cls.cli_params}
+    options = ["--format", name]
+    for key, value in params.items():
+        options += [cls.cli_params[key].flag.split("/")[0], str(value)]
+    return options, params
+
+
+def resolve_format(name: str) -> str:
+    """A format the demo can write, by its name or its quantize flag without dashes ("int4")."""
+    targets = {cls.name: cls for cls in quantize_targets()}
+    aliases = {flag.lstrip("-"): cls.name for cls in targets.values() for flag in cls.cli_flags}
+    name = aliases.get(name, name)
+    if name not in targets:
+        raise MoetoolError(f"--format {name!r}: expected one of {', '.join(targets)}")
+    return name
+
+
 #: the names the demo writes in its folder (a previous demo's, rewritten by the next one)
 DEMO_PREFIX = "tiny-moe"
 
@@ -40,9 +57,7 @@ DEMO_PREFIX = "tiny-moe"
 def run_demo(workdir: Path | None = None, *, echo: Callable[[str], None] = print, ep: int = 4, dp: int = 2,
              fmt: str = "fp8-block", dispatch: str = "all2all") -> bool:
     """Run the chain; returns True when verification passed."""
-    fmt = FORMAT_ALIASES.get(fmt, fmt)
-    if fmt not in FORMAT_OPTIONS:
-        raise MoetoolError(f"--format {fmt!r}: expected one of {', '.join(FORMAT_OPTIONS)}")
+    fmt = resolve_format(fmt)
     if workdir is not None:
         workdir = Path(workdir).absolute()
         _check_workdir(workdir)
@@ -66,7 +81,7 @@ def _run(root: Path, echo: Callable[[str], None], *, ep: int, dp: int, fmt: str,
     # same values; a re-run of the demo in the same folder rewrites its outputs, hence force)
     commands = [
         ["moetool", "inspect", model],
-        ["moetool", "quantize", model, quant, *FORMAT_OPTIONS[fmt]],
+        ["moetool", "quantize", model, quant, *format_options(fmt)[0]],
         ["moetool", "shard", quant, shards, "--ep", ep],
         ["moetool", "verify", shards, "--ref", model, "--dp", dp, "--ep", ep, "--all2all", dispatch],
     ]
@@ -77,7 +92,7 @@ def _run(root: Path, echo: Callable[[str], None], *, ep: int, dp: int, fmt: str,
     with open_checkpoint(model) as ckpt:
         echo(_indent(render(inspect_checkpoint(ckpt))))
     echo(f"[2/4] {quantize_cmd}")
-    echo(_indent(quantize(model, quant, fmt, group_size=INT4_GROUP_SIZE, progress=False, force=True).render()))
+    echo(_indent(quantize(model, quant, fmt, progress=False, force=True, **format_options(fmt)[1]).render()))
     echo(f"[3/4] {shard_cmd}")
     echo(_indent(shard(quant, shards, ep, progress=False, force=True).render()))
     echo(f"[4/4] {verify_cmd}  (one process per rank; gloo on CPU)")

@@ -76,7 +76,7 @@ class ExpertReader:
         return t
 
     def _fused_dense(self, layer: MoELayerSpec, st: ExpertStorage, e: int):
-        if self.fmt.name != "dense":
+        if self.fmt.quantized:
             raise MoetoolError(f"{st.gate_up}: fused expert tensors are only read unquantized, found {self.fmt.name}")
         n = layer.intermediate
         gu = self.ckpt.get_rows(st.gate_up, e)  # [2N, H] or [H, 2N]
