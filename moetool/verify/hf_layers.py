@@ -1,0 +1,201 @@
+"""transformers' own modules for a checkpoint, built on the meta device and filled one module
+at a time (the whole-model check's reference, and the converted side's attention, norms and
+dense MLPs).
+
+A :class:`Skeleton` is the family's ``*ForCausalLM`` built on the meta device from a config.json
+(no memory); its decoder layers, embeddings, final norm and ``lm_head`` are filled from a
+checkpoint when used (``load_state_dict(assign=True, strict=True)``) and emptied back to meta
+afterwards, so a process holds one layer's weights at a time. The per-layer arguments
+(rotary cos/sin, attention masks of each layer type) are taken from the family's own model
+``forward``, run once with recording stand-ins in place of the layers.
+
+transformers v5 keeps routed experts fused in memory (``experts.gate_up_proj`` [E, 2N, H] gate
+half first, ``experts.down_proj`` [E, H, N]; input-first [E, H, 2N] / [E, N, H] for Llama-4)
+while checkpoints may hold per-expert tensors: they are read with moetool's ExpertReader
+(dequantized to fp32) and stacked into the module's layout. Every tensor is float32.
+Letters: B = sequences, S = sequence length, H = hidden, E = experts, N = expert intermediate.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from moetool.errors import MoetoolError
+from moetool.model.families import ModelSpec, text_config
+from moetool.read.checkpoint import Checkpoint
+from moetool.read.experts import ExpertReader
+
+INSTALL_HINT = 'pip install "moetool[model]"'
+#: config.json keys moetool adds or rewrites; not part of the model's math
+MOETOOL_KEYS = ("moetool_ep", "quantization_config")
+#: the decoder layer's attribute holding its MLP / MoE block, by family (in memory)
+MLP_ATTRS = ("mlp", "feed_forward", "block_sparse_moe")
+
+
+def require_transformers():
+    """The transformers module, or a one-line error saying what to install."""
+    try:
+        import transformers
+    except ImportError:
+        raise MoetoolError(f"--whole-model runs transformers' own modules: {INSTALL_HINT}") from None
+    return transformers
+
+
+def hf_config(config: dict):
+    """A transformers config object from a config.json dict (moetool's keys dropped), eager
+    attention (plain matmuls, the same on every device and batch)."""
+    transformers = require_transformers()
+    cfg = {k: v for k, v in text_config(config).items() if k not in MOETOOL_KEYS}
+    model_type = cfg.pop("model_type", None)
+    try:
+        out = transformers.AutoConfig.for_model(model_type, **cfg)
+    except (ValueError, KeyError) as e:
+        raise MoetoolError(f"config.json: transformers cannot build model_type {model_type!r}: {e}") from None
+    out._attn_implementation = "eager"
+    return out
+
+
+class _Recorder(nn.Module):
+    """Stands in for decoder layer i while the model's forward runs once: keeps the arguments
+    the layer is called with and returns the hidden states unchanged."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        for attr in ("attention_type", "is_moe_layer", "use_chunked_attention", "layer_idx"):
+            if hasattr(layer, attr):
+                setattr(self, attr, getattr(layer, attr))
+        self.args: tuple = ()
+        self.kwargs: dict = {}
+
+    def forward(self, hidden_states, *args, **kwargs):
+        self.args, self.kwargs = args, kwargs
+        return hidden_states
+
+
+class Skeleton:
+    """The family's causal-LM module tree on the meta device, filled from ``ckpt`` on demand."""
+
+    def __init__(self, config: dict, ckpt: Checkpoint, spec: ModelSpec, reader: ExpertReader):
+        transformers = require_transformers()
+        self.cfg = hf_config(config)
+        self.ckpt, self.spec, self.reader = ckpt, spec, reader
+        try:
+            cls = transformers.AutoModelForCausalLM._model_mapping[type(self.cfg)]
+        except KeyError:
+            raise MoetoolError(f"transformers has no causal LM for model_type {self.cfg.model_type!r}") from None
+        with torch.device("meta"):
+            self.model = cls(self.cfg)
+        self.model.eval()
+        base = getattr(self.model, "model", None) or self.model.base_model  # the decoder stack
+        self.base = base
+        # rotary embeddings hold computed (non-persistent) buffers: build them for real
+        for name, mod in list(base.named_children()):
+            if "rotary" in name:
+                setattr(base, name, type(mod)(config=self.cfg))
+        self.layers: nn.ModuleList = base.layers
+        self.moe_index = {m.index: m for m in spec.moe_layers}
+
+    # -- per-layer arguments ------------------------------------------------------------------
+    @torch.no_grad()
+    def layer_arguments(self, batch: int, seq: int) -> list[tuple[tuple, dict]]:
+        """(args, kwargs) each decoder layer is called with for a [B, S] batch, as the family's
+        model forward makes them (rotary cos/sin, the mask of each layer's attention type)."""
+        real, norm = self.base.layers, self.base.norm
+        recorders = nn.ModuleList([_Recorder(l) for l in real])
+        self.base.layers, self.base.norm = recorders, nn.Identity()
+        try:
+            x = torch.zeros(batch, seq, self.cfg.hidden_size)
+            self.base(inputs_embeds=x, use_cache=False)
+        finally:
+            self.base.layers, self.base.norm = real, norm
+        return [(r.args, r.kwargs) for r in recorders]
+
+    # -- filling --------------------------------------------------------------------------------
+    def mlp_attr(self, layer: nn.Module) -> str:
+        for a in MLP_ATTRS:
+            if hasattr(layer, a):
+                return a
+        raise MoetoolError(f"{type(layer).__name__}: no MLP block found (looked for {', '.join(MLP_ATTRS)})")
+
+    def fill(self, module: nn.Module, prefix: str, disk_prefix: str | None = None) -> nn.Module:
+        """Fill ``module`` (in-memory names under ``prefix``, e.g. ``model.layers.3.``) from the
+        checkpoint; strict: every parameter and persistent buffer, each shape checked."""
+        disk_prefix = prefix if disk_prefix is None else disk_prefix
+        state = {}
+        for name, t in module.state_dict(keep_vars=True).items():
+            state[name] = self._tensor(prefix + name, disk_prefix + name, tuple(t.shape))
+        module.load_state_dict(state, strict=True, assign=True)
+        for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+            if t.is_meta:
+                raise MoetoolError(f"{prefix}{name}: not filled from {self.ckpt.root}")
+        return module
+
+    def empty(self, module: nn.Module) -> None:
+        """Give a filled module's memory back (its tensors go back to the meta device)."""
+        module.to("meta")
+
+    def _tensor(self, mem_name: str, disk_name: str, shape: tuple) -> torch.Tensor:
+        t = self._read(mem_name, disk_name, shape)
+        if tuple(t.shape) != shape:
+            raise MoetoolError(f"{self.ckpt.root}: {disk_name} has shape {list(t.shape)}, transformers' "
+                               f"{mem_name} needs {list(shape)}")
+        return t.float().contiguous()
+
+    def _read(self, mem_name: str, disk_name: str, shape: tuple) -> torch.Tensor:
+        layer = _layer_index(mem_name)
+        moe = self.moe_index.get(layer) if layer is not None else None
+        if moe is not None and mem_name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            return self._fused_experts(moe, mem_name.endswith("gate_up_proj"), shape)
+        candidates = [disk_name]
+        if moe is not None:  # Mixtral: mlp in memory, block_sparse_moe on disk
+            moe_attr = moe.prefix.rsplit(".", 1)[1]
+            for a in MLP_ATTRS:
+                candidates.append(disk_name.replace(f".{a}.", f".{moe_attr}.", 1))
+        if mem_name.endswith("lm_head.weight") and getattr(self.cfg, "tie_word_embeddings", False):
+            candidates.append("model.embed_tokens.weight")
+        for name in candidates:
+            if name in self.ckpt:
+                base, _, last = name.rpartition(".")
+                if last == "weight" and len(self.ckpt.suffixes(base)) > 1 and self.reader.linear_format(base).name != "dense":
+                    return self.reader.dequantize_any(base)
+                return self.ckpt.get(name)
+            base, _, last = name.rpartition(".")
+            if last == "weight" and self.ckpt.suffixes(base):  # quantized linear (weight_packed, ...)
+                return self.reader.dequantize_any(base)
+        raise MoetoolError(f"{self.ckpt.root}: no tensor for transformers' {mem_name} (looked for "
+                           f"{', '.join(dict.fromkeys(candidates))})")
+
+    def _fused_experts(self, moe, gate_up: bool, shape: tuple) -> torch.Tensor:
+        """[E, 2N, H] / [E, H, N] (or input-first) from the checkpoint's experts, fp32."""
+        E, H, N = moe.num_experts, moe.hidden, moe.intermediate
+        input_first = shape == ((E, H, 2 * N) if gate_up else (E, N, H)) and (
+            shape != ((E, 2 * N, H) if gate_up else (E, H, N)) or self.spec.family.fused_input_first)
+        out = []
+        for e in range(E):
+            g, u, d = self.reader.expert_fp32(moe, e)  # [N, H], [N, H], [H, N]
+            w = torch.cat([g, u]) if gate_up else d  # [2N, H] or [H, N]
+            out.append(w.t() if input_first else w)
+        return torch.stack(out)
+
+
+def _layer_index(name: str) -> int | None:
+    head, sep, tail = name.partition(".layers.")
+    if not sep:
+        return None
+    try:
+        return int(tail.split(".", 1)[0])
+    except ValueError:
+        return None
+
+
+def capture(module: nn.Module, store: dict, key: str) -> Callable[[], None]:
+    """Keep ``module``'s first input and its output (first element of a tuple) in ``store``
+    under ``key``; returns the function that removes the hook."""
+
+    def hook(mod, args, kwargs, out):
+        x = args[0] if args else kwargs.get("hidden_states")
+        store[key] = (x, out[0] if isinstance(out, tuple) else out)
+
+    return module.register_forward_hook(hook, with_kwargs=True).remove

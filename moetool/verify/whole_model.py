@@ -1,0 +1,464 @@
+"""``moetool verify --whole-model``: the converted model end to end against the unquantized
+checkpoint run by transformers' own modules.
+
+Every rank runs the converted model on its dp group's token ids: embeddings, each decoder layer
+(transformers' attention, norms and dense MLPs filled from the rank's own shard folder: every
+non-expert tensor comes from the shards; the MoE block (router, routed and shared experts)
+replaced by moetool's distributed forward, ``run_moe_layer``, over all ranks: route -> dispatch
+-> experts -> combine, each rank holding only its own experts of the layer), the final norm and
+``lm_head``. The ranks of a dp group replicate the attention (DP attention).
+
+The first rank of each dp group also runs the reference on its group's tokens, layer by layer:
+transformers' decoder layer (its own router and experts) filled from ``--ref``, on the
+reference's own residual stream (free-running) and on the converted stream's input
+(teacher-forced: the layer's own error, which names the layer that diverges even when earlier
+layers' errors accumulate). At any time a rank holds one decoder layer of each side, the
+residual streams, and the embeddings / ``lm_head`` while they are used.
+
+Rows of the report: ``embed``, every decoder layer, ``head`` (final norm + lm_head), and the
+logits: KL(reference || converted) per token (mean, p99, max), top-1 agreement, perplexities
+with ``--text``. Letters: B = sequences per dp group, S = sequence length, T = B*S, H = hidden,
+V = vocabulary.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from moetool.errors import MoetoolError, VerificationFailed
+from moetool.model.families import describe
+from moetool.read.checkpoint import open_checkpoint
+from moetool.read.experts import ExpertReader
+from moetool.read.shards import EPShards
+from moetool.verify.driver import THRESHOLDS as MOE_THRESHOLDS
+from moetool.verify.driver import check_files_present, check_reference, resolve_backend
+from moetool.verify.launch import spawn_world
+
+#: Pass thresholds of the whole-model check per shard format (data; the measured values on the
+#: tiny families are in docs/guide.md):
+#:   moe_rel_err: the MoE block alone (teacher-forced: both sides on the converted block's input);
+#:   layer_rel_err: a MoE decoder layer alone, relative to what the layer adds to the stream;
+#:   kl_mean / kl_max: KL(reference || converted) of the next-token distributions, per token;
+#:   top1: least share of tokens whose most likely next token agrees.
+#: Parts moetool never quantizes (embeddings, attention, norms, dense MLPs, lm_head) must agree
+#: within EXACT_REL_ERR (bf16 rounding of a dequantized fp8 original passes, a wrong tensor not).
+WM_THRESHOLDS: dict[str, dict[str, float]] = {
+    "dense": {"moe_rel_err": MOE_THRESHOLDS["dense"]["rel_err"], "layer_rel_err": 0.01,
+              "kl_mean": 1e-4, "kl_max": 1e-3, "top1": 0.99},
+    "fp8-block": {"moe_rel_err": MOE_THRESHOLDS["fp8-block"]["rel_err"], "layer_rel_err": 0.08,
+                  "kl_mean": 0.01, "kl_max": 0.1, "top1": 0.9},
+    "fp8-channel": {"moe_rel_err": MOE_THRESHOLDS["fp8-channel"]["rel_err"], "layer_rel_err": 0.08,
+                    "kl_mean": 0.01, "kl_max": 0.1, "top1": 0.9},
+    "int4-group": {"moe_rel_err": MOE_THRESHOLDS["int4-group"]["rel_err"], "layer_rel_err": 0.25,
+                   "kl_mean": 0.05, "kl_max": 0.5, "top1": 0.8},
+}
+EXACT_REL_ERR = 0.01
+#: activations moetool's MoE runtime runs its experts with (SwiGLU)
+MOE_ACTS = ("silu", "swish")
+
+
+@dataclass(frozen=True)
+class WholeModelOptions:
+    dp: int = 1
+    ep: int = 2
+    tokens: int = 256  # per dp group: sequences x seq_len
+    seq_len: int = 128
+    text: str | None = None  # a text file tokenized with --ref's tokenizer; else seeded random ids
+    seed: int = 0
+    backend: str | None = None
+    dispatch: str = "allgather"
+    experts: str = "torch"
+    transport: str = "auto"
+    chunk_size: int = 4096
+    comm_dtype: str = "bfloat16"
+    timeout_s: float = 900.0
+
+
+# ------------------------------------------------------------------------------------ report
+
+
+@dataclass
+class RowReport:
+    """One row: ``embed``, a decoder layer (its index) or ``head``.
+
+    stream_rel_err: the residual stream after this row, converted vs reference, each on its own
+    stream (errors of earlier rows included); layer_rel_err: this row alone on the converted
+    input, relative to what it adds (a layer) or to its output (embed, head); attn_rel_err and
+    mlp_rel_err: the attention and the MLP / MoE block alone on the converted input."""
+
+    name: str
+    kind: str  # embed | dense | moe | head
+    stream_rel_err: float
+    layer_rel_err: float
+    attn_rel_err: float | None = None
+    mlp_rel_err: float | None = None
+    passed: bool = True
+    reason: str = ""
+
+
+@dataclass
+class WholeModelReport:
+    shards: str
+    reference: str
+    format: str
+    options: dict
+    thresholds: dict
+    tokens: dict  # source, dp groups, sequences per group, seq_len
+    rows: list[RowReport]
+    logits: dict  # kl_mean, kl_p99, kl_max, top1, ppl_reference, ppl_converted
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    @property
+    def first_divergent(self) -> str | None:
+        return next((r.name for r in self.rows if not r.passed), None)
+
+    def to_json(self) -> dict:
+        return {"mode": "whole-model", "shards": self.shards, "reference": self.reference, "format": self.format,
+                "passed": self.passed, "first_divergent": self.first_divergent, "failures": self.failures,
+                "options": self.options, "thresholds": self.thresholds, "tokens": self.tokens,
+                "rows": [asdict(r) for r in self.rows], "logits": self.logits}
+
+    def render(self) -> str:
+        o, t = self.options, self.tokens
+        head = (f"verify --whole-model {self.shards} against {self.reference} (transformers): format {self.format}, "
+                f"ep {o['ep']}, dp {o['dp']}, {t['sequences']} x {t['seq_len']} tokens per dp group from "
+                f"{t['source']}, backend {o['backend']}")
+        fmt = lambda v: "-" if v is None else f"{v:.2e}"  # noqa: E731
+        lines = [head, f"{'row':>6}  {'kind':>5}  {'stream err':>10}  {'own err':>9}  {'attn err':>9}  "
+                       f"{'mlp/moe err':>11}  result"]
+        for r in self.rows:
+            lines.append(f"{r.name:>6}  {r.kind:>5}  {fmt(r.stream_rel_err):>10}  {fmt(r.layer_rel_err):>9}  "
+                         f"{fmt(r.attn_rel_err):>9}  {fmt(r.mlp_rel_err):>11}  {'PASS' if r.passed else 'FAIL: ' + r.reason}")
+        lg = self.logits
+        line = (f"logits: KL(ref || converted) mean {lg['kl_mean']:.2e}, p99 {lg['kl_p99']:.2e}, max {lg['kl_max']:.2e}; "
+                f"top-1 agreement {100 * lg['top1']:.1f}%")
+        if lg.get("ppl_reference") is not None:
+            line += f"; perplexity reference {lg['ppl_reference']:.3f}, converted {lg['ppl_converted']:.3f}"
+        lines.append(line)
+        if self.passed:
+            lines.append("PASSED: every layer and the logits within the thresholds of " + self.format)
+        else:
+            lines.append(f"FAILED: first divergent {self.first_divergent or 'logits'}; " + "; ".join(self.failures))
+        return "\n".join(lines)
+
+
+def raise_if_failed(report: WholeModelReport) -> None:
+    if not report.passed:
+        first = report.first_divergent
+        raise VerificationFailed(f"whole-model verification failed (first divergent: "
+                                 f"{'layer ' + first if first and first.isdigit() else first or 'logits'}): "
+                                 + "; ".join(report.failures))
+
+
+# ------------------------------------------------------------------------------------ tokens
+
+
+def make_token_ids(opts: WholeModelOptions, vocab: int, ref_root: Path) -> tuple[torch.Tensor, str]:
+    """Token ids [dp, B, S] int64 and where they came from: ``--text`` tokenized with the
+    reference's tokenizer, else seeded uniform ids."""
+    if opts.seq_len < 2 or opts.tokens < opts.seq_len:
+        raise MoetoolError(f"--seq-len {opts.seq_len} / --tokens {opts.tokens}: need seq-len >= 2 and "
+                           "tokens >= seq-len (tokens per dp group = sequences x seq-len)")
+    B, S = opts.tokens // opts.seq_len, opts.seq_len
+    if opts.text is None:
+        g = torch.Generator().manual_seed(opts.seed * 7919 + 17)
+        return torch.randint(0, vocab, (opts.dp, B, S), generator=g), f"random ids (seed {opts.seed})"
+    from moetool.verify.hf_layers import require_transformers
+
+    transformers = require_transformers()
+    path = Path(opts.text)
+    if not path.is_file():
+        raise MoetoolError(f"--text {path}: no such file")
+    if not (Path(ref_root) / "tokenizer.json").is_file():
+        raise MoetoolError(f"--text: {ref_root} has no tokenizer.json to tokenize {path} with")
+    tok = transformers.AutoTokenizer.from_pretrained(str(ref_root))
+    ids = torch.tensor(tok(path.read_text(encoding="utf-8"))["input_ids"], dtype=torch.int64)
+    per_group = ids.numel() // (opts.dp * S)
+    if per_group < 1:
+        raise MoetoolError(f"--text {path}: {ids.numel()} tokens, fewer than --dp {opts.dp} x --seq-len {S}")
+    B = min(B, per_group)
+    if int(ids.max()) >= vocab:
+        raise MoetoolError(f"--text {path}: the tokenizer gives id {int(ids.max())}, the model has {vocab} tokens")
+    return ids[:opts.dp * B * S].view(opts.dp, B, S), f"{path.name} ({ids.numel()} tokens)"
+
+
+# ------------------------------------------------------------------------------------ ranks
+
+
+class _Sums:
+    """Sums of squared errors and squared references, so dp groups merge exactly."""
+
+    def __init__(self):
+        self.v: dict[str, list[float]] = {}
+
+    def add(self, key: str, y: torch.Tensor, ref: torch.Tensor, base: torch.Tensor | None = None) -> None:
+        """||y - ref||^2 over ||ref - base||^2 (base: what the row adds to)."""
+        y, ref = y.double(), ref.double().reshape(y.shape)  # Llama-4's MoE returns [T, H]
+        sig = ref if base is None else ref - base.double().reshape(y.shape)
+        n, s = self.v.get(key, [0.0, 0.0])
+        noise = float((y - ref).pow(2).sum())
+        self.v[key] = [n + (noise if math.isfinite(noise) else math.inf), s + float(sig.pow(2).sum())]
+
+
+class DistributedMoE(torch.nn.Module):
+    """The converted side's MoE block: moetool's distributed forward over the EP shards.
+    Collective (every rank calls it for every MoE layer, in order)."""
+
+    def __init__(self, layer, local, placement, gate, bias, shared, dispatcher, experts, chunk_size, returns_tuple):
+        super().__init__()
+        self.layer, self.local, self.placement = layer, local, placement
+        self.gate, self.bias, self.shared = gate, bias, shared
+        self.dispatcher, self.experts, self.chunk_size = dispatcher, experts, chunk_size
+        self.returns_tuple = returns_tuple
+
+    def forward(self, hidden_states: torch.Tensor):
+        from moetool.verify.layer import run_moe_layer
+
+        shape = hidden_states.shape  # [B, S, H]
+        x = hidden_states.reshape(-1, shape[-1]).float()  # [T, H]
+        y, _ = run_moe_layer(x, self.gate, self.bias, self.layer.router, self.local, self.placement, self.shared,
+                             self.dispatcher, self.experts, self.chunk_size)
+        y = y.view(shape).to(hidden_states.dtype)
+        return (y, None) if self.returns_tuple else y
+
+
+def _rank_main(rank: int, world_size: int, job: dict) -> dict:
+    """Entry of a rank process (spawned): the converted model on this rank's dp group, and the
+    reference on the first rank of each group."""
+    from moetool.verify.dispatchers import get_dispatcher
+    from moetool.verify.experts import get_experts
+    from moetool.verify.rank import load_local_experts
+    from moetool.verify.topology import Topology
+    from moetool.verify.transports import choose_transport
+
+    opts: WholeModelOptions = job["opts"]
+    device = torch.device("cpu") if dist.get_backend() == "gloo" else torch.device("cuda", torch.cuda.current_device())
+    topo = Topology.create(opts.dp, device)
+    shards = EPShards(Path(job["shards"]), check=False)
+    ckpt, spec = shards.open_rank(rank, check=True)
+    reporting = topo.tp_index == 0
+    ref_ckpt = open_checkpoint(job["ref"], job["revision"]) if reporting else None
+    try:
+        transport = choose_transport(opts.transport, device) if opts.dispatch == "all2all" else None
+        dispatcher = get_dispatcher(opts.dispatch, topo, comm_dtype=getattr(torch, opts.comm_dtype),
+                                    **({"transport": transport, "timeout_s": opts.timeout_s} if transport else {}))
+        experts = get_experts(opts.experts)
+        ids = job["ids"][topo.group_index]  # [B, S]
+        return _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts, load_local_experts)
+    finally:
+        ckpt.close()
+        if ref_ckpt is not None:
+            ref_ckpt.close()
+
+
+@torch.no_grad()
+def _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts, load_local_experts) -> dict:
+    from moetool.verify.hf_layers import Skeleton, capture
+
+    opts: WholeModelOptions = job["opts"]
+    reader = ExpertReader(ckpt, spec)
+    conv = Skeleton(ckpt.config, ckpt, spec, reader)
+    B, S = ids.shape
+    conv_args = conv.layer_arguments(B, S)
+    ref = ref_args = None
+    if ref_ckpt is not None:
+        ref_spec = describe(ref_ckpt.config, ref_ckpt.tensors)
+        ref = Skeleton(ref_ckpt.config, ref_ckpt, ref_spec, ExpertReader(ref_ckpt, ref_spec))
+        ref_args = ref.layer_arguments(B, S)
+    sums = _Sums()
+    reasons: dict[str, list[str]] = {}
+    act = getattr(conv.cfg, "hidden_act", "silu")
+
+    # embeddings
+    emb = conv.fill(conv.base.embed_tokens, "model.embed_tokens.")
+    x = emb(ids).float()  # [B, S, H]
+    conv.empty(emb)
+    if ref is not None:
+        remb = ref.fill(ref.base.embed_tokens, "model.embed_tokens.")
+        x_ref = remb(ids).float()
+        ref.empty(remb)
+        sums.add("embed/stream", x, x_ref)
+        sums.add("embed/own", x, x_ref)
+
+    for i in range(len(conv.layers)):
+        name = str(i)
+        layer = conv.layers[i]
+        moe = conv.moe_index.get(i)
+        mlp_attr = conv.mlp_attr(layer)
+        if moe is not None:
+            placement = shards.placements[i]
+            local = load_local_experts(reader, moe, placement.slots[rank])
+            gate = ckpt.get(moe.router_weight).float()
+            bias = ckpt.get(moe.correction_bias).float() if moe.correction_bias else None
+            shared = reader.shared_fp32(moe)
+            setattr(layer, mlp_attr, DistributedMoE(moe, local, placement, gate, bias, shared, dispatcher, experts,
+                                                    opts.chunk_size, returns_tuple=bool(getattr(layer, "is_moe_layer", False))))
+            if act not in MOE_ACTS:
+                reasons.setdefault(name, []).append(
+                    f"config.json hidden_act {act!r}: the MoE runtime runs SwiGLU ({MOE_ACTS[0]}) experts")
+        conv.fill(layer, f"model.layers.{i}.")
+        seen: dict = {}
+        removers = [capture(layer.self_attn, seen, "attn"), capture(getattr(layer, mlp_attr), seen, "mlp")]
+        args, kwargs = conv_args[i]
+        x_in = x
+        x = _first(layer(x, *args, **kwargs))  # collective in the MoE block
+        for r in removers:
+            r()
+        conv.empty(layer)
+        if moe is not None:
+            experts.release()
+            setattr(layer, mlp_attr, torch.nn.Identity())
+        if ref is None:
+            continue
+        rlayer = ref.layers[i]
+        ref.fill(rlayer, f"model.layers.{i}.")
+        rargs, rkwargs = ref_args[i]
+        x_ref = _first(rlayer(x_ref, *rargs, **rkwargs))  # the reference on its own stream
+        rseen: dict = {}
+        removers = [capture(rlayer.self_attn, rseen, "attn")]
+        tf = _first(rlayer(x_in, *rargs, **rkwargs))  # the reference layer on the converted input
+        for r in removers:
+            r()
+        mlp_ref = _first(getattr(rlayer, ref.mlp_attr(rlayer))(seen["mlp"][0]))  # the block alone, same input
+        ref.empty(rlayer)
+        sums.add(f"{name}/stream", x, x_ref)
+        sums.add(f"{name}/own", x, tf, base=x_in)
+        sums.add(f"{name}/attn", seen["attn"][1], rseen["attn"][1])
+        sums.add(f"{name}/mlp", _first(seen["mlp"][1]), mlp_ref)
+
+    # final norm and lm_head
+    norm = conv.fill(conv.base.norm, "model.norm.")
+    head = conv.fill(conv.model.lm_head, "lm_head.")
+    logits = head(norm(x)).double()  # [B, S, V]
+    conv.empty(norm)
+    conv.empty(head)
+    if ref is None:
+        return {"group": topo.group_index, "reporting": False}
+    rnorm = ref.fill(ref.base.norm, "model.norm.")
+    rhead = ref.fill(ref.model.lm_head, "lm_head.")
+    ref_logits = rhead(rnorm(x_ref)).double()
+    tf_logits = rhead(rnorm(x)).double()
+    sums.add("head/stream", logits, ref_logits)
+    sums.add("head/own", logits, tf_logits)
+    lp, lq = torch.log_softmax(ref_logits, -1), torch.log_softmax(logits, -1)  # [B, S, V]
+    kl = (lp.exp() * (lp - lq)).sum(-1).flatten()  # [T]
+    top1 = int((ref_logits.argmax(-1) == logits.argmax(-1)).sum())
+    labels = ids[:, 1:]
+    nll_ref = float(-lp[:, :-1].gather(-1, labels[..., None]).sum())
+    nll_conv = float(-lq[:, :-1].gather(-1, labels[..., None]).sum())
+    return {"group": topo.group_index, "reporting": True, "sums": sums.v, "kl": kl.float(), "top1": top1,
+            "tokens": ids.numel(), "nll": (nll_ref, nll_conv, labels.numel()), "reasons": reasons,
+            "kinds": {str(i): ("moe" if i in conv.moe_index else "dense") for i in range(len(conv.layers))}}
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+# ------------------------------------------------------------------------------------ parent
+
+
+def check_options(opts: WholeModelOptions, shards: EPShards) -> None:
+    if opts.ep != shards.ep:
+        raise MoetoolError(f"--ep {opts.ep}: the shards in {shards.root} were made for ep {shards.ep}")
+    if opts.dp < 1 or opts.ep % opts.dp:
+        raise MoetoolError(f"--dp {opts.dp} must be at least 1 and divide --ep {opts.ep}")
+    if opts.dispatch not in ("allgather", "all2all"):
+        raise MoetoolError(f"--all2all {opts.dispatch!r}: expected allgather or all2all")
+    if opts.experts not in ("torch", "triton"):
+        raise MoetoolError(f"--experts {opts.experts!r}: expected torch or triton")
+
+
+def verify_whole_model(shards_dir, ref, opts: WholeModelOptions, *, revision: str | None = None,
+                       thresholds: dict | None = None) -> WholeModelReport:
+    """Run the whole-model check; return the report (failures are in it: see ``.passed``)."""
+    from moetool.verify.hf_layers import require_transformers
+
+    require_transformers()
+    shards = EPShards(Path(shards_dir), check=False)
+    check_options(opts, shards)
+    check_files_present(shards)
+    backend = resolve_backend(opts)  # type: ignore[arg-type]
+    with open_checkpoint(ref, revision) as ref_ckpt:
+        spec = describe(ref_ckpt.config, ref_ckpt.tensors)
+        check_reference(shards, ref_ckpt, spec, ref)
+        vocab = int(ref_ckpt.config.get("vocab_size") or ref_ckpt.info("model.embed_tokens.weight").shape[0])
+        ids, source = make_token_ids(opts, vocab, ref_ckpt.root)
+        ref_root = str(ref_ckpt.root)
+    job = {"shards": str(shards.root), "ref": ref, "revision": revision, "opts": opts, "ids": ids}
+    results = spawn_world(_rank_main, opts.ep, backend, args=(job,), timeout_s=opts.timeout_s)
+    fmt = shards.manifest["format"]
+    th = dict(thresholds or WM_THRESHOLDS.get(fmt, WM_THRESHOLDS["dense"]))
+    th.setdefault("exact_rel_err", EXACT_REL_ERR)
+    return build_report(str(shards.root), ref_root, fmt, opts, backend, th, ids, source,
+                        [r for r in results if r["reporting"]])
+
+
+def _rel(sums: list[dict], key: str) -> float | None:
+    parts = [s[key] for s in sums if key in s]
+    if not parts:
+        return None
+    noise, sig = sum(p[0] for p in parts), sum(p[1] for p in parts)
+    if not math.isfinite(noise):
+        return math.inf
+    return math.sqrt(noise / sig) if sig > 0 else (0.0 if noise == 0 else math.inf)
+
+
+def build_report(shards: str, ref: str, fmt: str, opts: WholeModelOptions, backend: str, th: dict,
+                 ids: torch.Tensor, source: str, groups: list[dict]) -> WholeModelReport:
+    sums = [g["sums"] for g in groups]
+    kinds = groups[0]["kinds"]
+    names = ["embed", *kinds, "head"]
+    rows, failures = [], []
+    for name in names:
+        kind = kinds.get(name, name)
+        row = RowReport(name, kind, _rel(sums, f"{name}/stream"), _rel(sums, f"{name}/own"),
+                        _rel(sums, f"{name}/attn"), _rel(sums, f"{name}/mlp"))
+        why = [w for g in groups for w in g["reasons"].get(name, [])]
+        why = list(dict.fromkeys(why))
+        exact = th["exact_rel_err"]
+        if kind == "moe":
+            checks = [("own", row.layer_rel_err, th["layer_rel_err"]), ("attention", row.attn_rel_err, exact),
+                      ("MoE block", row.mlp_rel_err, th["moe_rel_err"])]
+        elif kind == "dense":
+            checks = [("own", row.layer_rel_err, exact), ("attention", row.attn_rel_err, exact),
+                      ("MLP", row.mlp_rel_err, exact)]
+        else:
+            checks = [("own", row.layer_rel_err, exact)]
+        for what, v, limit in checks:
+            if v is not None and not v <= limit:
+                why.append(f"{what} rel err {v:.3g} > {limit:g}")
+        if why:
+            row.passed, row.reason = False, "; ".join(why)
+            label = f"layer {name}" if name.isdigit() else name
+            failures.append(f"{label}: {row.reason}")
+        rows.append(row)
+    kl = torch.cat([g["kl"] for g in groups]).double()
+    n = sum(g["tokens"] for g in groups)
+    logits = {"kl_mean": float(kl.mean()), "kl_p99": float(torch.quantile(kl, 0.99)), "kl_max": float(kl.max()),
+              "top1": sum(g["top1"] for g in groups) / n, "ppl_reference": None, "ppl_converted": None}
+    if opts.text is not None:
+        nr, nc, cnt = (sum(g["nll"][j] for g in groups) for j in range(3))
+        logits["ppl_reference"], logits["ppl_converted"] = math.exp(nr / cnt), math.exp(nc / cnt)
+    for key, bad in (("kl_mean", not logits["kl_mean"] <= th["kl_mean"]), ("kl_max", not logits["kl_max"] <= th["kl_max"]),
+                     ("top1", not logits["top1"] >= th["top1"])):
+        if bad:
+            op = ">=" if key == "top1" else "<="
+            failures.append(f"logits {key} {logits[key]:.3g}, needs {op} {th[key]:g}")
+    dp, B, S = ids.shape
+    return WholeModelReport(shards, ref, fmt, {**asdict(opts), "backend": backend}, th,
+                            {"source": source, "dp_groups": dp, "sequences": B, "seq_len": S}, rows, logits,
+                            failures)
+
+
+def save_json(report: WholeModelReport, path: Path) -> None:
+    Path(path).write_text(json.dumps(report.to_json(), indent=2))
