@@ -46,6 +46,13 @@ def verify_cmd(
     warmup: Annotated[int, typer.Option("--warmup", help="untimed runs of each layer first (GPU timings)")] = 0,
     repeat: Annotated[int, typer.Option("--repeat", help="timed runs of each layer; phase times are their median")] = 1,
     timeout: Annotated[float, typer.Option("--timeout", help="seconds before the run is stopped")] = 900.0,
+    whole_model: Annotated[bool, typer.Option("--whole-model", help="run the converted model end to end (every "
+                                              "layer, MoE through the EP shards) against transformers running "
+                                              "--ref; needs transformers")] = False,
+    text: Annotated[Optional[Path], typer.Option("--text", help="--whole-model: a text file, tokenized with "
+                                                 "--ref's tokenizer.json (default: seeded random token ids)")] = None,
+    seq_len: Annotated[int, typer.Option("--seq-len", help="--whole-model: tokens per sequence (--tokens per dp "
+                                         "group = sequences x seq-len)")] = 128,
     json_out: Json = False,
     revision: Revision = None,
 ) -> None:
@@ -57,6 +64,19 @@ def verify_cmd(
     from moetool.lazy import import_module
 
     vs = import_module("moetool.verify.driver")
+    if whole_model:
+        if vs.under_torchrun():
+            raise MoetoolError("--whole-model spawns its own ranks on one node; it does not run under torchrun yet")
+        wm = import_module("moetool.verify.whole_model")
+        wopts = wm.WholeModelOptions(dp=dp, ep=ep, tokens=tokens, seq_len=seq_len, text=None if text is None else str(text),
+                                     seed=seed, backend=backend, dispatch=dispatch, experts=experts,
+                                     transport=transport, chunk_size=chunk_size, timeout_s=timeout)
+        report = wm.verify_whole_model(shards, ref, wopts, revision=revision)
+        typer.echo(json.dumps(report.to_json(), indent=2) if json_out else report.render())
+        wm.raise_if_failed(report)
+        return
+    if text is not None:
+        raise MoetoolError("--text is an option of --whole-model")
     VerifyOptions, raise_if_failed, under_torchrun, verify, verify_torchrun = (
         vs.VerifyOptions, vs.raise_if_failed, vs.under_torchrun, vs.verify, vs.verify_torchrun)
 

@@ -1,0 +1,229 @@
+"""``moetool verify --whole-model``: the converted model end to end against transformers' own
+modules running the unquantized checkpoint (issue 15, part 2).
+
+Every check runs in ONE set of gloo rank processes (``verify_whole_model_many``, ep 2): honest
+shards of each family transformers has (dense, and fp8-block / fp8-channel / int4-group made by
+``quantize`` then ``shard``), and shards of a checkpoint broken on purpose before ``shard``
+(so the manifest's sha256 hold and only the numerics can tell): each must fail with the layer
+named. Models are transformers' own ``save_pretrained`` output (tests/moeutil.py), 2-3 layers,
+hidden 32, 16 tokens a sequence.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moeutil import file_of, rewrite_file, save_hf_model
+
+pytest.importorskip("transformers")
+
+from moetool.convert.quantize import quantize  # noqa: E402
+from moetool.convert.shard import shard  # noqa: E402
+from moetool.errors import MoetoolError, VerificationFailed  # noqa: E402
+from moetool.verify.whole_model import (WM_THRESHOLDS, WholeModelOptions, make_token_ids,  # noqa: E402
+                                        raise_if_failed, verify_whole_model_many)
+
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2", "llama4"]
+FORMATS = ["fp8-block", "fp8-channel", "int4-group"]
+OPTS = WholeModelOptions(dp=1, ep=2, tokens=32, seq_len=16)
+DP2 = WholeModelOptions(dp=2, ep=2, tokens=32, seq_len=16)
+WORDS = ("the a of and to in is it that was for on are as with his they at be this from have or by one "
+         "had not but what all were when we there can an your which their said if do will each").split()
+
+
+def _tokenizer(folder: Path) -> None:
+    """A word-level tokenizer.json (vocabulary within the tiny models' 64 ids) in ``folder``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, **{w: i + 1 for i, w in enumerate(WORDS)}}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                              "unk_token": "[UNK]"}))
+
+
+def _broken(src: Path, dst: Path, mutate=None, config=None) -> Path:
+    """A copy of ``src`` with ``mutate(tensors)`` applied to the file holding them and
+    ``config(dict)`` to its config.json."""
+    shutil.copytree(src, dst)
+    if mutate is not None:
+        rewrite_file(file_of(dst, "model.embed_tokens.weight"), mutate)
+    if config is not None:
+        cfg = json.loads((dst / "config.json").read_text())
+        config(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def _swap(t: dict, a: str, b: str) -> None:
+    t[a], t[b] = t[b].clone(), t[a].clone()
+
+
+def _fp8_roundtrip(w: torch.Tensor) -> torch.Tensor:
+    return w.to(torch.float8_e4m3fn).to(w.dtype)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """{check name: (report, reference folder)} of every check below, run in one world."""
+    root = tmp_path_factory.mktemp("whole-model")
+    models = {f: save_hf_model(f, root / f).path for f in FAMILIES}
+    ds = models["deepseek_v3"]
+    _tokenizer(ds)
+    text = root / "text.txt"
+    text.write_text(" ".join(WORDS[(i * 7) % len(WORDS)] for i in range(200)))
+    jobs: dict[str, tuple[Path, Path, WholeModelOptions]] = {}
+
+    def add(name: str, ckpt: Path, ref: Path, opts: WholeModelOptions = OPTS) -> None:
+        out = root / f"shards-{name}"
+        shard(ckpt, out, 2, progress=False)
+        jobs[name] = (out, ref, opts)
+
+    for f, path in models.items():
+        add(f"honest-{f}", path, path, DP2 if f == "deepseek_v3" else OPTS)
+    add("text-deepseek_v3", ds, ds, WholeModelOptions(dp=2, ep=2, tokens=32, seq_len=16, text=str(text)))
+    quantized = {}
+    for fmt in FORMATS:
+        quantized[fmt] = root / f"deepseek_v3-{fmt}"
+        quantize(ds, quantized[fmt], fmt, group_size=8, progress=False)
+        add(f"honest-{fmt}", quantized[fmt], ds, DP2)
+    quantize(models["qwen2_moe"], root / "qwen2_moe-fp8-block", "fp8-block", progress=False)
+    add("honest-qwen2_moe-fp8-block", root / "qwen2_moe-fp8-block", models["qwen2_moe"])
+
+    # faults, made before `shard` (the shards' manifest then vouches for the broken bytes)
+    ids = make_token_ids(OPTS, 64, ds)[0][0].flatten().tolist()
+    a, b = ids[0], next(i for i in ids if i != ids[0])
+    L = "model.layers"
+    faults = {
+        "attention-scaled": (ds, lambda t: t.__setitem__(f"{L}.1.self_attn.o_proj.weight",
+                                                         t[f"{L}.1.self_attn.o_proj.weight"] * 2), None),
+        "embedding-rows-swapped": (ds, lambda t: t["model.embed_tokens.weight"].__setitem__(
+            [a, b], t["model.embed_tokens.weight"][[b, a]].clone()), None),
+        "router-fp8": (ds, lambda t: t.__setitem__(f"{L}.2.mlp.gate.weight", _fp8_roundtrip(t[f"{L}.2.mlp.gate.weight"])),
+                       None),
+        "shared-gate-up-swapped": (ds, lambda t: _swap(t, f"{L}.1.mlp.shared_experts.gate_proj.weight",
+                                                       f"{L}.1.mlp.shared_experts.up_proj.weight"), None),
+        "hidden-act": (ds, None, lambda c: c.__setitem__("hidden_act", "gelu")),
+        "hidden-act-mixtral": (models["mixtral"], None, lambda c: c.__setitem__("hidden_act", "gelu")),
+        "experts-swapped": (ds, lambda t: [_swap(t, f"{L}.2.mlp.experts.0.{p}.weight", f"{L}.2.mlp.experts.1.{p}.weight")
+                                           for p in ("gate_proj", "up_proj", "down_proj")], None),
+        "scale-x2": (quantized["fp8-block"], lambda t: t.__setitem__(
+            f"{L}.1.mlp.experts.3.down_proj.weight_scale_inv", t[f"{L}.1.mlp.experts.3.down_proj.weight_scale_inv"] * 2),
+            None),
+    }
+    for name, (src, mutate, config) in faults.items():
+        ref = models["mixtral"] if name.endswith("mixtral") else ds
+        add(name, _broken(src, root / f"broken-{name}", mutate, config), ref)
+    names = list(jobs)
+    reports = verify_whole_model_many([jobs[n] for n in names])
+    return {n: (r, jobs[n]) for n, r in zip(names, reports)}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_honest_family_passes(world, family):
+    report, _ = world[f"honest-{family}"]
+    assert report.passed, report.render()
+    assert report.format == "dense"
+    lg = report.logits
+    assert lg["kl_max"] < 1e-6 and lg["top1"] == 1.0, report.render()
+    # the parts moetool never changes are the same bytes run by the same code: no error at all
+    for row in report.rows:
+        if row.kind in ("embed", "dense", "head"):
+            assert row.layer_rel_err == 0.0, (row, report.render())
+        if row.attn_rel_err is not None:
+            assert row.attn_rel_err == 0.0, (row, report.render())
+        if row.kind == "moe":
+            assert 0 < row.mlp_rel_err < 0.005, (row, report.render())  # bf16 combine rounding only
+
+
+def test_deepseek_rows_cover_dense_and_moe_layers(world):
+    report, _ = world["honest-deepseek_v3"]
+    assert [(r.name, r.kind) for r in report.rows] == [("embed", "embed"), ("0", "dense"), ("1", "moe"),
+                                                         ("2", "moe"), ("head", "head")]
+    assert report.tokens == {"source": "random ids (seed 0)", "dp_groups": 2, "sequences": 2, "seq_len": 16}
+    assert report.options["dp"] == 2 and report.options["ep"] == 2
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_honest_quantized_shards_pass(world, fmt):
+    report, _ = world[f"honest-{fmt}"]
+    assert report.passed, report.render()
+    assert report.format == fmt
+    moe = [r for r in report.rows if r.kind == "moe"]
+    # quantization shows in the MoE blocks, within the format's threshold, and nowhere else
+    assert all(0.005 < r.mlp_rel_err <= WM_THRESHOLDS[fmt]["moe_rel_err"] for r in moe), report.render()
+    assert all(r.attn_rel_err == 0.0 for r in moe)
+
+
+def test_honest_qwen2_fp8_block_passes(world):
+    report, _ = world["honest-qwen2_moe-fp8-block"]
+    assert report.passed, report.render()
+
+
+def test_text_gives_both_perplexities(world):
+    report, _ = world["text-deepseek_v3"]
+    assert report.passed, report.render()
+    assert report.tokens["source"].startswith("text.txt (")
+    ref, conv = report.logits["ppl_reference"], report.logits["ppl_converted"]
+    assert ref > 1 and abs(conv - ref) / ref < 1e-4, report.logits
+    assert "perplexity reference" in report.render()
+
+
+@pytest.mark.parametrize("fault, row, what", [
+    ("attention-scaled", "1", "attention rel err"),
+    ("embedding-rows-swapped", "embed", "own rel err"),
+    ("router-fp8", "2", "MoE block rel err"),
+    ("shared-gate-up-swapped", "1", "MoE block rel err"),
+    ("hidden-act", "0", "MLP rel err"),
+    ("hidden-act-mixtral", "0", "hidden_act 'gelu'"),
+    ("experts-swapped", "2", "MoE block rel err"),
+    ("scale-x2", "1", "MoE block rel err"),
+])
+def test_fault_fails_naming_the_layer(world, fault, row, what):
+    report, _ = world[fault]
+    assert not report.passed, report.render()
+    assert report.first_divergent == row, report.render()
+    first = next(r for r in report.rows if not r.passed)
+    assert what in first.reason, report.render()
+    with pytest.raises(VerificationFailed) as e:
+        raise_if_failed(report)
+    label = f"layer {row}" if row.isdigit() else row
+    assert f"first divergent: {label}" in str(e.value)
+
+
+def test_faults_before_the_first_divergent_row_pass(world):
+    """Rows before the broken one are unaffected: the report does not blame earlier layers."""
+    report, _ = world["router-fp8"]
+    assert [r.passed for r in report.rows[:3]] == [True, True, True], report.render()
+
+
+def test_cli_whole_model_json_and_exit_status(world, cli):
+    shards, ref, _ = world["experts-swapped"][1]
+    res = cli("verify", shards, "--ref", ref, "--ep", 2, "--whole-model", "--tokens", 16, "--seq-len", 16, "--json")
+    assert res.code == 1, res.err
+    data = json.loads(res.out)
+    assert data["mode"] == "whole-model" and data["first_divergent"] == "2" and not data["passed"]
+    assert "layer 2" in res.error_line and "MoE block" in res.error_line
+
+
+def test_without_transformers_says_what_to_install(cli, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    res = cli("verify", tmp_path, "--ref", tmp_path, "--whole-model")
+    assert res.code == 2
+    assert 'pip install "moetool[model]"' in res.error_line
+
+
+def test_text_without_whole_model_is_refused(cli, tmp_path):
+    res = cli("verify", tmp_path, "--ref", tmp_path, "--text", tmp_path / "t.txt")
+    assert res.code == 2 and "--whole-model" in res.error_line
+
+
+def test_text_needs_the_reference_tokenizer(tmp_path):
+    (tmp_path / "t.txt").write_text("the a of")
+    with pytest.raises(MoetoolError, match="no tokenizer.json"):
+        make_token_ids(WholeModelOptions(tokens=16, seq_len=8, text=str(tmp_path / "t.txt")), 64, tmp_path)
