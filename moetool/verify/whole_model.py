@@ -231,24 +231,35 @@ class DistributedMoE(torch.nn.Module):
         return (y, None) if self.returns_tuple else y
 
 
-def _rank_main(rank: int, world_size: int, job: dict) -> dict:
-    """Entry of a rank process (spawned): the converted model on this rank's dp group, and the
-    reference on the first rank of each group."""
+def _rank_jobs(rank: int, world_size: int, jobs: list[dict]) -> list[dict]:
+    """Entry of a rank process (spawned): each job in turn, the converted model on this rank's
+    dp group, and the reference on the first rank of each group."""
+    from moetool.verify.topology import Topology
+
+    device = torch.device("cpu") if dist.get_backend() == "gloo" else torch.device("cuda", torch.cuda.current_device())
+    topologies: dict[int, Topology] = {}
+    out = []
+    for job in jobs:
+        dp = job["opts"].dp
+        if dp not in topologies:
+            topologies[dp] = Topology.create(dp, device)
+        out.append(_rank_job(rank, topologies[dp], job))
+    return out
+
+
+def _rank_job(rank: int, topo, job: dict) -> dict:
     from moetool.verify.dispatchers import get_dispatcher
     from moetool.verify.experts import get_experts
     from moetool.verify.rank import load_local_experts
-    from moetool.verify.topology import Topology
     from moetool.verify.transports import choose_transport
 
     opts: WholeModelOptions = job["opts"]
-    device = torch.device("cpu") if dist.get_backend() == "gloo" else torch.device("cuda", torch.cuda.current_device())
-    topo = Topology.create(opts.dp, device)
     shards = EPShards(Path(job["shards"]), check=False)
     ckpt, spec = shards.open_rank(rank, check=True)
     reporting = topo.tp_index == 0
     ref_ckpt = open_checkpoint(job["ref"], job["revision"]) if reporting else None
     try:
-        transport = choose_transport(opts.transport, device) if opts.dispatch == "all2all" else None
+        transport = choose_transport(opts.transport, topo.device) if opts.dispatch == "all2all" else None
         dispatcher = get_dispatcher(opts.dispatch, topo, comm_dtype=getattr(torch, opts.comm_dtype),
                                     **({"transport": transport, "timeout_s": opts.timeout_s} if transport else {}))
         experts = get_experts(opts.experts)
@@ -381,26 +392,43 @@ def check_options(opts: WholeModelOptions, shards: EPShards) -> None:
 def verify_whole_model(shards_dir, ref, opts: WholeModelOptions, *, revision: str | None = None,
                        thresholds: dict | None = None) -> WholeModelReport:
     """Run the whole-model check; return the report (failures are in it: see ``.passed``)."""
+    return verify_whole_model_many([(shards_dir, ref, opts)], revision=revision, thresholds=thresholds)[0]
+
+
+def verify_whole_model_many(jobs: list[tuple], *, revision: str | None = None,
+                            thresholds: dict | None = None) -> list[WholeModelReport]:
+    """Several whole-model checks of the same ep and backend in one set of rank processes.
+    ``jobs``: [(shards_dir, ref, WholeModelOptions)]."""
     from moetool.verify.hf_layers import require_transformers
 
     require_transformers()
-    shards = EPShards(Path(shards_dir), check=False)
-    check_options(opts, shards)
-    check_files_present(shards)
-    backend = resolve_backend(opts)  # type: ignore[arg-type]
-    with open_checkpoint(ref, revision) as ref_ckpt:
-        spec = describe(ref_ckpt.config, ref_ckpt.tensors)
-        check_reference(shards, ref_ckpt, spec, ref)
-        vocab = int(ref_ckpt.config.get("vocab_size") or ref_ckpt.info("model.embed_tokens.weight").shape[0])
-        ids, source = make_token_ids(opts, vocab, ref_ckpt.root)
-        ref_root = str(ref_ckpt.root)
-    job = {"shards": str(shards.root), "ref": ref, "revision": revision, "opts": opts, "ids": ids}
-    results = spawn_world(_rank_main, opts.ep, backend, args=(job,), timeout_s=opts.timeout_s)
-    fmt = shards.manifest["format"]
-    th = dict(thresholds or WM_THRESHOLDS.get(fmt, WM_THRESHOLDS["dense"]))
-    th.setdefault("exact_rel_err", EXACT_REL_ERR)
-    return build_report(str(shards.root), ref_root, fmt, opts, backend, th, ids, source,
-                        [r for r in results if r["reporting"]])
+    prepared = []
+    for shards_dir, ref, opts in jobs:
+        shards = EPShards(Path(shards_dir), check=False)
+        check_options(opts, shards)
+        check_files_present(shards)
+        with open_checkpoint(ref, revision) as ref_ckpt:
+            spec = describe(ref_ckpt.config, ref_ckpt.tensors)
+            check_reference(shards, ref_ckpt, spec, ref)
+            vocab = int(ref_ckpt.config.get("vocab_size") or ref_ckpt.info("model.embed_tokens.weight").shape[0])
+            ids, source = make_token_ids(opts, vocab, ref_ckpt.root)
+            ref_root = str(ref_ckpt.root)
+        prepared.append((shards, ref_root, opts, resolve_backend(opts), ids, source))  # type: ignore[arg-type]
+    eps, backends = {p[2].ep for p in prepared}, {p[3] for p in prepared}
+    if len(eps) != 1 or len(backends) != 1:
+        raise MoetoolError(f"verify_whole_model_many: jobs need one ep and backend, got {sorted(eps)} / {sorted(backends)}")
+    rank_jobs = [{"shards": str(sh.root), "ref": ref, "revision": revision, "opts": o, "ids": ids}
+                 for sh, ref, o, _, ids, _ in prepared]
+    timeout = sum(p[2].timeout_s for p in prepared)
+    results = spawn_world(_rank_jobs, eps.pop(), backends.pop(), args=(rank_jobs,), timeout_s=timeout)
+    reports = []
+    for j, (shards, ref_root, opts, backend, ids, source) in enumerate(prepared):
+        fmt = shards.manifest["format"]
+        th = dict(thresholds or WM_THRESHOLDS.get(fmt, WM_THRESHOLDS["dense"]))
+        th.setdefault("exact_rel_err", EXACT_REL_ERR)
+        groups = [r[j] for r in results if r[j]["reporting"]]
+        reports.append(build_report(str(shards.root), ref_root, fmt, opts, backend, th, ids, source, groups))
+    return reports
 
 
 def _rel(sums: list[dict], key: str) -> float | None:
