@@ -64,6 +64,12 @@ def _swap(t: dict, a: str, b: str) -> None:
     t[a], t[b] = t[b].clone(), t[a].clone()
 
 
+def _swap_experts(t: dict, prefix: str, a: int, b: int) -> None:
+    """Swap every tensor of experts a and b under ``prefix`` (any format's tensors)."""
+    for k in [k for k in t if k.startswith(f"{prefix}.experts.{a}.")]:
+        _swap(t, k, k.replace(f".experts.{a}.", f".experts.{b}.", 1))
+
+
 def _fp8_roundtrip(w: torch.Tensor) -> torch.Tensor:
     return w.to(torch.float8_e4m3fn).to(w.dtype)
 
@@ -110,8 +116,14 @@ def world(tmp_path_factory):
                                                        f"{L}.1.mlp.shared_experts.up_proj.weight"), None),
         "hidden-act": (ds, None, lambda c: c.__setitem__("hidden_act", "gelu")),
         "hidden-act-mixtral": (models["mixtral"], None, lambda c: c.__setitem__("hidden_act", "gelu")),
-        "experts-swapped": (ds, lambda t: [_swap(t, f"{L}.2.mlp.experts.0.{p}.weight", f"{L}.2.mlp.experts.1.{p}.weight")
-                                           for p in ("gate_proj", "up_proj", "down_proj")], None),
+        "experts-swapped": (ds, lambda t: _swap_experts(t, f"{L}.2.mlp", 0, 1), None),
+        # the same faults under int4's loose thresholds: found by the router, shared expert and
+        # worst-token checks, which do not depend on the experts' format
+        "experts-swapped-int4": (quantized["int4-group"], lambda t: _swap_experts(t, f"{L}.2.mlp", 0, 1), None),
+        "router-fp8-int4": (quantized["int4-group"], lambda t: t.__setitem__(
+            f"{L}.2.mlp.gate.weight", _fp8_roundtrip(t[f"{L}.2.mlp.gate.weight"])), None),
+        "shared-gate-up-swapped-int4": (quantized["int4-group"], lambda t: _swap(
+            t, f"{L}.1.mlp.shared_experts.gate_proj.weight", f"{L}.1.mlp.shared_experts.up_proj.weight"), None),
         "scale-x2": (quantized["fp8-block"], lambda t: t.__setitem__(
             f"{L}.1.mlp.experts.3.down_proj.weight_scale_inv", t[f"{L}.1.mlp.experts.3.down_proj.weight_scale_inv"] * 2),
             None),
@@ -177,11 +189,14 @@ def test_text_gives_both_perplexities(world):
 @pytest.mark.parametrize("fault, row, what", [
     ("attention-scaled", "1", "attention rel err"),
     ("embedding-rows-swapped", "embed", "own rel err"),
-    ("router-fp8", "2", "MoE block rel err"),
-    ("shared-gate-up-swapped", "1", "MoE block rel err"),
+    ("router-fp8", "2", "router rel err"),
+    ("shared-gate-up-swapped", "1", "shared expert rel err"),
     ("hidden-act", "0", "MLP rel err"),
     ("hidden-act-mixtral", "0", "hidden_act 'gelu'"),
     ("experts-swapped", "2", "MoE block rel err"),
+    ("experts-swapped-int4", "2", "MoE block worst token rel err"),
+    ("router-fp8-int4", "2", "router rel err"),
+    ("shared-gate-up-swapped-int4", "1", "shared expert rel err"),
     ("scale-x2", "1", "MoE block rel err"),
 ])
 def test_fault_fails_naming_the_layer(world, fault, row, what):
