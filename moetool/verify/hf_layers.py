@@ -96,6 +96,8 @@ class Skeleton:
                 setattr(base, name, type(mod)(config=self.cfg))
         self.layers: nn.ModuleList = base.layers
         self.moe_index = {m.index: m for m in spec.moe_layers}
+        #: bytes of weights filled now, and the most at any time (the memory bound, measured)
+        self.held_bytes = self.peak_bytes = 0
 
     # -- per-layer arguments ------------------------------------------------------------------
     @torch.no_grad()
@@ -130,10 +132,13 @@ class Skeleton:
         for name, t in list(module.named_parameters()) + list(module.named_buffers()):
             if t.is_meta:
                 raise MoetoolError(f"{prefix}{name}: not filled from {self.ckpt.root}")
+        self.held_bytes += _bytes(module)
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
         return module
 
     def empty(self, module: nn.Module) -> None:
         """Give a filled module's memory back (its tensors go back to the meta device)."""
+        self.held_bytes -= _bytes(module)
         module.to("meta")
 
     def _tensor(self, mem_name: str, disk_name: str, shape: tuple) -> torch.Tensor:
@@ -178,6 +183,10 @@ class Skeleton:
             w = torch.cat([g, u]) if gate_up else d  # [2N, H] or [H, N]
             out.append(w.t() if input_first else w)
         return torch.stack(out)
+
+
+def _bytes(module: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in module.state_dict().values() if not t.is_meta)
 
 
 def _layer_index(name: str) -> int | None:

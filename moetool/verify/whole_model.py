@@ -24,6 +24,9 @@ from __future__ import annotations
 
 import json
 import math
+import resource
+import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -116,6 +119,9 @@ class WholeModelReport:
     rows: list[RowReport]
     logits: dict  # kl_mean, kl_p99, kl_max, top1, ppl_reference, ppl_converted
     failures: list[str] = field(default_factory=list)
+    #: per rank: seconds per phase (build, read_shards, converted_forward, read_reference,
+    #: reference_forward, compare) and memory (peak RSS; the most weights filled at once)
+    ranks: list[dict] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -129,7 +135,7 @@ class WholeModelReport:
         return {"mode": "whole-model", "shards": self.shards, "reference": self.reference, "format": self.format,
                 "passed": self.passed, "first_divergent": self.first_divergent, "failures": self.failures,
                 "options": self.options, "thresholds": self.thresholds, "tokens": self.tokens,
-                "rows": [asdict(r) for r in self.rows], "logits": self.logits}
+                "rows": [asdict(r) for r in self.rows], "logits": self.logits, "ranks": self.ranks}
 
     def render(self) -> str:
         o, t = self.options, self.tokens
@@ -150,6 +156,12 @@ class WholeModelReport:
         if lg.get("ppl_reference") is not None:
             line += f"; perplexity reference {lg['ppl_reference']:.3f}, converted {lg['ppl_converted']:.3f}"
         lines.append(line)
+        if self.ranks:
+            mem = max(self.ranks, key=lambda r: r["memory"]["rss_peak_mb"])["memory"]
+            lines.append(f"memory: weights filled at once at most {mem['converted_weights_peak_mb']:.1f} MiB converted"
+                         + (f", {mem['reference_weights_peak_mb']:.1f} MiB reference"
+                            if "reference_weights_peak_mb" in mem else "")
+                         + f"; peak RSS of a rank {max(r['memory']['rss_peak_mb'] for r in self.ranks):.0f} MiB")
         if self.passed:
             lines.append("PASSED: every layer and the logits within the thresholds of " + self.format)
         else:
@@ -224,6 +236,33 @@ class _Sums:
         self.v[key] = [max(self.v.get(key, [0.0])[0], worst), 1.0]
 
 
+def _peak_rss_mib() -> float:
+    """This process's peak resident memory (Linux VmHWM: its own, not inherited from the process
+    that spawned it as ``ru_maxrss`` is)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class _Clock:
+    """Seconds spent per phase of a rank's run."""
+
+    def __init__(self):
+        self.s: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.s[phase] = self.s.get(phase, 0.0) + time.perf_counter() - t0
+
+
 class DistributedMoE(torch.nn.Module):
     """The converted side's MoE block: moetool's distributed forward over the EP shards.
     Collective (every rank calls it for every MoE layer, in order)."""
@@ -291,25 +330,30 @@ def _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts
     from moetool.verify.hf_layers import Skeleton, capture
 
     opts: WholeModelOptions = job["opts"]
+    clock = _Clock()
     reader = ExpertReader(ckpt, spec)
-    conv = Skeleton(ckpt.config, ckpt, spec, reader)
-    B, S = ids.shape
-    conv_args = conv.layer_arguments(B, S)
+    with clock("build"):
+        conv = Skeleton(ckpt.config, ckpt, spec, reader)
+        B, S = ids.shape
+        conv_args = conv.layer_arguments(B, S)
     ref = ref_args = None
     if ref_ckpt is not None:
-        ref_spec = describe(ref_ckpt.config, ref_ckpt.tensors)
-        ref = Skeleton(ref_ckpt.config, ref_ckpt, ref_spec, ExpertReader(ref_ckpt, ref_spec))
-        ref_args = ref.layer_arguments(B, S)
+        with clock("build"):
+            ref_spec = describe(ref_ckpt.config, ref_ckpt.tensors)
+            ref = Skeleton(ref_ckpt.config, ref_ckpt, ref_spec, ExpertReader(ref_ckpt, ref_spec))
+            ref_args = ref.layer_arguments(B, S)
     sums = _Sums()
     reasons: dict[str, list[str]] = {}
     act = getattr(conv.cfg, "hidden_act", "silu")
 
     # embeddings
-    emb = conv.fill(conv.base.embed_tokens, "model.embed_tokens.")
+    with clock("read_shards"):
+        emb = conv.fill(conv.base.embed_tokens, "model.embed_tokens.")
     x = emb(ids).float()  # [B, S, H]
     conv.empty(emb)
     if ref is not None:
-        remb = ref.fill(ref.base.embed_tokens, "model.embed_tokens.")
+        with clock("read_reference"):
+            remb = ref.fill(ref.base.embed_tokens, "model.embed_tokens.")
         x_ref = remb(ids).float()
         ref.empty(remb)
         sums.add("embed/stream", x, x_ref)
@@ -322,58 +366,73 @@ def _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts
         mlp_attr = conv.mlp_attr(layer)
         if moe is not None:
             placement = shards.placements[i]
-            local = load_local_experts(reader, moe, placement.slots[rank])
-            gate = ckpt.get(moe.router_weight).float()
-            bias = ckpt.get(moe.correction_bias).float() if moe.correction_bias else None
-            shared = reader.shared_fp32(moe)
+            with clock("read_shards"):
+                local = load_local_experts(reader, moe, placement.slots[rank])
+                gate = ckpt.get(moe.router_weight).float()
+                bias = ckpt.get(moe.correction_bias).float() if moe.correction_bias else None
+                shared = reader.shared_fp32(moe)
+            moe_bytes = sum(t.numel() * t.element_size() for t in [*local.w13.values(), *local.w2.values(), gate,
+                                                                   *([] if bias is None else [bias]),
+                                                                   *(w for w in (shared or ()) if w is not None)])
+            conv.held_bytes += moe_bytes  # this rank's experts, router and shared expert of the layer
             setattr(layer, mlp_attr, DistributedMoE(moe, local, placement, gate, bias, shared, dispatcher, experts,
                                                     opts.chunk_size, returns_tuple=bool(getattr(layer, "is_moe_layer", False))))
             if act not in MOE_ACTS:
                 reasons.setdefault(name, []).append(
                     f"config.json hidden_act {act!r}: the MoE runtime runs SwiGLU ({MOE_ACTS[0]}) experts")
-        conv.fill(layer, f"model.layers.{i}.")
+        with clock("read_shards"):
+            conv.fill(layer, f"model.layers.{i}.")
         seen: dict = {}
         removers = [capture(layer.self_attn, seen, "attn"), capture(getattr(layer, mlp_attr), seen, "mlp")]
         args, kwargs = conv_args[i]
         x_in = x
-        x = _first(layer(x, *args, **kwargs))  # collective in the MoE block
+        with clock("converted_forward"):
+            x = _first(layer(x, *args, **kwargs))  # collective in the MoE block
         for r in removers:
             r()
         conv.empty(layer)
         if moe is not None:
             experts.release()
             setattr(layer, mlp_attr, torch.nn.Identity())
+            conv.held_bytes -= moe_bytes
         if ref is None:
             continue
         rlayer = ref.layers[i]
-        ref.fill(rlayer, f"model.layers.{i}.")
+        with clock("read_reference"):
+            ref.fill(rlayer, f"model.layers.{i}.")
         rargs, rkwargs = ref_args[i]
-        x_ref = _first(rlayer(x_ref, *rargs, **rkwargs))  # the reference on its own stream
-        rseen: dict = {}
-        removers = [capture(rlayer.self_attn, rseen, "attn")]
-        tf = _first(rlayer(x_in, *rargs, **rkwargs))  # the reference layer on the converted input
-        for r in removers:
-            r()
-        mlp_ref = _first(getattr(rlayer, ref.mlp_attr(rlayer))(seen["mlp"][0]))  # the block alone, same input
-        sums.add(f"{name}/stream", x, x_ref)
-        sums.add(f"{name}/own", x, tf, base=x_in)
-        sums.add(f"{name}/attn", seen["attn"][1], rseen["attn"][1])
-        sums.add(f"{name}/mlp", _first(seen["mlp"][1]), mlp_ref)
-        if moe is not None:
-            sums.token_max(f"{name}/mlp_token", _first(seen["mlp"][1]), mlp_ref)
-            _moe_parts(sums, name, moe, getattr(rlayer, ref.mlp_attr(rlayer)), seen["mlp"][0], gate, bias, shared)
+        with clock("reference_forward"):
+            x_ref = _first(rlayer(x_ref, *rargs, **rkwargs))  # the reference on its own stream
+            rseen: dict = {}
+            removers = [capture(rlayer.self_attn, rseen, "attn")]
+            tf = _first(rlayer(x_in, *rargs, **rkwargs))  # the reference layer on the converted input
+            for r in removers:
+                r()
+            mlp_ref = _first(getattr(rlayer, ref.mlp_attr(rlayer))(seen["mlp"][0]))  # the block alone, same input
+        with clock("compare"):
+            sums.add(f"{name}/stream", x, x_ref)
+            sums.add(f"{name}/own", x, tf, base=x_in)
+            sums.add(f"{name}/attn", seen["attn"][1], rseen["attn"][1])
+            sums.add(f"{name}/mlp", _first(seen["mlp"][1]), mlp_ref)
+            if moe is not None:
+                sums.token_max(f"{name}/mlp_token", _first(seen["mlp"][1]), mlp_ref)
+                _moe_parts(sums, name, moe, getattr(rlayer, ref.mlp_attr(rlayer)), seen["mlp"][0], gate, bias, shared)
         ref.empty(rlayer)
 
     # final norm and lm_head
-    norm = conv.fill(conv.base.norm, "model.norm.")
-    head = conv.fill(conv.model.lm_head, "lm_head.")
+    with clock("read_shards"):
+        norm = conv.fill(conv.base.norm, "model.norm.")
+        head = conv.fill(conv.model.lm_head, "lm_head.")
     logits = head(norm(x)).double()  # [B, S, V]
     conv.empty(norm)
     conv.empty(head)
+    memory = {"rss_peak_mb": _peak_rss_mib(),
+              "converted_weights_peak_mb": conv.peak_bytes / 2**20}
     if ref is None:
-        return {"group": topo.group_index, "reporting": False}
-    rnorm = ref.fill(ref.base.norm, "model.norm.")
-    rhead = ref.fill(ref.model.lm_head, "lm_head.")
+        return {"group": topo.group_index, "reporting": False, "timings_s": clock.s, "memory": memory}
+    with clock("read_reference"):
+        rnorm = ref.fill(ref.base.norm, "model.norm.")
+        rhead = ref.fill(ref.model.lm_head, "lm_head.")
     ref_logits = rhead(rnorm(x_ref)).double()
     tf_logits = rhead(rnorm(x)).double()
     sums.add("head/stream", logits, ref_logits)
@@ -388,7 +447,10 @@ def _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts
             "tokens": ids.numel(), "nll": (nll_ref, nll_conv, labels.numel()), "reasons": reasons,
             "shared_quantized": any(m.shared_bases is not None and reader.linear_format(m.shared_bases[0]).name != "dense"
                                     for m in spec.moe_layers),
-            "kinds": {str(i): ("moe" if i in conv.moe_index else "dense") for i in range(len(conv.layers))}}
+            "kinds": {str(i): ("moe" if i in conv.moe_index else "dense") for i in range(len(conv.layers))},
+            "timings_s": clock.s,
+            "memory": {**memory, "reference_weights_peak_mb": ref.peak_bytes / 2**20,
+                       "rss_peak_mb": _peak_rss_mib()}}
 
 
 def _moe_parts(sums: _Sums, name: str, moe, block, h: torch.Tensor, gate, bias, shared) -> None:
@@ -476,7 +538,9 @@ def verify_whole_model_many(jobs: list[tuple], *, revision: str | None = None,
         th = dict(thresholds or WM_THRESHOLDS.get(fmt, WM_THRESHOLDS["dense"]))
         th.setdefault("exact_rel_err", EXACT_REL_ERR)
         groups = [r[j] for r in results if r[j]["reporting"]]
-        reports.append(build_report(str(shards.root), ref_root, fmt, opts, backend, th, ids, source, groups))
+        report = build_report(str(shards.root), ref_root, fmt, opts, backend, th, ids, source, groups)
+        report.ranks = [{"rank": k, "timings_s": r[j]["timings_s"], "memory": r[j]["memory"]} for k, r in enumerate(results)]
+        reports.append(report)
     return reports
 
 

@@ -242,3 +242,17 @@ def test_text_needs_the_reference_tokenizer(tmp_path):
     (tmp_path / "t.txt").write_text("the a of")
     with pytest.raises(MoetoolError, match="no tokenizer.json"):
         make_token_ids(WholeModelOptions(tokens=16, seq_len=8, text=str(tmp_path / "t.txt")), 64, tmp_path)
+
+
+def test_ranks_hold_one_layer_at_a_time(world):
+    """Every rank reports its phase times and the most weights it held at once: the reference
+    rank never holds the model, only a layer (plus embeddings or lm_head when they are used)."""
+    report, (_, ref, _) = world["honest-deepseek_v3"]
+    assert [r["rank"] for r in report.ranks] == [0, 1]
+    model_mib = sum(f.stat().st_size for f in Path(ref).glob("*.safetensors")) / 2**20
+    for r in report.ranks:
+        assert {"read_shards", "converted_forward"} <= set(r["timings_s"])
+        assert 0 < r["memory"]["converted_weights_peak_mb"] < model_mib / 2
+        # dp 2: the first rank of each group runs the reference of its group's tokens
+        assert 0 < r["memory"]["reference_weights_peak_mb"] < model_mib / 2
+    assert "weights filled at once at most" in report.render()
