@@ -49,7 +49,8 @@ from typing import ClassVar, TypeVar
 
 import torch
 
-Tensors = dict[str, torch.Tensor]
+from moetool.formats.common import Tensors, cat_row_blocked, error_sums, split_row_blocked
+
 
 #: every format class by name, filled by ``@register``; re-exported as ``moetool.formats.FORMATS``
 FORMATS: dict[str, type[WeightFormat]] = {}
@@ -155,8 +156,6 @@ class WeightFormat:
         (tensors, sum w32^2, sum (dequantize(tensors) - w32)^2), w32 = w.float(), each term in
         float32 as ``dequantize`` computes it. Formats override this with a fused CPU version
         (same tensors bit for bit, same per-element terms) that never makes [N, K] temporaries."""
-        from moetool.formats.common import error_sums
-
         t = self.quantize(w, orig_dtype)
         return (t, *error_sums(w, self.dequantize(t)))
 
@@ -172,16 +171,12 @@ class WeightFormat:
 
     def cat_rows(self, parts: list[Tensors]) -> Tensors:
         """Concatenate linears along N (w13 = gate rows then up rows); exact inverse of split_rows."""
-        from moetool.formats.common import cat_row_blocked
-
         rows = [self.logical_shape(part)[0] for part in parts]
         return cat_row_blocked(self.name, parts, rows, self.row_blocks)
 
     def split_rows(self, t: Tensors, sizes: list[int]) -> list[Tensors]:
         """Split one linear along N into parts of ``sizes`` rows each. How a stacked w13
         splits into its gate and up halves (the kernels' torch reference takes this method)."""
-        from moetool.formats.common import split_row_blocked
-
         n, _ = self.logical_shape(t)
         return split_row_blocked(self.name, t, n, sizes, self.row_blocks)
 

@@ -12,7 +12,10 @@ from typing import ClassVar
 import torch
 
 from moetool.errors import MoetoolError
-from moetool.formats.base import Tensors
+from moetool.memory import scratch
+
+#: one linear's tensors by suffix (``weight``, ``weight_scale_inv``...)
+Tensors = dict[str, torch.Tensor]
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -104,8 +107,6 @@ def e4m3_dequantize_band(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor
 def fp8_band_buffers(elements: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This thread's reused buffers of the fp8 band quantizers, ``elements`` each:
     (ref float32, work float32, bits int32)."""
-    from moetool.memory import scratch
-
     return (scratch("ref", elements, torch.float32), scratch("work", elements, torch.float32),
             scratch("index", elements, torch.int32))
 

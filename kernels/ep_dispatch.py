@@ -7,7 +7,7 @@ the same rounding (fp8 codes as ``quant.fp8_act_quant``, bf16 rounded to nearest
 
 Letters: m = tokens routed by this rank, M = rows received, k = top-k, E = global experts,
 W = most replicas of an expert, R = ranks, L = local slots. The route table (``RouteTable`` in
-``moetool.verify.dispatch``): rank_tab / slot_tab int64 [E, W] (-1 padded), count_tab int64 [E];
+``moetool.verify.topology``): rank_tab / slot_tab int64 [E, W] (-1 padded), count_tab int64 [E];
 a token at global position p that chose expert e uses replica ``p % count_tab[e]``.
 
 1. :func:`route_tokens` topk_ids [m, k], token_index [m] -> order int64 [R, m] (index of token
@@ -31,6 +31,7 @@ import triton.language as tl
 from moetool.errors import MoetoolError
 
 from .common import PeerBuffers, check_device, check_rank, e4m3_rne, is_interpreted, round_to_bf16
+from .quant import fp8_act_quant_ref
 
 _INTS = (torch.int32, torch.int64)
 #: elements of the [tokens, k, ranks or slots] one-hot block a program holds at once
@@ -385,8 +386,6 @@ def pack_rows(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
 def pack_rows_ref(x, topk_ids, topk_weights, token_index, order, counts, out, hidden_dtype, offsets, group=128,
                   me=0):
     """Reference of :func:`pack_rows` (same arguments)."""
-    from .quant import fp8_act_quant_ref
-
     peers = out if isinstance(out, PeerBuffers) else None
     _check_pack(x, topk_ids, topk_weights, token_index, order, counts, None if peers else out, hidden_dtype,
                 offsets, group, peers, me)

@@ -10,6 +10,7 @@ ranges of the input are copied by ``moetool.convert.byte_executor`` instead, wit
 """
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -176,13 +177,9 @@ class ErrorStats:
         self.sig += sig
         self.noise += noise
         if noise > 0 and sig > 0:
-            import math
-
             self.min_sqnr = min(self.min_sqnr, 10 * math.log10(sig / noise))
 
     def summary(self) -> dict:
-        import math
-
         if self.count == 0:
             return {}
         sqnr = 10 * math.log10(self.sig / self.noise) if self.noise > 0 and self.sig > 0 else float("inf")

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from moetool.errors import MoetoolError
+from moetool.formats.registry import FORMATS
 from moetool.model.spec import ExpertPlacement
 from moetool.verify.chunk import ChunkInfo, CommStats, Prepared
 from moetool.verify.experts import weight_and_reduce
@@ -25,8 +26,11 @@ from moetool.verify.topology import RouteTable, Topology, all_gather_tensor, red
 from moetool.verify.transports import TRANSPORTS
 from moetool.verify.wire import RowLayout, payload, token_rows
 
-#: formats whose activations are quantized before the send (W8A8, per-token 1x128 groups)
-ACT_QUANT_FORMATS = ("fp8-block",)
+#: the activation numerics the wire implements: fp8 e4m3 in per-token 1x128 groups, scales
+#: travelling with the rows (a format declares it as its ``activation_quant``)
+WIRE_ACT_QUANT = "fp8-1x128"
+#: formats whose activations are quantized before the send (W8A8), from the registry
+ACT_QUANT_FORMATS = tuple(name for name, cls in FORMATS.items() if cls.activation_quant == WIRE_ACT_QUANT)
 
 
 class Dispatcher:

@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moetool.errors import MoetoolError, VerificationFailed
+from moetool.errors import MoetoolError
+from moetool.formats.registry import FORMATS
 from moetool.model.families import MoELayerSpec, describe, family_for
 from moetool.read.checkpoint import open_checkpoint
 from moetool.read.experts import ExpertReader, detect_expert_format
@@ -32,21 +33,9 @@ from moetool.verify.reference import reference_moe_forward, swiglu
 from moetool.verify.report import LayerReport, VerifyReport
 from moetool.verify.tokens import make_tokens, norm_weight_name, probe_tokens
 
-#: Pass thresholds per shard format, for the whole layer (relative error of the distributed
-#: output against the fp32 reference from the unquantized checkpoint) and for a single expert
-#: alone on the probe batch (its gate, up and down errors compound, so it is looser).
-#: Measured with `moetool demo --format F` (bf16 DeepSeek-V3-style model, H 256, N 192, 16
-#: experts, fp8 activations on the wire for fp8-block): layer / worst expert
-#:   fp8-block 0.047 / 0.050, fp8-channel 0.036 / 0.048, int4-group g64 0.149 / 0.199
-#:   (g128 on the test models: 0.17 / 0.23), bf16 shards 0.002 / 0.000.
-#: Limits are those plus margin; an injected fault (swapped experts, a doubled scale, swapped
-#: gate/up halves) gives 0.5 - 1.5 on the expert and fails.
-THRESHOLDS: dict[str, dict[str, float]] = {
-    "dense": {"rel_err": 0.01, "expert_rel_err": 0.01},
-    "fp8-block": {"rel_err": 0.08, "expert_rel_err": 0.09},
-    "fp8-channel": {"rel_err": 0.08, "expert_rel_err": 0.09},
-    "int4-group": {"rel_err": 0.25, "expert_rel_err": 0.35},
-}
+#: pass thresholds per shard format, for a whole layer and for one expert alone on the probe
+#: batch: each format's ``verify_tolerances`` (measured values in its module)
+THRESHOLDS: dict[str, dict[str, float]] = {name: dict(cls.verify_tolerances) for name, cls in FORMATS.items()}
 
 
 @dataclass(frozen=True)
@@ -185,7 +174,7 @@ def check_reference(shards: EPShards, ref_ckpt, spec, ref) -> None:
         raise MoetoolError(f"--ref {ref}: is {_model_text(spec.family.name, ours)}, but the shards in {shards.root} "
                            f"hold {_model_text(shard_arch, theirs)}; --ref must be the model they were made from")
     fmt = detect_expert_format(ref_ckpt, spec)
-    if fmt.name != "dense" and _made_by_moetool(ref_ckpt.root):
+    if fmt.quantized and _made_by_moetool(ref_ckpt.root):
         raise MoetoolError(f"--ref {ref}: is a {fmt.name} output of moetool, not the model it was made from; "
                            "give the original checkpoint")
 
@@ -353,7 +342,3 @@ def verify_torchrun(shards_dir, ref, opts: VerifyOptions, *, revision: str | Non
                             [g[0] for g in gathered])
 
 
-def raise_if_failed(report: VerifyReport) -> None:
-    if not report.passed:
-        bad = [f"layer {l.layer}: {l.reason}" for l in report.layers if not l.passed]
-        raise VerificationFailed("verification failed: " + "; ".join(bad))

@@ -171,7 +171,7 @@ class TritonExperts(ExpertsBackend):
             return
         self._w13 = {k: v.to(device) for k, v in local.w13.items()}
         self._w2 = {k: v.to(device) for k, v in local.w2.items()}
-        self._fmt_name = local.fmt.name
+        self._fmt_name = local.fmt.kernel_scheme
         self._group_size = getattr(local.fmt, "group_size", 128)  # int4-group's g
         self._num_slots = len(local.slot_to_global)
         self._bound = local

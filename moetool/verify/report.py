@@ -7,6 +7,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from moetool.errors import VerificationFailed
+
 
 @dataclass
 class LayerReport:
@@ -64,3 +66,9 @@ class VerifyReport:
 
 def save_json(report: VerifyReport, path: Path) -> None:
     Path(path).write_text(json.dumps(report.to_json(), indent=2))
+
+
+def raise_if_failed(report: VerifyReport) -> None:
+    if not report.passed:
+        bad = [f"layer {l.layer}: {l.reason}" for l in report.layers if not l.passed]
+        raise VerificationFailed("verification failed: " + "; ".join(bad))
