@@ -6,9 +6,11 @@ from typing import Annotated, Optional
 
 import typer
 
-from moetool.cli import app
+from moetool.cli import command_app
 from moetool.cli.options import Json, Revision
 from moetool.errors import MoetoolError
+from moetool.verify.driver import VerifyOptions, under_torchrun, verify, verify_torchrun
+from moetool.verify.report import raise_if_failed
 
 
 def parse_layers(text: str | None) -> tuple[int, ...] | None:
@@ -23,6 +25,8 @@ def parse_layers(text: str | None) -> tuple[int, ...] | None:
     except ValueError:
         raise MoetoolError(f"--layers {text!r}: expected a list like 1,3,5-7") from None
     return tuple(dict.fromkeys(out))
+
+app = command_app()
 
 
 @app.command("verify")
@@ -63,9 +67,8 @@ def verify_cmd(
     (`torchrun --nnodes ... --nproc-per-node ... -m moetool verify ...`)."""
     from moetool.lazy import import_module
 
-    vs = import_module("moetool.verify.driver")
     if whole_model:
-        if vs.under_torchrun():
+        if under_torchrun():
             raise MoetoolError("--whole-model spawns its own ranks on one node; it does not run under torchrun yet")
         wm = import_module("moetool.verify.whole_model")
         wopts = wm.WholeModelOptions(dp=dp, ep=ep, tokens=tokens, seq_len=seq_len, text=None if text is None else str(text),
@@ -77,8 +80,6 @@ def verify_cmd(
         return
     if text is not None:
         raise MoetoolError("--text is an option of --whole-model")
-    VerifyOptions, raise_if_failed, under_torchrun, verify, verify_torchrun = (
-        vs.VerifyOptions, vs.raise_if_failed, vs.under_torchrun, vs.verify, vs.verify_torchrun)
 
     opts = VerifyOptions(dp=dp, ep=ep, dispatch=dispatch, experts=experts, tokens=tokens, layers=parse_layers(layers),
                          backend=backend, chunk_size=chunk_size, seed=seed, max_rel_err=max_rel_err,
