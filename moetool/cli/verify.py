@@ -68,6 +68,8 @@ def verify_cmd(
     from moetool.lazy import import_module
 
     if whole_model:
+        if layers:
+            raise MoetoolError("--layers: --whole-model runs every layer (the MoE-only mode takes --layers)")
         if under_torchrun():
             raise MoetoolError("--whole-model spawns its own ranks on one node; it does not run under torchrun yet")
         wm = import_module("moetool.verify.whole_model")

@@ -39,7 +39,7 @@ from moetool.read.checkpoint import open_checkpoint
 from moetool.read.experts import ExpertReader
 from moetool.read.shards import EPShards
 from moetool.verify.driver import THRESHOLDS as MOE_THRESHOLDS
-from moetool.verify.driver import check_files_present, check_reference, resolve_backend
+from moetool.verify.driver import check_files_present, check_reference
 from moetool.verify.launch import spawn_world
 
 #: Pass thresholds of the whole-model check per shard format (data; the measured values on the
@@ -61,6 +61,16 @@ WM_THRESHOLDS: dict[str, dict[str, float]] = {
                    "kl_mean": 0.05, "kl_max": 0.5, "top1": 0.8},
 }
 EXACT_REL_ERR = 0.01
+
+
+def thresholds_for(fmt: str) -> dict[str, float]:
+    """The format's row of WM_THRESHOLDS; a format without one (registered later) gets limits
+    derived from its MoE-block tolerance (``verify_tolerances``), the logits' from int4's."""
+    if fmt in WM_THRESHOLDS:
+        return {**WM_THRESHOLDS[fmt], "exact_rel_err": EXACT_REL_ERR}
+    rel = MOE_THRESHOLDS.get(fmt, MOE_THRESHOLDS["dense"])["rel_err"]
+    return {**WM_THRESHOLDS["int4-group"], "moe_rel_err": rel, "layer_rel_err": rel, "moe_token_rel_err": 3 * rel,
+            "exact_rel_err": EXACT_REL_ERR}
 #: activations moetool's MoE runtime runs its experts with (SwiGLU)
 MOE_ACTS = ("silu", "swish")
 
@@ -500,6 +510,15 @@ def check_options(opts: WholeModelOptions, shards: EPShards) -> None:
         raise MoetoolError(f"--experts {opts.experts!r}: expected torch or triton")
 
 
+def whole_model_backend(opts: WholeModelOptions) -> str:
+    """gloo: the whole-model ranks run on CPU (the transformers modules, the MoE runtime and the
+    comparisons all on CPU tensors); the GPU path (NCCL, modules on each rank's device) is not
+    built yet."""
+    if opts.backend not in (None, "gloo"):
+        raise MoetoolError(f"--backend {opts.backend}: --whole-model runs its ranks on CPU processes (gloo) for now")
+    return "gloo"
+
+
 def verify_whole_model(shards_dir, ref, opts: WholeModelOptions, *, revision: str | None = None,
                        thresholds: dict | None = None) -> WholeModelReport:
     """Run the whole-model check; return the report (failures are in it: see ``.passed``)."""
@@ -524,7 +543,7 @@ def verify_whole_model_many(jobs: list[tuple], *, revision: str | None = None,
             vocab = int(ref_ckpt.config.get("vocab_size") or ref_ckpt.info("model.embed_tokens.weight").shape[0])
             ids, source = make_token_ids(opts, vocab, ref_ckpt.root)
             ref_root = str(ref_ckpt.root)
-        prepared.append((shards, ref_root, opts, resolve_backend(opts), ids, source))  # type: ignore[arg-type]
+        prepared.append((shards, ref_root, opts, whole_model_backend(opts), ids, source))
     eps, backends = {p[2].ep for p in prepared}, {p[3] for p in prepared}
     if len(eps) != 1 or len(backends) != 1:
         raise MoetoolError(f"verify_whole_model_many: jobs need one ep and backend, got {sorted(eps)} / {sorted(backends)}")
@@ -535,8 +554,7 @@ def verify_whole_model_many(jobs: list[tuple], *, revision: str | None = None,
     reports = []
     for j, (shards, ref_root, opts, backend, ids, source) in enumerate(prepared):
         fmt = shards.manifest["format"]
-        th = dict(thresholds or WM_THRESHOLDS.get(fmt, WM_THRESHOLDS["dense"]))
-        th.setdefault("exact_rel_err", EXACT_REL_ERR)
+        th = {**thresholds_for(fmt), **(thresholds or {})}
         groups = [r[j] for r in results if r[j]["reporting"]]
         report = build_report(str(shards.root), ref_root, fmt, opts, backend, th, ids, source, groups)
         report.ranks = [{"rank": k, "timings_s": r[j]["timings_s"], "memory": r[j]["memory"]} for k, r in enumerate(results)]
