@@ -168,8 +168,8 @@ class WholeModelReport:
         lines.append(line)
         if self.ranks:
             mem = max(self.ranks, key=lambda r: r["memory"]["rss_peak_mb"])["memory"]
-            lines.append(f"memory: weights filled at once at most {mem['converted_weights_peak_mb']:.1f} MiB converted"
-                         + (f", {mem['reference_weights_peak_mb']:.1f} MiB reference"
+            lines.append(f"memory: weights filled at once at most {mem['converted_weights_peak_mb']:.3g} MiB converted"
+                         + (f", {mem['reference_weights_peak_mb']:.3g} MiB reference"
                             if "reference_weights_peak_mb" in mem else "")
                          + f"; peak RSS of a rank {max(r['memory']['rss_peak_mb'] for r in self.ranks):.0f} MiB")
         if self.passed:

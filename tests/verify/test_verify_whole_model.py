@@ -95,6 +95,11 @@ def world(tmp_path_factory):
     for f, path in models.items():
         add(f"honest-{f}", path, path, DP2 if f == "deepseek_v3" else OPTS)
     add("text-deepseek_v3", ds, ds, WholeModelOptions(dp=2, ep=2, tokens=32, seq_len=16, text=str(text)))
+    tied = save_hf_model("qwen3_moe", root / "qwen3_moe-tied", tie_word_embeddings=True).path  # no lm_head.weight
+    add("honest-qwen3_moe-tied", tied, tied, DP2)
+    quantize(ds, root / "deepseek_v3-int4-shared", "int4-group", group_size=8, include_shared=True, progress=False)
+    add("honest-int4-shared-all2all", root / "deepseek_v3-int4-shared", ds,
+        WholeModelOptions(dp=1, ep=2, tokens=32, seq_len=16, dispatch="all2all"))
     quantized = {}
     for f in QUANTIZED_FAMILIES:
         for fmt in FORMATS:
@@ -118,6 +123,7 @@ def world(tmp_path_factory):
         "shared-gate-up-swapped": (ds, lambda t: _swap(t, f"{L}.1.mlp.shared_experts.gate_proj.weight",
                                                        f"{L}.1.mlp.shared_experts.up_proj.weight"), None),
         "hidden-act": (ds, None, lambda c: c.__setitem__("hidden_act", "gelu")),
+        "rope-interleave": (ds, None, lambda c: c.__setitem__("rope_interleave", False)),
         "hidden-act-mixtral": (models["mixtral"], None, lambda c: c.__setitem__("hidden_act", "gelu")),
         "experts-swapped": (ds, lambda t: _swap_experts(t, f"{L}.2.mlp", 0, 1), None),
         # the same faults under int4's loose thresholds: found by the router, shared expert and
@@ -154,6 +160,21 @@ def test_honest_family_passes(world, family):
             assert row.attn_rel_err == 0.0, (row, report.render())
         if row.kind == "moe":
             assert 0 < row.mlp_rel_err < 0.005, (row, report.render())  # bf16 combine rounding only
+
+
+def test_tied_lm_head_is_the_embedding(world):
+    report, (_, ref, _) = world["honest-qwen3_moe-tied"]
+    assert report.passed and report.rows[-1].layer_rel_err == 0.0, report.render()
+
+
+def test_quantized_shared_expert_and_all2all(world):
+    """--include-shared: the shared expert is int4 in the shards, so it is held to the format's
+    limit, not to exact agreement; the all2all dispatcher runs the MoE blocks."""
+    report, _ = world["honest-int4-shared-all2all"]
+    assert report.passed, report.render()
+    assert report.options["dispatch"] == "all2all"
+    shared = [r.shared_rel_err for r in report.rows if r.kind == "moe"]
+    assert all(0.01 < v <= WM_THRESHOLDS["int4-group"]["moe_rel_err"] for v in shared), report.render()
 
 
 def test_deepseek_rows_cover_dense_and_moe_layers(world):
@@ -193,6 +214,7 @@ def test_text_gives_both_perplexities(world):
     ("shared-gate-up-swapped", "1", "shared expert rel err"),
     ("hidden-act", "0", "MLP rel err"),
     ("hidden-act-mixtral", "0", "hidden_act 'gelu'"),
+    ("rope-interleave", "0", "attention rel err"),
     ("experts-swapped", "2", "MoE block rel err"),
     ("experts-swapped-int4", "2", "MoE block worst token rel err"),
     ("router-fp8-int4", "2", "router rel err"),
