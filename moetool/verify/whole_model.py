@@ -40,7 +40,11 @@ from moetool.read.experts import ExpertReader
 from moetool.read.shards import EPShards
 from moetool.verify.driver import THRESHOLDS as MOE_THRESHOLDS
 from moetool.verify.driver import check_files_present, check_reference
+from moetool.verify.hf_layers import Skeleton, capture, require_transformers
 from moetool.verify.launch import spawn_world
+from moetool.verify.reference import shared_forward
+from moetool.verify.router import route
+from moetool.verify.topology import Topology
 
 #: Pass thresholds of the whole-model check per shard format (data; the measured values on the
 #: tiny families are in docs/guide.md):
@@ -200,8 +204,6 @@ def make_token_ids(opts: WholeModelOptions, vocab: int, ref_root: Path) -> tuple
     if opts.text is None:
         g = torch.Generator().manual_seed(opts.seed * 7919 + 17)
         return torch.randint(0, vocab, (opts.dp, B, S), generator=g), f"random ids (seed {opts.seed})"
-    from moetool.verify.hf_layers import require_transformers
-
     transformers = require_transformers()
     path = Path(opts.text)
     if not path.is_file():
@@ -285,6 +287,7 @@ class DistributedMoE(torch.nn.Module):
         self.returns_tuple = returns_tuple
 
     def forward(self, hidden_states: torch.Tensor):
+        # the rank runtime (dispatchers, experts) loads Triton: only ranks import it
         from moetool.verify.layer import run_moe_layer
 
         shape = hidden_states.shape  # [B, S, H]
@@ -298,8 +301,6 @@ class DistributedMoE(torch.nn.Module):
 def _rank_jobs(rank: int, world_size: int, jobs: list[dict]) -> list[dict]:
     """Entry of a rank process (spawned): each job in turn, the converted model on this rank's
     dp group, and the reference on the first rank of each group."""
-    from moetool.verify.topology import Topology
-
     device = torch.device("cpu") if dist.get_backend() == "gloo" else torch.device("cuda", torch.cuda.current_device())
     topologies: dict[int, Topology] = {}
     out = []
@@ -312,6 +313,7 @@ def _rank_jobs(rank: int, world_size: int, jobs: list[dict]) -> list[dict]:
 
 
 def _rank_job(rank: int, topo, job: dict) -> dict:
+    # the rank runtime loads Triton, which the parent must never load
     from moetool.verify.dispatchers import get_dispatcher
     from moetool.verify.experts import get_experts
     from moetool.verify.rank import load_local_experts
@@ -337,8 +339,6 @@ def _rank_job(rank: int, topo, job: dict) -> dict:
 
 @torch.no_grad()
 def _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts, load_local_experts) -> dict:
-    from moetool.verify.hf_layers import Skeleton, capture
-
     opts: WholeModelOptions = job["opts"]
     clock = _Clock()
     reader = ExpertReader(ckpt, spec)
@@ -468,9 +468,6 @@ def _moe_parts(sums: _Sums, name: str, moe, block, h: torch.Tensor, gate, bias, 
     shards' router through moetool's ``route`` against transformers' router module, as dense
     [T, E] routing weights; the shards' shared expert against transformers' (never quantized
     unless --include-shared-experts: a wrong one shows here whatever the experts' format)."""
-    from moetool.verify.reference import shared_forward
-    from moetool.verify.router import route
-
     x = h.reshape(-1, h.shape[-1]).float()  # [T, H]
     router = getattr(block, "gate", None) if hasattr(block, "gate") else getattr(block, "router", None)
     out = router(x) if router is not None else None
@@ -529,8 +526,6 @@ def verify_whole_model_many(jobs: list[tuple], *, revision: str | None = None,
                             thresholds: dict | None = None) -> list[WholeModelReport]:
     """Several whole-model checks of the same ep and backend in one set of rank processes.
     ``jobs``: [(shards_dir, ref, WholeModelOptions)]."""
-    from moetool.verify.hf_layers import require_transformers
-
     require_transformers()
     prepared = []
     for shards_dir, ref, opts in jobs:
