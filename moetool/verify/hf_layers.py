@@ -98,6 +98,12 @@ class Skeleton:
         self.moe_index = {m.index: m for m in spec.moe_layers}
         #: bytes of weights filled now, and the most at any time (the memory bound, measured)
         self.held_bytes = self.peak_bytes = 0
+        #: in-memory name prefix -> on-disk prefix: a multimodal wrapper (Llama-4) keeps the
+        #: text model under language_model.
+        self.roots = {"model.": "model.", "lm_head.": "lm_head."}
+        for root, head in (("language_model.model.", "language_model.lm_head."), ("model.language_model.", "lm_head.")):
+            if any(n.startswith(root + "layers.") for n in ckpt.tensors):
+                self.roots = {"model.": root, "lm_head.": head}
 
     # -- per-layer arguments ------------------------------------------------------------------
     @torch.no_grad()
@@ -124,7 +130,7 @@ class Skeleton:
     def fill(self, module: nn.Module, prefix: str, disk_prefix: str | None = None) -> nn.Module:
         """Fill ``module`` (in-memory names under ``prefix``, e.g. ``model.layers.3.``) from the
         checkpoint; strict: every parameter and persistent buffer, each shape checked."""
-        disk_prefix = prefix if disk_prefix is None else disk_prefix
+        disk_prefix = self.disk_name(prefix) if disk_prefix is None else disk_prefix
         state = {}
         for name, t in module.state_dict(keep_vars=True).items():
             state[name] = self._tensor(prefix + name, disk_prefix + name, tuple(t.shape))
@@ -135,6 +141,14 @@ class Skeleton:
         self.held_bytes += _bytes(module)
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
         return module
+
+    def disk_name(self, name: str) -> str:
+        """The checkpoint's name of an in-memory name (``model.layers.0.`` ->
+        ``language_model.model.layers.0.`` in a Llama-4 wrapper)."""
+        for mem, disk in self.roots.items():
+            if name.startswith(mem):
+                return disk + name[len(mem):]
+        return name
 
     def empty(self, module: nn.Module) -> None:
         """Give a filled module's memory back (its tensors go back to the meta device)."""
@@ -159,7 +173,7 @@ class Skeleton:
             for a in MLP_ATTRS:
                 candidates.append(disk_name.replace(f".{a}.", f".{moe_attr}.", 1))
         if mem_name.endswith("lm_head.weight") and getattr(self.cfg, "tie_word_embeddings", False):
-            candidates.append("model.embed_tokens.weight")
+            candidates.append(self.disk_name("model.embed_tokens.weight"))
         for name in candidates:
             if name in self.ckpt:
                 base, _, last = name.rpartition(".")

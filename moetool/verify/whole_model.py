@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from moetool.errors import MoetoolError, VerificationFailed
-from moetool.model.families import describe
+from moetool.model.families import describe, text_config
 from moetool.read.checkpoint import open_checkpoint
 from moetool.read.experts import ExpertReader
 from moetool.read.shards import EPShards
@@ -171,11 +171,10 @@ class WholeModelReport:
             line += f"; perplexity reference {lg['ppl_reference']:.3f}, converted {lg['ppl_converted']:.3f}"
         lines.append(line)
         if self.ranks:
-            mem = max(self.ranks, key=lambda r: r["memory"]["rss_peak_mb"])["memory"]
-            lines.append(f"memory: weights filled at once at most {mem['converted_weights_peak_mb']:.3g} MiB converted"
-                         + (f", {mem['reference_weights_peak_mb']:.3g} MiB reference"
-                            if "reference_weights_peak_mb" in mem else "")
-                         + f"; peak RSS of a rank {max(r['memory']['rss_peak_mb'] for r in self.ranks):.0f} MiB")
+            most = lambda key: max(r["memory"].get(key, 0.0) for r in self.ranks)  # noqa: E731
+            lines.append(f"memory: weights held at once at most {most('converted_weights_peak_mb'):.3g} MiB converted, "
+                         f"{most('reference_weights_peak_mb'):.3g} MiB reference; peak RSS of a rank "
+                         f"{most('rss_peak_mb'):.0f} MiB")
         if self.passed:
             lines.append("PASSED: every layer and the logits within the thresholds of " + self.format)
         else:
@@ -471,16 +470,20 @@ def _moe_parts(sums: _Sums, name: str, moe, block, h: torch.Tensor, gate, bias, 
     x = h.reshape(-1, h.shape[-1]).float()  # [T, H]
     router = getattr(block, "gate", None) if hasattr(block, "gate") else getattr(block, "router", None)
     out = router(x) if router is not None else None
+    T, E = x.shape[0], gate.shape[0]
+    ref_w = None  # [T, E] routing weights of transformers' router
     if isinstance(out, tuple):
         idx = next((t for t in out if isinstance(t, torch.Tensor) and not t.is_floating_point()), None)
         w = None if idx is None else next((t for t in out if isinstance(t, torch.Tensor) and t.is_floating_point()
                                            and t.shape == idx.shape), None)
-        if w is not None:
-            E = gate.shape[0]
-            ref_w = torch.zeros(x.shape[0], E, dtype=torch.float64).scatter(1, idx.long(), w.double())  # [T, E]
-            ids, weights = route(x, gate, moe.router, bias)
-            conv_w = torch.zeros(x.shape[0], E, dtype=torch.float64).scatter(1, ids, weights.double())
-            sums.add(f"{name}/router", conv_w, ref_w)
+        if w is not None:  # (logits, top-k weights, top-k ids)
+            ref_w = torch.zeros(T, E, dtype=torch.float64).scatter(1, idx.long(), w.double())
+        elif isinstance(out[0], torch.Tensor) and tuple(out[0].shape) == (T, E):  # Llama-4: (scores [T, E], logits)
+            ref_w = out[0].double()
+    if ref_w is not None:
+        ids, weights = route(x, gate, moe.router, bias)
+        conv_w = torch.zeros(T, E, dtype=torch.float64).scatter(1, ids, weights.double())
+        sums.add(f"{name}/router", conv_w, ref_w)
     ref_shared = getattr(block, "shared_experts", None) or getattr(block, "shared_expert", None)
     if shared is not None and ref_shared is not None:
         y_ref = ref_shared(x)
@@ -535,7 +538,7 @@ def verify_whole_model_many(jobs: list[tuple], *, revision: str | None = None,
         with open_checkpoint(ref, revision) as ref_ckpt:
             spec = describe(ref_ckpt.config, ref_ckpt.tensors)
             check_reference(shards, ref_ckpt, spec, ref)
-            vocab = int(ref_ckpt.config.get("vocab_size") or ref_ckpt.info("model.embed_tokens.weight").shape[0])
+            vocab = int(text_config(ref_ckpt.config).get("vocab_size"))
             ids, source = make_token_ids(opts, vocab, ref_ckpt.root)
             ref_root = str(ref_ckpt.root)
         prepared.append((shards, ref_root, opts, whole_model_backend(opts), ids, source))
