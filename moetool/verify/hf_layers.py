@@ -30,6 +30,9 @@ from moetool.read.experts import ExpertReader
 INSTALL_HINT = 'pip install "moetool[model]"'
 #: config.json keys moetool adds or rewrites; not part of the model's math
 MOETOOL_KEYS = ("moetool_ep", "quantization_config")
+#: model_type of a config.json -> the transformers model_type that runs it (same architecture;
+#: Kimi-K2 ships DeepSeek-V3's modeling code under its own name)
+TRANSFORMERS_MODEL_TYPE = {"kimi_k2": "deepseek_v3"}
 #: the decoder layer's attribute holding its MLP / MoE block, by family (in memory)
 MLP_ATTRS = ("mlp", "feed_forward", "block_sparse_moe")
 
@@ -49,6 +52,7 @@ def hf_config(config: dict):
     transformers = require_transformers()
     cfg = {k: v for k, v in text_config(config).items() if k not in MOETOOL_KEYS}
     model_type = cfg.pop("model_type", None)
+    model_type = TRANSFORMERS_MODEL_TYPE.get(model_type, model_type)
     try:
         out = transformers.AutoConfig.for_model(model_type, **cfg)
     except (ValueError, KeyError) as e:

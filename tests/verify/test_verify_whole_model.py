@@ -110,6 +110,8 @@ def world(tmp_path_factory):
     for f, path in models.items():
         add(f"honest-{f}", path, path, DP2 if f == "deepseek_v3" else OPTS)
     add("text-deepseek_v3", ds, ds, WholeModelOptions(dp=2, ep=2, tokens=32, seq_len=16, text=str(text)))
+    kimi = _broken(ds, root / "kimi_k2", config=lambda c: c.__setitem__("model_type", "kimi_k2"))
+    add("honest-kimi_k2", kimi, kimi)
     wrapped = _llama4_wrapper(models["llama4"], root / "llama4-wrapped")
     add("honest-llama4-wrapped", wrapped, wrapped)
     tied = save_hf_model("qwen3_moe", root / "qwen3_moe-tied", tie_word_embeddings=True).path  # no lm_head.weight
@@ -177,6 +179,13 @@ def test_honest_family_passes(world, family):
             assert row.attn_rel_err == 0.0, (row, report.render())
         if row.kind == "moe":
             assert 0 < row.mlp_rel_err < 0.005, (row, report.render())  # bf16 combine rounding only
+
+
+def test_kimi_k2_runs_as_deepseek_v3(world):
+    """model_type kimi_k2 (unknown to transformers) runs DeepSeek-V3's modules: same numbers."""
+    report, _ = world["honest-kimi_k2"]
+    assert report.passed, report.render()
+    assert len(report.rows) == len(world["honest-deepseek_v3"][0].rows)
 
 
 def test_llama4_multimodal_wrapper(world):
