@@ -166,11 +166,13 @@ class Skeleton:
                                f"{mem_name} needs {list(shape)}")
         return t.float().contiguous()
 
-    def _read(self, mem_name: str, disk_name: str, shape: tuple) -> torch.Tensor:
+    def _locate(self, mem_name: str, disk_name: str) -> tuple[str, str]:
+        """Where an in-memory tensor comes from: ("experts", "") for the fused routed experts,
+        ("tensor", name) for a stored tensor, ("linear", base) for a quantized linear."""
         layer = _layer_index(mem_name)
         moe = self.moe_index.get(layer) if layer is not None else None
         if moe is not None and mem_name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
-            return self._fused_experts(moe, mem_name.endswith("gate_up_proj"), shape)
+            return "experts", ""
         candidates = [disk_name]
         if moe is not None:  # Mixtral: mlp in memory, block_sparse_moe on disk
             moe_attr = moe.prefix.rsplit(".", 1)[1]
@@ -179,16 +181,36 @@ class Skeleton:
         if mem_name.endswith("lm_head.weight") and getattr(self.cfg, "tie_word_embeddings", False):
             candidates.append(self.disk_name("model.embed_tokens.weight"))
         for name in candidates:
-            if name in self.ckpt:
-                base, _, last = name.rpartition(".")
-                if last == "weight" and len(self.ckpt.suffixes(base)) > 1 and self.reader.linear_format(base).name != "dense":
-                    return self.reader.dequantize_any(base)
-                return self.ckpt.get(name)
             base, _, last = name.rpartition(".")
+            if name in self.ckpt:
+                if last == "weight" and len(self.ckpt.suffixes(base)) > 1 and self.reader.linear_format(base).name != "dense":
+                    return "linear", base
+                return "tensor", name
             if last == "weight" and self.ckpt.suffixes(base):  # quantized linear (weight_packed, ...)
-                return self.reader.dequantize_any(base)
+                return "linear", base
         raise MoetoolError(f"{self.ckpt.root}: no tensor for transformers' {mem_name} (looked for "
-                           f"{', '.join(dict.fromkeys(candidates))})")
+                           f"{', '.join(dict.fromkeys(candidates))}); is it a {self.cfg.model_type} checkpoint "
+                           "as transformers stores it?")
+
+    def _read(self, mem_name: str, disk_name: str, shape: tuple) -> torch.Tensor:
+        kind, name = self._locate(mem_name, disk_name)
+        if kind == "experts":
+            moe = self.moe_index[_layer_index(mem_name)]
+            return self._fused_experts(moe, mem_name.endswith("gate_up_proj"), shape)
+        return self.reader.dequantize_any(name) if kind == "linear" else self.ckpt.get(name)
+
+    def check(self, *, moe_blocks: bool = True) -> None:
+        """Before any rank starts: every tensor transformers' modules need is in the checkpoint,
+        with its shape (``moe_blocks=False``: not the MoE blocks, which the converted side runs
+        with moetool's forward from tensors ``describe`` has checked)."""
+        skip = tuple(f"model.layers.{i}.{self.mlp_attr(self.layers[i])}." for i in self.moe_index) if not moe_blocks else ()
+        for mem_name, t in self.model.state_dict(keep_vars=True).items():
+            if mem_name.startswith(skip):
+                continue
+            kind, name = self._locate(mem_name, self.disk_name(mem_name))
+            if kind == "tensor" and tuple(self.ckpt.info(name).shape) != tuple(t.shape):
+                raise MoetoolError(f"{self.ckpt.root}: {name} has shape {list(self.ckpt.info(name).shape)}, "
+                                   f"transformers' {mem_name} needs {list(t.shape)}")
 
     def _fused_experts(self, moe, gate_up: bool, shape: tuple) -> torch.Tensor:
         """[E, 2N, H] / [E, H, N] (or input-first) from the checkpoint's experts, fp32."""

@@ -541,6 +541,10 @@ def verify_whole_model_many(jobs: list[tuple], *, revision: str | None = None,
             vocab = int(text_config(ref_ckpt.config).get("vocab_size"))
             ids, source = make_token_ids(opts, vocab, ref_ckpt.root)
             ref_root = str(ref_ckpt.root)
+            Skeleton(ref_ckpt.config, ref_ckpt, spec, ExpertReader(ref_ckpt, spec)).check()
+        rank0, rank0_spec = shards.open_rank(0, check=False)
+        with rank0:
+            Skeleton(rank0.config, rank0, rank0_spec, ExpertReader(rank0, rank0_spec)).check(moe_blocks=False)
         prepared.append((shards, ref_root, opts, whole_model_backend(opts), ids, source))
     eps, backends = {p[2].ep for p in prepared}, {p[3] for p in prepared}
     if len(eps) != 1 or len(backends) != 1:

@@ -313,3 +313,12 @@ def test_ranks_hold_one_layer_at_a_time(world):
         # dp 2: the first rank of each group runs the reference of its group's tokens
         assert 0 < r["memory"]["reference_weights_peak_mb"] < model_mib / 2
     assert "weights held at once at most" in report.render()
+
+
+def test_a_model_transformers_cannot_load_fails_before_the_ranks(tiny, tmp_path):
+    """moetool's own synthetic DeepSeek-V3 writes plain q/k/v attention, not MLA: one line naming
+    the tensor transformers needs, from the parent (no rank is started)."""
+    model = tiny("deepseek_v3", hidden=64, intermediate=32)
+    shard(model, tmp_path / "shards", 2, progress=False)
+    with pytest.raises(MoetoolError, match=r"no tensor for transformers' model\.layers\.0\.self_attn\.q_a_proj\.weight"):
+        verify_whole_model_many([(tmp_path / "shards", model, OPTS)])
