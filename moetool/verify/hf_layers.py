@@ -217,12 +217,12 @@ class Skeleton:
         E, H, N = moe.num_experts, moe.hidden, moe.intermediate
         input_first = shape == ((E, H, 2 * N) if gate_up else (E, N, H)) and (
             shape != ((E, 2 * N, H) if gate_up else (E, H, N)) or self.spec.family.fused_input_first)
-        out = []
+        out = torch.empty(shape, dtype=torch.float32)  # filled one expert at a time: no second copy
         for e in range(E):
             g, u, d = self.reader.expert_fp32(moe, e)  # [N, H], [N, H], [H, N]
             w = torch.cat([g, u]) if gate_up else d  # [2N, H] or [H, N]
-            out.append(w.t() if input_first else w)
-        return torch.stack(out)
+            out[e] = w.t() if input_first else w
+        return out
 
 
 def _bytes(module: nn.Module) -> int:
