@@ -12,8 +12,10 @@ The first rank of each dp group also runs the reference on its group's tokens, l
 transformers' decoder layer (its own router and experts) filled from ``--ref``, on the
 reference's own residual stream (free-running) and on the converted stream's input
 (teacher-forced: the layer's own error, which names the layer that diverges even when earlier
-layers' errors accumulate). At any time a rank holds one decoder layer of each side, the
-residual streams, and the embeddings / ``lm_head`` while they are used.
+layers' errors accumulate); the attention, the MoE block, its router and its shared expert
+alone, each side on the same input. At any time a rank holds one decoder layer of each side,
+the residual streams, and the embeddings / ``lm_head`` while they are used. Before any rank
+starts, the parent checks that both checkpoints hold every tensor transformers' modules need.
 
 Rows of the report: ``embed``, every decoder layer, ``head`` (final norm + lm_head), and the
 logits: KL(reference || converted) per token (mean, p99, max), top-1 agreement, perplexities
@@ -49,6 +51,8 @@ from moetool.verify.topology import Topology
 #: Pass thresholds of the whole-model check per shard format (data; the measured values on the
 #: tiny families are in docs/guide.md):
 #:   moe_rel_err: the MoE block alone (teacher-forced: both sides on the converted block's input);
+#:   moe_token_rel_err: its worst token (a wrong expert or scale hides in the block's total
+#:     behind int4 noise, not in the tokens it serves; about 2.3x the largest honest value);
 #:   layer_rel_err: a MoE decoder layer alone, relative to what the layer adds to the stream;
 #:   kl_mean / kl_max: KL(reference || converted) of the next-token distributions, per token;
 #:   top1: least share of tokens whose most likely next token agrees.
@@ -75,6 +79,8 @@ def thresholds_for(fmt: str) -> dict[str, float]:
     rel = MOE_THRESHOLDS.get(fmt, MOE_THRESHOLDS["dense"])["rel_err"]
     return {**WM_THRESHOLDS["int4-group"], "moe_rel_err": rel, "layer_rel_err": rel, "moe_token_rel_err": 3 * rel,
             "exact_rel_err": EXACT_REL_ERR}
+
+
 #: activations moetool's MoE runtime runs its experts with (SwiGLU)
 MOE_ACTS = ("silu", "swish")
 
