@@ -76,7 +76,8 @@ def verify_cmd(
         wopts = wm.WholeModelOptions(dp=dp, ep=ep, tokens=tokens, seq_len=seq_len, text=None if text is None else str(text),
                                      seed=seed, backend=backend, dispatch=dispatch, experts=experts,
                                      transport=transport, chunk_size=chunk_size, timeout_s=timeout)
-        report = wm.verify_whole_model(shards, ref, wopts, revision=revision)
+        report = wm.verify_whole_model(shards, ref, wopts, revision=revision,
+                                       thresholds=None if max_rel_err is None else {"moe_rel_err": max_rel_err})
         typer.echo(json.dumps(report.to_json(), indent=2) if json_out else report.render())
         wm.raise_if_failed(report)
         return

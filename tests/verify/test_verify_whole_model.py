@@ -281,6 +281,13 @@ def test_cli_whole_model_json_and_exit_status(world, cli):
     data = json.loads(res.out)
     assert data["mode"] == "whole-model" and data["first_divergent"] == "2" and not data["passed"]
     assert "layer 2" in res.error_line and "MoE block" in res.error_line
+    assert data["thresholds"]["moe_rel_err"] == WM_THRESHOLDS["dense"]["moe_rel_err"]
+    # --max-rel-err overrides the MoE block's limit: the swapped experts still fail, by the worst token
+    res = cli("verify", shards, "--ref", ref, "--ep", 2, "--whole-model", "--tokens", 16, "--seq-len", 16, "--json",
+              "--max-rel-err", 0.5)
+    data = json.loads(res.out)
+    assert res.code == 1 and data["thresholds"]["moe_rel_err"] == 0.5
+    assert "MoE block rel err" not in res.error_line and "worst token" in res.error_line
 
 
 def test_without_transformers_says_what_to_install(cli, monkeypatch, tmp_path):
