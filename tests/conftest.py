@@ -77,6 +77,46 @@ def tiny(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def verify_chain(tmp_path_factory):
+    """(model, {format: quantized checkpoint}) that ``moetool verify`` is run on (tests/verify,
+    tests/cli), made once per session: a DeepSeek-V3-style model of 8 experts, hidden 256 and
+    N = 192, which exercises partial fp8 blocks and per-half w13 scales; int4 uses groups of 64
+    (192 is not a multiple of 128). Read-only."""
+    from moetool.convert.quantize import quantize
+    from moetool.demo.tiny import make_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("verify-chain")
+    model = make_tiny_checkpoint(root / "model", "deepseek_v3", hidden=256, intermediate=192, experts=8, top_k=2,
+                                 layers=3, shards=2)
+    out = {"dense": model}
+    for fmt in ("fp8-block", "fp8-channel", "int4-group"):
+        out[fmt] = root / fmt
+        quantize(model, out[fmt], fmt, group_size=64, progress=False)
+    return model, out
+
+
+@pytest.fixture(scope="session")
+def verify_shards(verify_chain, tmp_path_factory):
+    """verify_shards(fmt, ep, **shard kwargs) -> EP shards of ``verify_chain``'s checkpoint in
+    ``fmt``, made once per session and arguments. Read-only: a test that damages shards copies
+    them first (or makes its own with ``moetool.convert.shard.shard``)."""
+    from moetool.convert.shard import shard
+
+    cache: dict = {}
+    root = tmp_path_factory.mktemp("verify-shards")
+
+    def get(fmt: str, ep: int, **kw) -> Path:
+        key = (fmt, ep, tuple(sorted((k, str(v)) for k, v in kw.items())))
+        if key not in cache:
+            dst = root / f"{fmt}-ep{ep}-{len(cache)}"
+            shard(verify_chain[1][fmt], dst, ep, progress=False, **kw)
+            cache[key] = dst
+        return cache[key]
+
+    return get
+
+
 @pytest.fixture
 def copy_ckpt(tmp_path):
     """copy_ckpt(src) -> a private copy under tmp_path (for tests that damage a checkpoint)."""
