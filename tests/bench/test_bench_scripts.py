@@ -22,8 +22,8 @@ def test_convert_bench_runs_and_reports_every_step(tmp_path):
 
 def test_dispatch_bench_runs_on_gloo(tmp_path):
     p = subprocess.run([sys.executable, str(ROOT / "bench" / "dispatch_gpu.py"), "--backend", "gloo", "--ep", "2",
-                        "--dp", "2", "--tokens", "32", "--hidden", "256", "--experts", "8", "--warmup", "1",
-                        "--iters", "2", "--out", str(tmp_path)],
+                        "--dp", "2", "--tokens", "8", "--hidden", "128", "--experts", "4", "--top-k", "2",
+                        "--warmup", "0", "--iters", "1", "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     result = json.loads((tmp_path / "dispatch_gpu.json").read_text())
@@ -38,8 +38,9 @@ def test_dispatch_bench_runs_on_gloo(tmp_path):
 def test_verify_bench_runs_on_gloo(tmp_path):
     out = tmp_path / "verify_gpu.json"
     p = subprocess.run([sys.executable, str(ROOT / "bench" / "verify_gpu.py"), "--backend", "gloo", "--ep", "2", "--dp",
-                        "1", "--experts", "8", "--hidden", "256", "--intermediate", "128", "--top-k", "2", "--tokens",
-                        "64", "--warmup", "0", "--backends", "all2all:torch,allgather:torch", "--workdir",
+                        "1", "--experts", "8", "--hidden", "128", "--intermediate", "128", "--top-k", "2", "--tokens",
+                        "16", "--warmup", "0", "--repeat", "1", "--backends", "all2all:torch,allgather:torch",
+                        "--workdir",
                         str(tmp_path / "w"), "--json", str(out)],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
