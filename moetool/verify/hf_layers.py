@@ -81,10 +81,13 @@ class _Recorder(nn.Module):
 class Skeleton:
     """The family's causal-LM module tree on the meta device, filled from ``ckpt`` on demand."""
 
-    def __init__(self, config: dict, ckpt: Checkpoint, spec: ModelSpec, reader: ExpertReader):
+    def __init__(self, config: dict, ckpt: Checkpoint, spec: ModelSpec, reader: ExpertReader,
+                 device: torch.device | None = None):
         transformers = require_transformers()
         self.cfg = hf_config(config)
         self.ckpt, self.spec, self.reader = ckpt, spec, reader
+        #: where filled modules compute (the rank's device)
+        self.device = device or torch.device("cpu")
         try:
             cls = transformers.AutoModelForCausalLM._model_mapping[type(self.cfg)]
         except KeyError:
@@ -97,7 +100,7 @@ class Skeleton:
         # rotary embeddings hold computed (non-persistent) buffers: build them for real
         for name, mod in list(base.named_children()):
             if "rotary" in name:
-                setattr(base, name, type(mod)(config=self.cfg))
+                setattr(base, name, type(mod)(config=self.cfg).to(self.device))
         self.layers: nn.ModuleList = base.layers
         self.moe_index = {m.index: m for m in spec.moe_layers}
         #: bytes of weights filled now, and the most at any time (the memory bound, measured)
@@ -118,7 +121,7 @@ class Skeleton:
         recorders = nn.ModuleList([_Recorder(l) for l in real])
         self.base.layers, self.base.norm = recorders, nn.Identity()
         try:
-            x = torch.zeros(batch, seq, self.cfg.hidden_size)
+            x = torch.zeros(batch, seq, self.cfg.hidden_size, device=self.device)
             self.base(inputs_embeds=x, use_cache=False)
         finally:
             self.base.layers, self.base.norm = real, norm
@@ -164,7 +167,7 @@ class Skeleton:
         if tuple(t.shape) != shape:
             raise MoetoolError(f"{self.ckpt.root}: {disk_name} has shape {list(t.shape)}, transformers' "
                                f"{mem_name} needs {list(shape)}")
-        return t.float().contiguous()
+        return t.to(device=self.device, dtype=torch.float32).contiguous()
 
     def _locate(self, mem_name: str, disk_name: str) -> tuple[str, str]:
         """Where an in-memory tensor comes from: ("experts", "") for the fused routed experts,

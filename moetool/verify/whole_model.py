@@ -41,7 +41,7 @@ from moetool.read.checkpoint import open_checkpoint
 from moetool.read.experts import ExpertReader
 from moetool.read.shards import EPShards
 from moetool.verify.driver import THRESHOLDS as MOE_THRESHOLDS
-from moetool.verify.driver import check_files_present, check_reference
+from moetool.verify.driver import check_files_present, check_reference, resolve_backend
 from moetool.verify.hf_layers import Skeleton, capture, require_transformers
 from moetool.verify.launch import spawn_world
 from moetool.verify.reference import shared_forward
@@ -347,16 +347,17 @@ def _rank_job(rank: int, topo, job: dict) -> dict:
 def _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts, load_local_experts) -> dict:
     opts: WholeModelOptions = job["opts"]
     clock = _Clock()
+    ids = ids.to(topo.device)
     reader = ExpertReader(ckpt, spec)
     with clock("build"):
-        conv = Skeleton(ckpt.config, ckpt, spec, reader)
+        conv = Skeleton(ckpt.config, ckpt, spec, reader, topo.device)
         B, S = ids.shape
         conv_args = conv.layer_arguments(B, S)
     ref = ref_args = None
     if ref_ckpt is not None:
         with clock("build"):
             ref_spec = describe(ref_ckpt.config, ref_ckpt.tensors)
-            ref = Skeleton(ref_ckpt.config, ref_ckpt, ref_spec, ExpertReader(ref_ckpt, ref_spec))
+            ref = Skeleton(ref_ckpt.config, ref_ckpt, ref_spec, ExpertReader(ref_ckpt, ref_spec), topo.device)
             ref_args = ref.layer_arguments(B, S)
     sums = _Sums()
     reasons: dict[str, list[str]] = {}
@@ -444,6 +445,8 @@ def _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts
     conv.empty(head)
     memory = {"rss_peak_mb": _peak_rss_mib(),
               "converted_weights_peak_mb": conv.peak_bytes / 2**20}
+    if topo.device.type == "cuda":
+        memory["gpu_peak_mb"] = torch.cuda.max_memory_allocated(topo.device) / 2**20
     if ref is None:
         return {"group": topo.group_index, "reporting": False, "timings_s": clock.s, "memory": memory}
     with clock("read_reference"):
@@ -465,8 +468,9 @@ def _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts
                                     for m in spec.moe_layers),
             "kinds": {str(i): ("moe" if i in conv.moe_index else "dense") for i in range(len(conv.layers))},
             "timings_s": clock.s,
-            "memory": {**memory, "reference_weights_peak_mb": ref.peak_bytes / 2**20,
-                       "rss_peak_mb": _peak_rss_mib()}}
+            "memory": {**memory, "reference_weights_peak_mb": ref.peak_bytes / 2**20, "rss_peak_mb": _peak_rss_mib(),
+                       **({"gpu_peak_mb": torch.cuda.max_memory_allocated(topo.device) / 2**20}
+                          if topo.device.type == "cuda" else {})}}
 
 
 def _moe_parts(sums: _Sums, name: str, moe, block, h: torch.Tensor, gate, bias, shared) -> None:
@@ -475,6 +479,10 @@ def _moe_parts(sums: _Sums, name: str, moe, block, h: torch.Tensor, gate, bias, 
     [T, E] routing weights; the shards' shared expert against transformers' (never quantized
     unless --include-shared-experts: a wrong one shows here whatever the experts' format)."""
     x = h.reshape(-1, h.shape[-1]).float()  # [T, H]
+    dev = x.device
+    gate = gate.to(dev)
+    bias = None if bias is None else bias.to(dev)
+    shared = None if shared is None else tuple(None if w is None else w.to(dev) for w in shared)
     router = getattr(block, "gate", None) if hasattr(block, "gate") else getattr(block, "router", None)
     out = router(x) if router is not None else None
     T, E = x.shape[0], gate.shape[0]
@@ -484,12 +492,12 @@ def _moe_parts(sums: _Sums, name: str, moe, block, h: torch.Tensor, gate, bias, 
         w = None if idx is None else next((t for t in out if isinstance(t, torch.Tensor) and t.is_floating_point()
                                            and t.shape == idx.shape), None)
         if w is not None:  # (logits, top-k weights, top-k ids)
-            ref_w = torch.zeros(T, E, dtype=torch.float64).scatter(1, idx.long(), w.double())
+            ref_w = torch.zeros(T, E, dtype=torch.float64, device=dev).scatter(1, idx.long(), w.double())
         elif isinstance(out[0], torch.Tensor) and tuple(out[0].shape) == (T, E):  # Llama-4: (scores [T, E], logits)
             ref_w = out[0].double()
     if ref_w is not None:
         ids, weights = route(x, gate, moe.router, bias)
-        conv_w = torch.zeros(T, E, dtype=torch.float64).scatter(1, ids, weights.double())
+        conv_w = torch.zeros(T, E, dtype=torch.float64, device=dev).scatter(1, ids, weights.double())
         sums.add(f"{name}/router", conv_w, ref_w)
     ref_shared = getattr(block, "shared_experts", None) or getattr(block, "shared_expert", None)
     if shared is not None and ref_shared is not None:
@@ -518,12 +526,9 @@ def check_options(opts: WholeModelOptions, shards: EPShards) -> None:
 
 
 def whole_model_backend(opts: WholeModelOptions) -> str:
-    """gloo: the whole-model ranks run on CPU (the transformers modules, the MoE runtime and the
-    comparisons all on CPU tensors); the GPU path (NCCL, modules on each rank's device) is not
-    built yet."""
-    if opts.backend not in (None, "gloo"):
-        raise MoetoolError(f"--backend {opts.backend}: --whole-model runs its ranks on CPU processes (gloo) for now")
-    return "gloo"
+    """As the MoE-only mode: NCCL with one GPU a rank when there are enough GPUs (every module,
+    both sides, on the rank's GPU), else gloo on CPU."""
+    return resolve_backend(opts)  # type: ignore[arg-type]
 
 
 def verify_whole_model(shards_dir, ref, opts: WholeModelOptions, *, revision: str | None = None,
