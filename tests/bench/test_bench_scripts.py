@@ -4,6 +4,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # each runs a script and its process worlds
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

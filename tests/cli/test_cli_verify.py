@@ -11,6 +11,10 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # each command starts rank processes
+
 #: tokens per dp group (the all2all dispatcher's kernels, interpreted on CPU, cost time per token)
 TOKENS = 32
 

@@ -26,6 +26,7 @@ def src(tmp_path_factory) -> Path:
 # ------------------------------------------------------------------------------------- demo
 
 
+@pytest.mark.slow
 def test_demo_prints_commands_that_rerun_by_hand(tmp_path):
     """`demo --workdir W --format int4` keeps its files in W and ends with the four commands
     it ran, with their real paths and the group size it really used (quantize's default 128

@@ -624,6 +624,7 @@ def test_a_path_under_home_is_a_local_folder(ctx, cli):
     assert json.loads(r.out)["path"] == str(ctx.tmp / "home" / "mixtral")
 
 
+@pytest.mark.slow
 def test_exact_shards_still_name_their_worst_expert(made):
     """Unquantized shards match the reference exactly, expert by expert: the report still
     names an expert and its rank (it said -1 (-1) when no error was above 0)."""

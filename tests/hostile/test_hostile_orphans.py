@@ -132,6 +132,7 @@ def _finish(p: subprocess.Popen) -> Run:
 # ------------------------------------------------------------------------------------- tests
 
 
+@pytest.mark.slow
 def test_sigkill_of_verify_takes_its_ranks_along(ckpt, reap):
     """SIGKILL (as the OOM killer sends) runs no clean-up: the ranks die with their parent."""
     model, shards = ckpt
@@ -146,6 +147,7 @@ def test_sigkill_of_verify_takes_its_ranks_along(ckpt, reap):
     _finish(p)
 
 
+@pytest.mark.slow
 def test_sigkill_while_ranks_start_takes_them_along(ckpt, reap):
     """The parent dies before its ranks could ask to die with it (they are still importing
     torch): each notices when it gets there and exits, instead of waiting for a store that is gone."""
@@ -161,6 +163,7 @@ def test_sigkill_while_ranks_start_takes_them_along(ckpt, reap):
     _finish(p)
 
 
+@pytest.mark.slow
 def test_sigterm_stops_the_ranks_and_says_interrupted(ckpt, reap):
     """SIGTERM (``timeout``, a scheduler) to moetool alone: it stops its ranks, says so, 143."""
     model, shards = ckpt

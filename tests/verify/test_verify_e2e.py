@@ -24,6 +24,8 @@ from moetool.demo.tiny import make_tiny_checkpoint
 from moetool.verify.driver import VerifyOptions, verify_many
 from moetool.read.manifest import sha256_file
 
+pytestmark = pytest.mark.slow  # process worlds of 2 to 4 ranks
+
 FORMATS = ("dense", "fp8-block", "fp8-channel", "int4-group")
 BACKENDS = ("allgather", "all2all")
 #: tokens per dp group: every rank still gets tokens at --dp 2 --ep 4 (16 per rank), and the
