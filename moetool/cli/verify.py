@@ -9,6 +9,7 @@ import typer
 from moetool.cli import command_app
 from moetool.cli.options import Json, Revision
 from moetool.errors import MoetoolError
+from moetool.lazy import import_module
 from moetool.verify.driver import VerifyOptions, under_torchrun, verify, verify_torchrun
 from moetool.verify.report import raise_if_failed
 
@@ -65,8 +66,6 @@ def verify_cmd(
 
     Single node: spawns one process per rank itself. Multi-node: run it under torchrun
     (`torchrun --nnodes ... --nproc-per-node ... -m moetool verify ...`)."""
-    from moetool.lazy import import_module
-
     if whole_model:
         if layers:
             raise MoetoolError("--layers: --whole-model runs every layer (the MoE-only mode takes --layers)")

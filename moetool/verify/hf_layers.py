@@ -22,6 +22,11 @@ from typing import Callable
 import torch
 from torch import nn
 
+try:  # optional: `pip install "moetool[model]"`; only --whole-model needs it
+    import transformers
+except ImportError:
+    transformers = None
+
 from moetool.errors import MoetoolError
 from moetool.model.families import ModelSpec, text_config
 from moetool.read.checkpoint import Checkpoint
@@ -39,17 +44,15 @@ MLP_ATTRS = ("mlp", "feed_forward", "block_sparse_moe")
 
 def require_transformers():
     """The transformers module, or a one-line error saying what to install."""
-    try:
-        import transformers
-    except ImportError:
-        raise MoetoolError(f"--whole-model runs transformers' own modules: {INSTALL_HINT}") from None
+    if transformers is None:
+        raise MoetoolError(f"--whole-model runs transformers' own modules: {INSTALL_HINT}")
     return transformers
 
 
 def hf_config(config: dict):
     """A transformers config object from a config.json dict (moetool's keys dropped), eager
     attention (plain matmuls, the same on every device and batch)."""
-    transformers = require_transformers()
+    require_transformers()
     cfg = {k: v for k, v in text_config(config).items() if k not in MOETOOL_KEYS}
     model_type = cfg.pop("model_type", None)
     model_type = TRANSFORMERS_MODEL_TYPE.get(model_type, model_type)
@@ -83,7 +86,7 @@ class Skeleton:
 
     def __init__(self, config: dict, ckpt: Checkpoint, spec: ModelSpec, reader: ExpertReader,
                  device: torch.device | None = None):
-        transformers = require_transformers()
+        require_transformers()
         self.cfg = hf_config(config)
         self.ckpt, self.spec, self.reader = ckpt, spec, reader
         #: where filled modules compute (the rank's device)

@@ -285,20 +285,19 @@ class DistributedMoE(torch.nn.Module):
     """The converted side's MoE block: moetool's distributed forward over the EP shards.
     Collective (every rank calls it for every MoE layer, in order)."""
 
-    def __init__(self, layer, local, placement, gate, bias, shared, dispatcher, experts, chunk_size, returns_tuple):
+    def __init__(self, layer, local, placement, gate, bias, shared, dispatcher, experts, chunk_size, returns_tuple,
+                 run_moe_layer):
         super().__init__()
+        self.run_moe_layer = run_moe_layer  # moetool.verify.layer's, handed in by the rank (it loads Triton)
         self.layer, self.local, self.placement = layer, local, placement
         self.gate, self.bias, self.shared = gate, bias, shared
         self.dispatcher, self.experts, self.chunk_size = dispatcher, experts, chunk_size
         self.returns_tuple = returns_tuple
 
     def forward(self, hidden_states: torch.Tensor):
-        # the rank runtime (dispatchers, experts) loads Triton: only ranks import it
-        from moetool.verify.layer import run_moe_layer
-
         shape = hidden_states.shape  # [B, S, H]
         x = hidden_states.reshape(-1, shape[-1]).float()  # [T, H]
-        y, _ = run_moe_layer(x, self.gate, self.bias, self.layer.router, self.local, self.placement, self.shared,
+        y, _ = self.run_moe_layer(x, self.gate, self.bias, self.layer.router, self.local, self.placement, self.shared,
                              self.dispatcher, self.experts, self.chunk_size)
         y = y.view(shape).to(hidden_states.dtype)
         return (y, None) if self.returns_tuple else y
@@ -320,10 +319,7 @@ def _rank_jobs(rank: int, world_size: int, jobs: list[dict]) -> list[dict]:
 
 def _rank_job(rank: int, topo, job: dict) -> dict:
     # the rank runtime loads Triton, which the parent must never load
-    from moetool.verify.dispatchers import get_dispatcher
-    from moetool.verify.experts import get_experts
-    from moetool.verify.rank import load_local_experts
-    from moetool.verify.transports import choose_transport
+    from moetool.verify.rank import choose_transport, get_dispatcher, get_experts, load_local_experts, run_moe_layer
 
     opts: WholeModelOptions = job["opts"]
     shards = EPShards(Path(job["shards"]), check=False)
@@ -336,7 +332,8 @@ def _rank_job(rank: int, topo, job: dict) -> dict:
                                     **({"transport": transport, "timeout_s": opts.timeout_s} if transport else {}))
         experts = get_experts(opts.experts)
         ids = job["ids"][topo.group_index]  # [B, S]
-        return _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts, load_local_experts)
+        return _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts, load_local_experts,
+                    run_moe_layer)
     finally:
         ckpt.close()
         if ref_ckpt is not None:
@@ -344,7 +341,8 @@ def _rank_job(rank: int, topo, job: dict) -> dict:
 
 
 @torch.no_grad()
-def _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts, load_local_experts) -> dict:
+def _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts, load_local_experts,
+         run_moe_layer) -> dict:
     opts: WholeModelOptions = job["opts"]
     clock = _Clock()
     ids = ids.to(topo.device)
@@ -393,7 +391,8 @@ def _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts
                                                                    *(w for w in (shared or ()) if w is not None)])
             conv.held_bytes += moe_bytes  # this rank's experts, router and shared expert of the layer
             setattr(layer, mlp_attr, DistributedMoE(moe, local, placement, gate, bias, shared, dispatcher, experts,
-                                                    opts.chunk_size, returns_tuple=bool(getattr(layer, "is_moe_layer", False))))
+                                                    opts.chunk_size, bool(getattr(layer, "is_moe_layer", False)),
+                                                    run_moe_layer))
             if act not in MOE_ACTS:
                 reasons.setdefault(name, []).append(
                     f"config.json hidden_act {act!r}: the MoE runtime runs SwiGLU ({MOE_ACTS[0]}) experts")

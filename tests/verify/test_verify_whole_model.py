@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +24,7 @@ pytest.importorskip("transformers")
 from moetool.convert.quantize import quantize  # noqa: E402
 from moetool.convert.shard import shard  # noqa: E402
 from moetool.errors import MoetoolError, VerificationFailed  # noqa: E402
+from moetool.verify import hf_layers  # noqa: E402
 from moetool.verify.whole_model import (WM_THRESHOLDS, WholeModelOptions, make_token_ids,  # noqa: E402
                                         raise_if_failed, verify_whole_model_many)
 
@@ -291,7 +291,7 @@ def test_cli_whole_model_json_and_exit_status(world, cli):
 
 
 def test_without_transformers_says_what_to_install(cli, monkeypatch, tmp_path):
-    monkeypatch.setitem(sys.modules, "transformers", None)
+    monkeypatch.setattr(hf_layers, "transformers", None)  # as its import failed
     res = cli("verify", tmp_path, "--ref", tmp_path, "--whole-model")
     assert res.code == 2
     assert 'pip install "moetool[model]"' in res.error_line
