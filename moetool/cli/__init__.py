@@ -123,8 +123,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _interrupted(status: int) -> None:
-    print("error: interrupted; the output is left unfinished (no manifest.json): re-run the same command "
-          "to resume", file=sys.stderr)
+    print("error: interrupted; an output folder without manifest.json is unfinished: re-run the same "
+          "command to resume it", file=sys.stderr)
     sys.exit(status)
 
 

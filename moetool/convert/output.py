@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 from moetool.convert.plan import Plan, PlannedFile
 from moetool import __version__
 from moetool.errors import MoetoolError
-from moetool.read.manifest import INCOMPLETE, JOURNAL_NAME, LOCK_NAME, MANIFEST_NAME, sha256_file
+from moetool.read.manifest import INCOMPLETE, JOURNAL_NAME, LOCK_NAME, MANIFEST_NAME, RANK_DIR_RE, sha256_file
 from moetool.read.safetensors import TensorSpec, safetensors_header
 from moetool.convert.sink import HashingSink
 
@@ -87,15 +87,24 @@ class OutputDir:
         """With the lock held: refuse a folder that is not ours to write (unless ``force``),
         clear what an earlier output of ours left there, and start or resume the journal."""
         manifest = self.root / MANIFEST_NAME
-        if manifest.exists():
-            if not force:
-                raise MoetoolError(f"{self.root}: already holds a complete output ({MANIFEST_NAME}); use --force to overwrite")
-            self._remove_listed(manifest, "files")  # the old output's files: none may linger beside the new
-            manifest.unlink()
         journal = self.root / JOURNAL_NAME
+        if manifest.exists():
+            ours = _made_by_moetool(manifest)
+            if not force:
+                if ours and journal.exists():  # a run stopped between the manifest and its clean-up
+                    journal.unlink()
+                    (self.root / LOCK_NAME).unlink(missing_ok=True)
+                    self._folder_lock.created = False  # the output is complete: no lock file in it
+                raise MoetoolError(f"{self.root}: already holds a complete output ({MANIFEST_NAME}); use --force to overwrite")
+            if ours:
+                # the old output becomes a journal of no plan first: stopped while its files are
+                # deleted, the folder is an unfinished output, never a manifest listing lost files
+                os.replace(manifest, journal)
         if force:
-            self._remove_listed(journal, "files")
-            journal.unlink(missing_ok=True)
+            if _our_journal(journal):
+                self._remove_listed(journal, "files")
+                journal.unlink()
+                self._remove_temporary_names()
         else:
             self._refuse_foreign()
         self._journal = self._load_journal()
@@ -111,6 +120,9 @@ class OutputDir:
             raise MoetoolError(f"{self.root}: holds the unfinished output of another moetool run (other input or "
                                f"options, see {JOURNAL_NAME}); re-run that command to finish it, or use --force "
                                f"to replace it")
+        stray_journal = self.root / (JOURNAL_NAME + INCOMPLETE)  # a run stopped while writing its first journal
+        if stray_journal.is_file() and not stray_journal.is_symlink():
+            stray_journal.unlink()
         found = sorted(p.name for p in self.root.iterdir() if p.name != LOCK_NAME)
         if found:
             raise MoetoolError(f"{self.root}: is not empty and holds no unfinished moetool output (found {found[0]}"
@@ -131,24 +143,50 @@ class OutputDir:
         self.close()
 
     def _remove_listed(self, listing: Path, key: str) -> None:
-        """Delete the files a previous manifest or journal of this folder lists (files moetool
-        wrote), so that a new plan with other file names leaves no stale shard behind;
-        then folders left empty (EP rank folders of another --ep)."""
+        """Delete the files a previous journal of this folder lists (files moetool wrote), so
+        that a new plan with other file names leaves no stale shard behind; then folders left
+        empty (EP rank folders of another --ep). Only regular files inside the folder, never
+        through a symbolic link, never our own bookkeeping files."""
         try:
             names = list(json.loads(listing.read_text()).get(key, {}))
         except (OSError, ValueError, AttributeError):
             return
         for name in names:
-            rel = Path(str(name))
-            if rel.is_absolute() or ".." in rel.parts:
+            path = self._inside(str(name))
+            if path is None or path.name in (MANIFEST_NAME, JOURNAL_NAME, LOCK_NAME):
                 continue
-            path = self.root / rel
-            if path.is_file():
+            if path.is_file() and not path.is_symlink():
                 path.unlink()
-            parent = path.parent
-            while parent != self.root and parent.is_dir() and not any(parent.iterdir()):
-                parent.rmdir()
-                parent = parent.parent
+            self._prune(path.parent)
+
+    def _inside(self, name: str) -> Path | None:
+        """``root / name`` when it is a path inside the folder reached through real folders only."""
+        rel = Path(name)
+        if rel.is_absolute() or ".." in rel.parts or not rel.parts:
+            return None
+        folder = self.root
+        for part in rel.parts[:-1]:
+            folder = folder / part
+            if folder.is_symlink():
+                return None
+        return self.root / rel
+
+    def _prune(self, folder: Path) -> None:
+        """Remove ``folder`` and its parents below the root while they are real, empty folders."""
+        while folder != self.root and folder.is_dir() and not folder.is_symlink() and not any(folder.iterdir()):
+            folder.rmdir()
+            folder = folder.parent
+
+    def _remove_temporary_names(self) -> None:
+        """--force over an unfinished output of ours (its journal): the temporary files it left in
+        its folders (the root and the EP rank folders), then rank folders left empty."""
+        folders = [self.root] + [p for p in self.root.iterdir()
+                                 if p.is_dir() and not p.is_symlink() and RANK_DIR_RE.fullmatch(p.name)]
+        for folder in folders:
+            for path in folder.glob("*" + INCOMPLETE):
+                if path.is_file() and not path.is_symlink():
+                    path.unlink()
+            self._prune(folder)
 
     # -- journal ------------------------------------------------------------------------
     def _load_journal(self) -> dict[str, dict]:
@@ -309,13 +347,12 @@ class OutputDir:
         return manifest
 
     def _remove_leftovers(self) -> None:
-        """Temporary files an interrupted earlier run left (its ``.incomplete`` files whose
-        final names this run wrote, or no longer plans): a complete output holds none."""
-        folders = {self.root} | {(self.root / name).parent for name in self.records}
-        for folder in folders:
-            for path in folder.glob("*" + INCOMPLETE):
-                if path.is_file() or path.is_symlink():
-                    path.unlink()
+        """Temporary files of this output's names that an interrupted earlier run left: a
+        complete output holds none. (Files of other names are not ours to remove.)"""
+        for name in [*self.records, JOURNAL_NAME, MANIFEST_NAME]:
+            path = self._inside(name + INCOMPLETE)
+            if path is not None and (path.is_file() or path.is_symlink()):
+                path.unlink()
 
 
 def _rename_over(tmp: Path, final: Path) -> None:
@@ -325,6 +362,25 @@ def _rename_over(tmp: Path, final: Path) -> None:
     os.replace(tmp, final)
     if os.path.lexists(tmp):
         os.unlink(tmp)
+
+
+def _made_by_moetool(manifest: Path) -> bool:
+    """A manifest.json moetool wrote (it names a moetool version)."""
+    try:
+        data = json.loads(manifest.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and "moetool_version" in data and isinstance(data.get("files"), dict)
+
+
+def _our_journal(path: Path) -> bool:
+    """A journal moetool wrote: a run's (it names its plan) or a complete output's manifest
+    set aside by --force (it names a moetool version)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and ("plan_id" in data or "moetool_version" in data)
 
 
 def _journal_plan(path: Path) -> str | None:
@@ -343,9 +399,13 @@ class FolderLock:
     def __init__(self, root: Path):
         self.fd: int | None = None
         self.path = Path(root) / LOCK_NAME
-        self.created = not self.path.exists()  # by this run (under the lock, checked again below)
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:  # whether this run made the file decides whether a refused run removes it
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+                self.created = True
+            except FileExistsError:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                self.created = False
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -365,7 +425,6 @@ class FolderLock:
             if same:
                 break
             os.close(fd)
-            self.created = True
         self.fd = fd
 
     def write_owner(self) -> None:

@@ -73,6 +73,8 @@ def faulty(point: str, k, *args, ready: Path | None = None) -> list[str]:
 CRASHES = [
     # shard is a byte copy whose model-common files of rank 1 are hard links to rank 0's
     ("shard", "before-journal", 1),  # before the journal that marks the folder ours
+    ("shard", "after-fsync", 1),  # the first journal durable under its temporary name
+    ("quantize", "after-fsync", 1),
     ("shard", "after-rename", 1),  # the first journal is in place, nothing else
     ("shard", "after-fsync", 2),  # a file durable under its temporary name
     ("shard", "after-rename", "name:rank-00000-of-00002/model-00002"),  # renamed, not journaled
@@ -260,4 +262,60 @@ def test_nan_found_while_converting_names_the_tensor_and_leaves_the_output_unfin
     r = moetool("quantize", bad, out, "--fp8-block", "-q")
     assert r.code == 2 and "another moetool run" in r.error_line
     assert moetool("quantize", bad, out, "--fp8-block", "-q", "--force").code == 0
+    assert_complete(out)
+
+
+def test_crash_between_the_manifest_and_its_clean_up_leaves_a_clean_complete_output(src, clean, tmp_path):
+    """The manifest is in place, the journal and lock file not yet removed: the output is
+    complete; a re-run says so and removes them."""
+    out = tmp_path / "out"
+    crashed = subprocess.run(faulty("after-rename", "name:manifest.json", *COMMANDS["shard"](src, out)), env=env(),
+                             capture_output=True, text=True)
+    assert crashed.returncode == 9
+    r = moetool(*COMMANDS["shard"](src, out))
+    assert r.code == 2 and "already holds a complete output" in r.error_line
+    assert_complete(out)
+    assert digest(out) == clean("shard")
+
+
+def test_force_stopped_while_deleting_the_old_output_is_never_complete(src, clean, tmp_path):
+    """--force over a complete output first turns its manifest into a journal: stopped then,
+    the folder is an unfinished output (refused without --force, finished with it)."""
+    out = tmp_path / "out"
+    assert moetool(*COMMANDS["shard"](src, out)).code == 0
+    crashed = subprocess.run(faulty("after-rename", 1, *COMMANDS["shard"](src, out), "--force"), env=env(),
+                             capture_output=True, text=True)
+    assert crashed.returncode == 9
+    assert_unfinished(out)
+    r = moetool(*COMMANDS["shard"](src, out))
+    assert r.code == 2 and "holds the unfinished output of another moetool run" in r.error_line
+    assert moetool(*COMMANDS["shard"](src, out), "--force").code == 0
+    assert digest(out) == clean("shard")
+
+
+def test_force_leaves_files_that_are_not_moetools(src, tmp_path):
+    """A manifest.json that moetool did not write lists nothing moetool may delete, nor does
+    a symbolic link lead it outside the folder; a temporary name of another program stays."""
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    out.mkdir()
+    elsewhere.mkdir()
+    (elsewhere / "important.txt").write_text("keep")
+    (out / "data").symlink_to(elsewhere)
+    (out / "notes.txt").write_text("mine")
+    (out / "manifest.json").write_text(json.dumps({"tool": "other", "files": {"notes.txt": {}, "data/important.txt": {}}}))
+    (out / "download.bin.incomplete").write_text("partial")
+    r = moetool(*COMMANDS["quantize"](src, out), "--force")
+    assert r.code == 0, r.err
+    assert (out / "notes.txt").read_text() == "mine" and (elsewhere / "important.txt").read_text() == "keep"
+    assert (out / "download.bin.incomplete").exists()
+
+
+def test_force_over_another_plans_crash_leaves_no_temporary_name(src, tmp_path):
+    out = tmp_path / "out"
+    crashed = subprocess.run(faulty("after-fsync", 3, "shard", src, out, "--ep", "4", "-q"), env=env(),
+                             capture_output=True, text=True)
+    assert crashed.returncode == 9
+    r = moetool(*COMMANDS["shard"](src, out), "--force")  # --ep 2
+    assert r.code == 0, r.err
+    assert temporary_names(out) == []
     assert_complete(out)
