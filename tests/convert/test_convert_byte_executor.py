@@ -28,15 +28,6 @@ from moetool.read.manifest import JOURNAL_NAME, MANIFEST_NAME, verify_manifest
 from moeutil import rewrite_file, tensor_files, tree_hashes
 
 
-@pytest.fixture
-def no_torch_executor(monkeypatch):
-    """Fail the test if anything reaches the torch executor."""
-    def refuse(*a, **k):
-        raise AssertionError("the torch executor ran")
-
-    monkeypatch.setattr(convert, "run_plan", refuse)
-
-
 def run_both(kind: str, src: Path, tmp_path: Path, monkeypatch, **kw) -> tuple[dict, dict]:
     """(files of the byte copy, files of the torch executor) for one command."""
     fn = repack if kind == "repack" else shard
