@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 from moetool.convert.plan import Plan, PlannedFile
 from moetool import __version__
 from moetool.errors import MoetoolError
-from moetool.read.manifest import INCOMPLETE, JOURNAL_NAME, LOCK_NAME, MANIFEST_NAME, RANK_DIR_RE, sha256_file
+from moetool.read.manifest import (INCOMPLETE, JOURNAL_NAME, LOCK_NAME, MANIFEST_NAME, RANK_DIR_RE, made_by_moetool,
+                                   read_json_object, sha256_file)
 from moetool.read.safetensors import TensorSpec, safetensors_header
 from moetool.convert.sink import HashingSink
 
@@ -89,7 +90,7 @@ class OutputDir:
         manifest = self.root / MANIFEST_NAME
         journal = self.root / JOURNAL_NAME
         if manifest.exists():
-            ours = _made_by_moetool(manifest)
+            ours = made_by_moetool(manifest)
             if not force:
                 if ours and journal.exists():  # a run stopped between the manifest and its clean-up
                     journal.unlink()
@@ -147,11 +148,7 @@ class OutputDir:
         that a new plan with other file names leaves no stale shard behind; then folders left
         empty (EP rank folders of another --ep). Only regular files inside the folder, never
         through a symbolic link, never our own bookkeeping files."""
-        try:
-            names = list(json.loads(listing.read_text()).get(key, {}))
-        except (OSError, ValueError, AttributeError):
-            return
-        for name in names:
+        for name in list((read_json_object(listing) or {}).get(key, {})):
             path = self._inside(str(name))
             if path is None or path.name in (MANIFEST_NAME, JOURNAL_NAME, LOCK_NAME):
                 continue
@@ -364,31 +361,15 @@ def _rename_over(tmp: Path, final: Path) -> None:
         os.unlink(tmp)
 
 
-def _made_by_moetool(manifest: Path) -> bool:
-    """A manifest.json moetool wrote (it names a moetool version)."""
-    try:
-        data = json.loads(manifest.read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(data, dict) and "moetool_version" in data and isinstance(data.get("files"), dict)
-
-
 def _our_journal(path: Path) -> bool:
     """A journal moetool wrote: a run's (it names its plan) or a complete output's manifest
     set aside by --force (it names a moetool version)."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(data, dict) and ("plan_id" in data or "moetool_version" in data)
+    data = read_json_object(path)
+    return data is not None and ("plan_id" in data or "moetool_version" in data)
 
 
 def _journal_plan(path: Path) -> str | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data.get("plan_id") if isinstance(data, dict) else None
+    return (read_json_object(path) or {}).get("plan_id")
 
 
 class FolderLock:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from moetool.errors import MoetoolError
 from moetool.memory import scratch as scratch_buffer
-from moetool.read.manifest import MANIFEST_NAME, RANK_DIR_RE
+from moetool.read.manifest import MANIFEST_NAME, RANK_DIR_RE, read_json_object
 from moetool.read.safetensors import TensorInfo, pread_exactly, read_safetensors_header, writable_bytes
 
 if TYPE_CHECKING:
@@ -186,11 +186,8 @@ def _shard_root_summary(root: Path) -> str | None:
     """'EP 4, finished' (or unfinished) for a folder written by ``moetool shard``, else None."""
     manifest = root / MANIFEST_NAME
     if manifest.is_file():
-        try:
-            data = json.loads(manifest.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-            data = None
-        if isinstance(data, dict) and data.get("kind") == "ep-shards":
+        data = read_json_object(manifest)
+        if data is not None and data.get("kind") == "ep-shards":
             return f"EP {data.get('ep')}, finished"
     ranks = sorted(m.group(2) for p in root.iterdir() if p.is_dir() and (m := RANK_DIR_RE.fullmatch(p.name)))
     if ranks:

@@ -1,13 +1,12 @@
 """Library API of ``moetool inspect``: what a checkpoint holds, as a dict and as a table."""
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 
 from moetool.model.families import describe, family_for
 from moetool.read.checkpoint import Checkpoint
-from moetool.read.manifest import MANIFEST_NAME, RANK_DIR_RE
+from moetool.read.manifest import MANIFEST_NAME, RANK_DIR_RE, read_json_object
 from moetool.errors import MoetoolError
 from moetool.read.experts import detect_expert_format
 from moetool.read.checkpoint import expert_tensor_names
@@ -79,14 +78,6 @@ def _gb(n: int) -> str:
     return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.3f} MB"
 
 
-def _read_json(path: Path) -> dict | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def inspect_shards(root: Path) -> dict:
     """A shard root of ``moetool shard``, finished or not: what it holds, from its manifest
     or (unfinished) from the rank folders written so far. Complete means manifest.json is
@@ -99,10 +90,10 @@ def inspect_shards(root: Path) -> dict:
     for f in files:
         st = f.stat()
         inodes[(st.st_dev, st.st_ino)] = st.st_size
-    manifest = _read_json(root / MANIFEST_NAME)
+    manifest = read_json_object(root / MANIFEST_NAME)
     if (root / MANIFEST_NAME).is_file() and (manifest is None or manifest.get("kind") != "ep-shards"):
         raise MoetoolError(f"{root / MANIFEST_NAME}: not a manifest of moetool shard (unreadable, or another kind)")
-    configs = {d: _read_json(root / d / "config.json") for d in ranks}
+    configs = {d: read_json_object(root / d / "config.json") for d in ranks}
     config = next((c for c in configs.values() if c is not None), None)
     arch = model_type = None
     if config is not None:

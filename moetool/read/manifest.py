@@ -68,3 +68,18 @@ RANK_DIR_RE = re.compile(r"rank-(\d{5})-of-(\d{5})")
 
 def rank_dir(rank: int, ep: int) -> str:
     return f"rank-{rank:05d}-of-{ep:05d}"
+
+
+def read_json_object(path: Path) -> dict | None:
+    """The JSON object in ``path``; None when it is missing, unreadable, not JSON or not an object."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def made_by_moetool(manifest: Path) -> bool:
+    """``manifest`` is a manifest.json moetool wrote: it names a moetool version and lists files."""
+    data = read_json_object(manifest)
+    return data is not None and "moetool_version" in data and isinstance(data.get("files"), dict)

@@ -27,6 +27,7 @@ from moetool.formats.registry import FORMATS
 from moetool.model.families import MoELayerSpec, describe, family_for
 from moetool.read.checkpoint import open_checkpoint
 from moetool.read.experts import ExpertReader, detect_expert_format
+from moetool.read.manifest import MANIFEST_NAME, made_by_moetool
 from moetool.read.shards import EPShards
 from moetool.verify.launch import run_under_torchrun, spawn_world
 from moetool.verify.reference import reference_moe_forward, swiglu
@@ -174,20 +175,11 @@ def check_reference(shards: EPShards, ref_ckpt, spec, ref) -> None:
         raise MoetoolError(f"--ref {ref}: is {_model_text(spec.family.name, ours)}, but the shards in {shards.root} "
                            f"hold {_model_text(shard_arch, theirs)}; --ref must be the model they were made from")
     fmt = detect_expert_format(ref_ckpt, spec)
-    if fmt.quantized and _made_by_moetool(ref_ckpt.root):
+    # a quantized checkpoint moetool did not write is an original release (DeepSeek-V3 and
+    # Kimi-K2 ship fp8-block): its dequantized weights are the model, a valid reference
+    if fmt.quantized and made_by_moetool(Path(ref_ckpt.root) / MANIFEST_NAME):
         raise MoetoolError(f"--ref {ref}: is a {fmt.name} output of moetool, not the model it was made from; "
                            "give the original checkpoint")
-
-
-def _made_by_moetool(root: Path) -> bool:
-    """A folder moetool wrote (its manifest names a moetool version). A quantized checkpoint
-    that is not one is an original release (DeepSeek-V3 and Kimi-K2 ship fp8-block): its
-    dequantized weights are the model, and it is a valid reference."""
-    try:
-        manifest = json.loads((Path(root) / "manifest.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(manifest, dict) and "moetool_version" in manifest
 
 
 def _layers_to_check(shards: EPShards, spec, opts: VerifyOptions) -> list[int]:
