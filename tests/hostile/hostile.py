@@ -16,27 +16,14 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
+
+from moeutil import CliResult as Run  # noqa: F401  code, out, err and the one error line
+from moeutil import tree_hashes as digest  # noqa: F401  {relative name: sha256} of every file under a folder
 
 #: files of ours that a complete output may hold beside the listed ones
 OUTPUT_EXTRAS = {"manifest.json"}
 TEMPORARY_SUFFIXES = (".incomplete",)
-
-
-@dataclass
-class Run:
-    code: int
-    out: str
-    err: str
-
-    @property
-    def error_line(self) -> str:
-        """The one ``error: ...`` line on stderr (asserts there is exactly one line)."""
-        lines = [line for line in self.err.splitlines() if line.strip()]
-        assert len(lines) == 1, f"expected one error line, got: {self.err!r}"
-        assert lines[0].startswith("error: "), lines[0]
-        return lines[0][len("error: "):]
 
 
 def env(**extra: str) -> dict[str, str]:
@@ -60,12 +47,6 @@ def start(*args, extra_env: dict[str, str] | None = None, **kw) -> subprocess.Po
     """moetool ARGS started in its own session (so a test can signal it, and its group)."""
     return subprocess.Popen(argv(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env(**(extra_env or {})), start_new_session=True, **kw)
-
-
-def digest(root: Path) -> dict[str, str]:
-    root = Path(root)
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def temporary_names(root: Path) -> list[str]:

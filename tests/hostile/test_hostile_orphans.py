@@ -123,6 +123,18 @@ def reap():
             os.kill(pid, signal.SIGKILL)
 
 
+def _start_verify(ckpt, reap, shards_open: bool) -> tuple[subprocess.Popen, list[int]]:
+    """A slow ``moetool verify`` and its rank pids (all reaped at the end), once the ranks
+    exist (``shards_open``: and each has its shard files open)."""
+    model, shards = ckpt
+    p = start("verify", shards, "--ref", model, *SLOW)
+    reap(p.pid)
+    ranks = _wait_ranks(p, shards if shards_open else None)
+    for r in ranks:
+        reap(r)
+    return p, ranks
+
+
 def _finish(p: subprocess.Popen) -> Run:
     """Wait for ``p`` and read its output (the ranks share its pipes: they must be gone too)."""
     out, err = p.communicate(timeout=30)
@@ -135,12 +147,7 @@ def _finish(p: subprocess.Popen) -> Run:
 @pytest.mark.slow
 def test_sigkill_of_verify_takes_its_ranks_along(ckpt, reap):
     """SIGKILL (as the OOM killer sends) runs no clean-up: the ranks die with their parent."""
-    model, shards = ckpt
-    p = start("verify", shards, "--ref", model, *SLOW)
-    reap(p.pid)
-    ranks = _wait_ranks(p, shards)
-    for r in ranks:
-        reap(r)
+    p, ranks = _start_verify(ckpt, reap, shards_open=True)
     p.kill()
     p.wait()
     assert _wait_gone(ranks, GONE_S) == [], f"ranks outlived the SIGKILLed parent by {GONE_S:g} s"
@@ -151,12 +158,7 @@ def test_sigkill_of_verify_takes_its_ranks_along(ckpt, reap):
 def test_sigkill_while_ranks_start_takes_them_along(ckpt, reap):
     """The parent dies before its ranks could ask to die with it (they are still importing
     torch): each notices when it gets there and exits, instead of waiting for a store that is gone."""
-    model, shards = ckpt
-    p = start("verify", shards, "--ref", model, *SLOW)
-    reap(p.pid)
-    ranks = _wait_ranks(p, None)
-    for r in ranks:
-        reap(r)
+    p, ranks = _start_verify(ckpt, reap, shards_open=False)
     p.kill()
     p.wait()
     assert _wait_gone(ranks, GONE_STARTING_S) == [], "ranks outlived the SIGKILLed parent"
@@ -166,12 +168,7 @@ def test_sigkill_while_ranks_start_takes_them_along(ckpt, reap):
 @pytest.mark.slow
 def test_sigterm_stops_the_ranks_and_says_interrupted(ckpt, reap):
     """SIGTERM (``timeout``, a scheduler) to moetool alone: it stops its ranks, says so, 143."""
-    model, shards = ckpt
-    p = start("verify", shards, "--ref", model, *SLOW)
-    reap(p.pid)
-    ranks = _wait_ranks(p, shards)
-    for r in ranks:
-        reap(r)
+    p, ranks = _start_verify(ckpt, reap, shards_open=True)
     t0 = time.monotonic()
     p.send_signal(signal.SIGTERM)
     assert _wait_gone(ranks, GONE_S) == [], f"ranks still running {GONE_S:g} s after SIGTERM"
