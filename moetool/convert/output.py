@@ -57,7 +57,7 @@ class OutputDir:
     """One output folder of a conversion.
 
     ``plan_id`` identifies the plan (input checksum-free fingerprint: input file sizes and
-    mtimes + options); a journal from another plan is discarded on resume.
+    mtimes + options); a journal from another plan is refused (``force`` replaces it).
     """
 
     def __init__(self, root: Path, *, inputs: Iterable[Path] = (), force: bool = False, plan_id: str = ""):
@@ -94,8 +94,8 @@ class OutputDir:
             if not force:
                 if ours and journal.exists():  # a run stopped between the manifest and its clean-up
                     journal.unlink()
-                    (self.root / LOCK_NAME).unlink(missing_ok=True)
-                    self._folder_lock.created = False  # the output is complete: no lock file in it
+                    self._folder_lock.remove_file()  # the output is complete: no lock file in it
+                    self._folder_lock.created = False
                 raise MoetoolError(f"{self.root}: already holds a complete output ({MANIFEST_NAME}); use --force to overwrite")
             if ours:
                 # the old output becomes a journal of no plan first: stopped while its files are
