@@ -14,7 +14,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ below
-    from moetool.formats.registry import *
+    from moetool.formats.registry import *  # noqa: F403  (the registry's __all__, as __getattr__ serves it)
 
 
 def __getattr__(name: str):
