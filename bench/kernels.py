@@ -79,7 +79,8 @@ def routing(T, E_global, E_local, k, device):
 
 def make_experts(fmt, E, H, N, device, group=128):
     """Random bf16 experts -> (w13, w2 in fmt, w13 bf16, w2 bf16, weight bytes per expert)."""
-    from moetool.kernels.quant import fp8_block_quant, int4_group_quant_pack
+    from moetool.kernels.int4_quant import int4_group_quant_pack
+    from moetool.kernels.quant import fp8_block_quant
 
     w13 = torch.randn(E, 2 * N, H, device=device, dtype=torch.bfloat16) * 0.02
     w2 = torch.randn(E, H, N, device=device, dtype=torch.bfloat16) * 0.02
@@ -230,9 +231,8 @@ def bench_quant(args, peak, rows):
         fp8_act_quant_ref,
         fp8_block_quant,
         fp8_block_quant_ref,
-        int4_group_quant_pack,
-        int4_group_quant_pack_ref,
     )
+    from moetool.kernels.int4_quant import int4_group_quant_pack, int4_group_quant_pack_ref
 
     dev = "cuda"
     w = torch.randn(7168, 4096, device=dev, dtype=torch.bfloat16)

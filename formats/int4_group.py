@@ -297,7 +297,7 @@ class Int4Group(CompressedTensors, WeightFormat):
         groups are whole words: K % g == 0 and g % 8 == 0."""
         if w.shape[1] % self.group_size or self.group_size % NIBBLES_PER_WORD:
             return None
-        from moetool.kernels.quant import int4_group_quant_pack  # imports triton: only for CUDA weights
+        from moetool.kernels.int4_quant import int4_group_quant_pack  # imports triton: only for CUDA weights
 
         t = int4_group_quant_pack(w.contiguous(), self.group_size, self.symmetric, orig_dtype)
         if not bool(torch.isfinite(t["weight_scale"]).all()):

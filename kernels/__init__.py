@@ -6,7 +6,8 @@ what a kernel needs to know about it; it names its scheme as ``kernel_scheme``).
 
 Modules (import the names from them):
 
-* ``quant``        fp8 block / per-token-group and int4 group quantization (weights, activations)
+* ``quant``        fp8 block / per-token-group quantization (weights, activations)
+* ``int4_quant``   int4 group quantization and pack-quantized packing (weights)
 * ``fused_moe``    ``fused_experts``: one rank's routed experts, the pipeline below, and its reference
 * ``moe_align``    token-slot pairs sorted by expert and padded to the GEMM's row blocks
 * ``moe_weights``  the stacked weight schemes: their checks and the reference's dequantization

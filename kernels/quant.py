@@ -1,11 +1,10 @@
-"""Quantization kernels and their pure-torch references (bit-exact with each other).
+"""fp8 quantization kernels and their pure-torch references (bit-exact with each other).
 
 Letters: N = rows (output features), K = columns (input features), T = tokens, H = hidden,
-g = int4 group size, B = block / group edge (128 for fp8).
+B = block / group edge (128 for fp8).
 
 * :func:`fp8_block_quant`   w [N, K] -> q e4m3 [N, K], s fp32 [ceil(N/B), ceil(K/B)]  (DeepSeek-V3)
 * :func:`fp8_act_quant`     x [T, H] -> q e4m3 [T, H], s fp32 [T, ceil(H/B)]          (per-token group)
-* :func:`int4_group_quant_pack` w [N, K] -> compressed-tensors pack-quantized tensors
 
 fp8 formula, per block:  s = clamp(amax, 1e-12) / 448 (fp32);  q = e4m3(clamp(w / s, +-448)),
 w ~= q * s. Divisions are IEEE correctly rounded (``tl.math.div_rn``), casts round to nearest
@@ -27,8 +26,6 @@ from .common import (
     check_float,
     e4m3_rne,
     is_interpreted,
-    rint_small,
-    round_to_bf16,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -158,189 +155,3 @@ def fp8_dequant_block_ref(q: torch.Tensor, s: torch.Tensor, block: int = 128) ->
 def fp8_dequant_act_ref(q: torch.Tensor, s: torch.Tensor, group: int = 128) -> torch.Tensor:
     """q e4m3 [T, H], s fp32 [T, ceil(H/group)] -> fp32 [T, H]."""
     return q.float() * s.float().repeat_interleave(group, 1)[:, : q.shape[1]]
-
-
-# ---------------------------------------------------------------------------------------------
-# int4 group quantization + pack-quantized packing (compressed-tensors W4A16)
-# ---------------------------------------------------------------------------------------------
-
-_SCALE_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-
-
-@triton.jit
-def _round_scale(s, SCALE_KIND: tl.constexpr):
-    """fp32 scale -> the value it has once stored in the scale dtype (0 fp32, 1 fp16, 2 bf16),
-    floored at that dtype's smallest subnormal (changes fp16 only: 2^-24)."""
-    if SCALE_KIND == 1:
-        s = tl.maximum(s, 5.9604644775390625e-08).to(tl.float16).to(tl.float32)
-    elif SCALE_KIND == 2:
-        s = round_to_bf16(s)
-    return s
-
-
-@triton.jit
-def _int4_quant_pack_kernel(
-    w_ptr, qp_ptr, s_ptr, zp_ptr,
-    N, K, G, KW, NW,
-    stride_wn, stride_wk, stride_qn, stride_qk, stride_sn, stride_sk, stride_zn, stride_zk,
-    SYMMETRIC: tl.constexpr, SCALE_KIND: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
-):
-    """One program: rows [pid_n*BLOCK_N, +BLOCK_N) x group pid_g (columns [pid_g*G, +G)) of w [N, K].
-
-    Writes weight_packed [N, KW] int32 (K packed 8 per word), weight_scale [N, ceil(K/G)] and,
-    asymmetric, weight_zero_point [NW, ceil(K/G)] int32 (N packed 8 per word). G % 8 == 0,
-    BLOCK_G = next_pow2(G), BLOCK_N % 8 == 0. Padding nibbles are 0.
-    """
-    pid_n = tl.program_id(0)
-    pid_g = tl.program_id(1)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-    lcol = tl.arange(0, BLOCK_G)  # [BG]
-    cols = pid_g * G + lcol
-    rmask = rows < N
-    mask = rmask[:, None] & ((lcol < G) & (cols < K))[None, :]
-    rows64 = rows.to(tl.int64)
-    w = tl.load(w_ptr + rows64[:, None] * stride_wn + cols[None, :] * stride_wk, mask=mask, other=0.0)
-    w = w.to(tl.float32)
-    if SYMMETRIC:
-        amax = tl.max(tl.abs(w), axis=1)  # [BN]
-        s = _round_scale(tl.math.div_rn(tl.maximum(amax, 1e-12), 7.0), SCALE_KIND)
-        q = rint_small(tl.clamp(tl.math.div_rn(w, s[:, None]), -64.0, 64.0))
-        q = tl.clamp(q, -8.0, 7.0).to(tl.int32)
-    else:
-        mn = tl.minimum(tl.min(w, axis=1), 0.0)  # masked entries are 0: no effect
-        mx = tl.maximum(tl.max(w, axis=1), 0.0)
-        s = _round_scale(tl.math.div_rn(tl.maximum(mx - mn, 1e-12), 15.0), SCALE_KIND)
-        z = rint_small(tl.clamp(tl.math.div_rn(-mn, s), -64.0, 64.0)) - 8.0
-        z = tl.clamp(z, -8.0, 7.0)  # [BN]
-        q = rint_small(tl.clamp(tl.math.div_rn(w, s[:, None]), -64.0, 64.0)) + z[:, None]
-        q = tl.clamp(q, -8.0, 7.0).to(tl.int32)
-    u = tl.where(mask, q + 8, 0)  # [BN, BG] nibble values
-    shifts = tl.arange(0, 8) * 4
-    words = tl.sum(tl.reshape(u, [BLOCK_N, BLOCK_G // 8, 8]) << shifts[None, None, :], axis=2)
-    lw = tl.arange(0, BLOCK_G // 8)
-    wcols = pid_g * (G // 8) + lw
-    wmask = rmask[:, None] & ((lw < G // 8) & (wcols < KW))[None, :]
-    tl.store(qp_ptr + rows64[:, None] * stride_qn + wcols[None, :] * stride_qk, words, mask=wmask)
-    tl.store(s_ptr + rows64 * stride_sn + pid_g * stride_sk, s.to(s_ptr.dtype.element_ty), mask=rmask)
-    if not SYMMETRIC:
-        zu = tl.where(rmask, z.to(tl.int32) + 8, 0)  # [BN]
-        zwords = tl.sum(tl.reshape(zu, [BLOCK_N // 8, 8]) << shifts[None, :], axis=1)  # [BN/8]
-        zrows = pid_n * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
-        tl.store(zp_ptr + zrows * stride_zn + pid_g * stride_zk, zwords, mask=zrows < NW)
-
-
-def int4_group_quant_pack(
-    w: torch.Tensor, group_size: int, symmetric: bool = True, scale_dtype: torch.dtype = torch.bfloat16
-) -> dict[str, torch.Tensor]:
-    """compressed-tensors pack-quantized int4 (W4A16) quantization of one weight.
-
-    w [N, K] fp32/fp16/bf16, contiguous; group_size g (multiple of 8) along K ->
-    {"weight_packed": int32 [N, ceil(K/8)] (element 8w+i in bits [4i, 4i+4) of word w, as q+8),
-     "weight_scale": scale_dtype [N, ceil(K/g)], "weight_shape": int32 [2] = (N, K),
-     asymmetric also "weight_zero_point": int32 [ceil(N/8), ceil(K/g)] (z+8 packed along N)}.
-    Dequant: (q - z) * s (z = 0 symmetric). Scales are floored at the scale dtype's smallest
-    subnormal (matters for fp16 only). K need not divide by g (the last group is partial), unlike
-    ``moetool.formats`` which insists on whole groups. Not checked here: NaN/Inf input and
-    fp16 scale overflow (``moetool.formats`` raises on both before quantizing).
-    """
-    check_2d_contiguous("w", w)
-    check_float("w", w)
-    check_device(_int4_quant_pack_kernel, w)
-    if group_size <= 0 or group_size % 8:
-        raise MoetoolError(f"int4 group size must be a positive multiple of 8, got {group_size}")
-    if scale_dtype not in _SCALE_KINDS:
-        raise MoetoolError(f"int4 scale dtype must be fp32/fp16/bf16, got {scale_dtype}")
-    N, K = w.shape
-    nG, KW, NW = triton.cdiv(K, group_size), triton.cdiv(K, 8), triton.cdiv(N, 8)
-    dev = w.device
-    out = {
-        "weight_packed": torch.empty((N, KW), dtype=torch.int32, device=dev),
-        "weight_scale": torch.empty((N, nG), dtype=scale_dtype, device=dev),
-        "weight_shape": torch.tensor([N, K], dtype=torch.int32, device=dev),
-    }
-    zp = torch.empty((NW, nG), dtype=torch.int32, device=dev)
-    if not symmetric:
-        out["weight_zero_point"] = zp
-    if N == 0 or K == 0:
-        zp.zero_()
-        return out
-    block_g = triton.next_power_of_2(group_size)
-    block_n = max(8, min(64, 4096 // block_g))
-    grid = (triton.cdiv(N, block_n), nG)
-    qp, s = out["weight_packed"], out["weight_scale"]
-    _int4_quant_pack_kernel[grid](
-        w, qp, s, zp, N, K, group_size, KW, NW,
-        w.stride(0), w.stride(1), qp.stride(0), qp.stride(1), s.stride(0), s.stride(1),
-        zp.stride(0), zp.stride(1),
-        SYMMETRIC=bool(symmetric), SCALE_KIND=_SCALE_KINDS[scale_dtype], BLOCK_N=block_n, BLOCK_G=block_g,
-        num_warps=4,
-    )
-    return out
-
-
-def pack_int4_ref(u: torch.Tensor) -> torch.Tensor:
-    """Nibbles u int [R, C] in [0, 16) -> int32 [R, ceil(C/8)], element 8w+i in bits [4i, 4i+4)
-    of word w; padding nibbles are 0."""
-    R, C = u.shape
-    u = _pad_to(u.to(torch.int64), R, -(-C // 8) * 8).view(R, -1, 8)
-    shifts = torch.arange(8, device=u.device, dtype=torch.int64) * 4
-    words = (u << shifts).sum(dim=2)  # < 2^32
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-
-
-def unpack_int4_ref(words: torch.Tensor, cols: int) -> torch.Tensor:
-    """Inverse of :func:`pack_int4_ref`: int32 [R, W] -> nibbles int32 [R, cols] in [0, 16)."""
-    shifts = torch.arange(8, device=words.device, dtype=torch.int32) * 4
-    u = (words[:, :, None] >> shifts) & 0xF  # [R, W, 8]
-    return u.reshape(words.shape[0], -1)[:, :cols]
-
-
-def _scale_in_dtype(s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """fp32 scales -> ``dtype``, first raised to dtype's smallest subnormal (as
-    ``moetool.formats.common.scale_in_dtype``): only fp16 is affected, where the scale of an
-    all-zero group would otherwise flush to 0 and give 0/0."""
-    info = torch.finfo(dtype)
-    return s.clamp(min=info.tiny * info.eps).to(dtype)
-
-
-def int4_group_quant_pack_ref(
-    w: torch.Tensor, group_size: int, symmetric: bool = True, scale_dtype: torch.dtype = torch.bfloat16
-) -> dict[str, torch.Tensor]:
-    """Reference of :func:`int4_group_quant_pack` (same inputs, same dict, bit-exact)."""
-    N, K = w.shape
-    g = group_size
-    nG = -(-K // g)
-    w32 = _pad_to(w.float(), N, nG * g).view(N, nG, g)
-    if symmetric:
-        amax = w32.abs().amax(dim=2)  # [N, nG]
-        s = _scale_in_dtype(amax.clamp(min=AMAX_EPS) / 7.0, scale_dtype)
-        q = torch.round(w32 / s.float()[:, :, None]).clamp(-8, 7)
-        z = None
-    else:
-        mn = w32.amin(dim=2).clamp(max=0.0)
-        mx = w32.amax(dim=2).clamp(min=0.0)
-        s = _scale_in_dtype((mx - mn).clamp(min=AMAX_EPS) / 15.0, scale_dtype)
-        sf = s.float()
-        z = (torch.round(-mn / sf) - 8).clamp(-8, 7)  # [N, nG]
-        q = (torch.round(w32 / sf[:, :, None]) + z[:, :, None]).clamp(-8, 7)
-    u = (q.to(torch.int32) + 8).view(N, nG * g)[:, :K]
-    out = {
-        "weight_packed": pack_int4_ref(u),
-        "weight_scale": s,
-        "weight_shape": torch.tensor([N, K], dtype=torch.int32, device=w.device),
-    }
-    if z is not None:
-        out["weight_zero_point"] = pack_int4_ref((z.to(torch.int32) + 8).t()).t().contiguous()
-    return out
-
-
-def int4_dequant_ref(t: dict[str, torch.Tensor], shape: tuple[int, int], group_size: int) -> torch.Tensor:
-    """pack-quantized tensors of one linear (see :func:`int4_group_quant_pack`) -> fp32 [N, K]."""
-    N, K = shape
-    g = group_size
-    q = unpack_int4_ref(t["weight_packed"], K) - 8  # [N, K]
-    s = t["weight_scale"].float().repeat_interleave(g, 1)[:, :K]
-    if "weight_zero_point" in t:
-        z = (unpack_int4_ref(t["weight_zero_point"].t().contiguous(), N) - 8).t()  # [N, nG]
-        q = q - z.repeat_interleave(g, 1)[:, :K]
-    return q.float() * s

@@ -7,6 +7,7 @@ import pytest
 import torch
 from moetool.formats import format_params, get_format
 from moetool.kernels import fused_moe as fm
+from moetool.kernels import int4_quant as k4
 from moetool.kernels import quant as kq
 from moetool.kernels.moe_align import moe_align_block_size, moe_align_block_size_ref
 from moetool.kernels.moe_gemm import moe_gemm, moe_gemm_ref
@@ -67,8 +68,8 @@ def make_weights(fmt, E, H, N, group=128, symmetric=True, dtype=torch.bfloat16, 
                 q = (w.float() / s.float()).clamp(-448, 448).to(torch.float8_e4m3fn)
                 lst.append({"weight": q, "weight_scale": s})
         else:
-            per13.append(kq.int4_group_quant_pack_ref(w13, group, symmetric, dtype))
-            per2.append(kq.int4_group_quant_pack_ref(w2, group, symmetric, dtype))
+            per13.append(k4.int4_group_quant_pack_ref(w13, group, symmetric, dtype))
+            per2.append(k4.int4_group_quant_pack_ref(w2, group, symmetric, dtype))
     return _stack(per13), _stack(per2)
 
 

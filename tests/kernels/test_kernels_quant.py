@@ -1,6 +1,7 @@
 """Quantize / pack kernels: bit-exact against their torch references (fp8 compared as bytes)."""
 import pytest
 import torch
+from moetool.kernels import int4_quant as k4
 from moetool.kernels import quant as kq
 
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -88,8 +89,8 @@ def test_fp8_soft_and_hardware_paths_agree_on_gpu():
 @pytest.mark.parametrize("shape,group", [((1, 8), 8), ((16, 64), 32), ((37, 200), 64), ((24, 100), 32), ((9, 96), 96)])
 def test_int4_quant_pack_bit_exact(shape, group, symmetric, scale_dtype, device):
     w = _weights(shape, torch.bfloat16, device)
-    out = kq.int4_group_quant_pack(w, group, symmetric, scale_dtype)
-    ref = kq.int4_group_quant_pack_ref(w.cpu(), group, symmetric, scale_dtype)
+    out = k4.int4_group_quant_pack(w, group, symmetric, scale_dtype)
+    ref = k4.int4_group_quant_pack_ref(w.cpu(), group, symmetric, scale_dtype)
     _assert_same(out, ref)
     N, K = shape
     assert out["weight_packed"].shape == (N, -(-K // 8))
@@ -107,14 +108,14 @@ def test_int4_round_half_even_ties(symmetric, device):
     else:
         row = torch.cat([ties, torch.tensor([7.5, -7.5])])  # max - min = 15 -> s = 1, z = round(7.5) - 8 = 0
     w = row.repeat(8, 1).contiguous()
-    out = kq.int4_group_quant_pack(w.to(device), 16, symmetric, torch.float32)
-    ref = kq.int4_group_quant_pack_ref(w, 16, symmetric, torch.float32)
+    out = k4.int4_group_quant_pack(w.to(device), 16, symmetric, torch.float32)
+    ref = k4.int4_group_quant_pack_ref(w, 16, symmetric, torch.float32)
     _assert_same(out, ref)
     assert (out["weight_scale"].cpu() == 1).all()
     if not symmetric:
         # -mn/s = 7.5 -> round half even 8 -> z = 0 -> stored 8 in every nibble
         assert (out["weight_zero_point"].cpu() == int("88888888", 16) - 2**32).all()
-    q = kq.unpack_int4_ref(out["weight_packed"].cpu(), 16) - 8
+    q = k4.unpack_int4_ref(out["weight_packed"].cpu(), 16) - 8
     expect = torch.round(ties).clamp(-8, 7).to(torch.int32)
     assert torch.equal(q[0, :14], expect)
 
@@ -126,26 +127,26 @@ def test_int4_zero_group_fp16_scale(symmetric, device):
     w = torch.randn(16, 64)
     w[:, :32] = 0.0
     w[:8, 32:] = 1e-9
-    out = kq.int4_group_quant_pack(w.to(device), 32, symmetric, torch.float16)
-    ref = kq.int4_group_quant_pack_ref(w, 32, symmetric, torch.float16)
+    out = k4.int4_group_quant_pack(w.to(device), 32, symmetric, torch.float16)
+    ref = k4.int4_group_quant_pack_ref(w, 32, symmetric, torch.float16)
     _assert_same(out, ref)
     assert (out["weight_scale"][:, 0].cpu() == 2.0**-24).all()
-    deq = kq.int4_dequant_ref({k: v.cpu() for k, v in out.items()}, (16, 64), 32)
+    deq = k4.int4_dequant_ref({k: v.cpu() for k, v in out.items()}, (16, 64), 32)
     assert torch.isfinite(deq).all() and (deq[:, :32] == 0).all()
 
 
 def test_int4_dequant_roundtrip(device):
     w = torch.randn(40, 128)
     for symmetric in (True, False):
-        t = kq.int4_group_quant_pack(w.to(device), 32, symmetric, torch.float32)
-        deq = kq.int4_dequant_ref({k: v.cpu() for k, v in t.items()}, (40, 128), 32)
+        t = k4.int4_group_quant_pack(w.to(device), 32, symmetric, torch.float32)
+        deq = k4.int4_dequant_ref({k: v.cpu() for k, v in t.items()}, (40, 128), 32)
         err = (deq - w).norm() / w.norm()
         assert err < 0.12, (symmetric, err)
 
 
 def test_pack_unpack_ref_inverse():
     u = torch.randint(0, 16, (5, 21), dtype=torch.int32)
-    assert torch.equal(kq.unpack_int4_ref(kq.pack_int4_ref(u), 21), u)
+    assert torch.equal(k4.unpack_int4_ref(k4.pack_int4_ref(u), 21), u)
 
 
 def test_bad_inputs_raise(device):
@@ -156,7 +157,7 @@ def test_bad_inputs_raise(device):
     with pytest.raises(MoetoolError):
         kq.fp8_act_quant(torch.randn(8, 8, device=device).t())
     with pytest.raises(MoetoolError):
-        kq.int4_group_quant_pack(torch.randn(8, 32, device=device), 12)
+        k4.int4_group_quant_pack(torch.randn(8, 32, device=device), 12)
     with pytest.raises(MoetoolError):
         kq.fp8_block_quant(torch.randint(0, 3, (4, 4), device=device))
 
@@ -189,6 +190,6 @@ def test_int4_matches_formats_package(symmetric, group, scale_dtype, device):
     w = torch.randn(72, 256, dtype=torch.bfloat16)
     w[:, :group] = 0.0  # an all-zero group (fp16 scale floor)
     t = fmt.quantize(w, scale_dtype)
-    ours = kq.int4_group_quant_pack(w.to(device), group, symmetric, scale_dtype)
+    ours = k4.int4_group_quant_pack(w.to(device), group, symmetric, scale_dtype)
     _assert_same(ours, t)
-    assert torch.equal(fmt.dequantize(t), kq.int4_dequant_ref(t, (72, 256), group))
+    assert torch.equal(fmt.dequantize(t), k4.int4_dequant_ref(t, (72, 256), group))
