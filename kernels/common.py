@@ -21,8 +21,17 @@ from moetool.errors import MoetoolError
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 AMAX_EPS = 1e-12  # amax clamp so an all-zero block gets a finite scale
 FP8_BLOCK = 128  # fp8 weight blocks are 128x128, fp8 activation groups 1x128 (DeepSeek-V3)
+#: an activation group size meaning one group per token: the whole row shares one fp8 scale
+#: (compressed-tensors FP8_DYNAMIC, ``strategy: token``)
+TOKEN_GROUP = 0
 #: the float activation dtypes the MoE kernels take
 FLOAT_ACTS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def act_scale_cols(H: int, group: int) -> int:
+    """Columns of the fp8 activation scales of a row of H values in groups of ``group``
+    (TOKEN_GROUP: one per row)."""
+    return 1 if group == TOKEN_GROUP else -(-H // group)
 
 
 def check(cond: bool, msg: str) -> None:

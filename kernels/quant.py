@@ -5,6 +5,7 @@ B = block / group edge (128 for fp8).
 
 * :func:`fp8_block_quant`   w [N, K] -> q e4m3 [N, K], s fp32 [ceil(N/B), ceil(K/B)]  (DeepSeek-V3)
 * :func:`fp8_act_quant`     x [T, H] -> q e4m3 [T, H], s fp32 [T, ceil(H/B)]          (per-token group)
+                            or, with group = TOKEN_GROUP, s fp32 [T, 1]              (per token)
 
 fp8 formula, per block:  s = clamp(amax, 1e-12) / 448 (fp32);  q = e4m3(clamp(w / s, +-448)),
 w ~= q * s. Divisions are IEEE correctly rounded (``tl.math.div_rn``), casts round to nearest
@@ -21,6 +22,7 @@ from moetool.errors import MoetoolError
 from .common import (
     AMAX_EPS,
     FP8_MAX,
+    TOKEN_GROUP,
     check_2d_contiguous,
     check_device,
     check_float,
@@ -87,6 +89,65 @@ def _launch_fp8_quant(x, block_r, block_c, row_wise, soft_fp8, s_shape):
     return q, s
 
 
+@triton.jit
+def _fp8_token_quant_kernel(
+    x_ptr, q_ptr, s_ptr, T, H, stride_xt, stride_qt, stride_st,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, ONE_PASS: tl.constexpr, SOFT_FP8: tl.constexpr,
+):
+    """One program quantizes rows [pid*BLOCK_T, +BLOCK_T) of x [T, H] with one scale per row:
+    a pass over the row for its amax, then one that stores the codes (ONE_PASS: H <= BLOCK_H,
+    the row stays in registers between the two)."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
+    rmask = rows < T
+    rows64 = rows.to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)  # [BH]
+    x_rows = x_ptr + rows64[:, None] * stride_xt
+    amax = tl.zeros([BLOCK_T], dtype=tl.float32)
+    if ONE_PASS:
+        mask = rmask[:, None] & (cols < H)[None, :]
+        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=1)
+    else:
+        for h0 in range(0, H, BLOCK_H):
+            mask = rmask[:, None] & (h0 + cols < H)[None, :]
+            x = tl.load(x_rows + h0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+    s = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
+    tl.store(s_ptr + rows64 * stride_st, s, mask=rmask)
+    q_rows = q_ptr + rows64[:, None] * stride_qt
+    if ONE_PASS:
+        q = e4m3_rne(tl.clamp(tl.math.div_rn(x, s[:, None]), -448.0, 448.0), SOFT_FP8)
+        tl.store(q_rows + cols[None, :], q, mask=mask)
+    else:
+        for h0 in range(0, H, BLOCK_H):
+            mask = rmask[:, None] & (h0 + cols < H)[None, :]
+            x = tl.load(x_rows + h0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            q = e4m3_rne(tl.clamp(tl.math.div_rn(x, s[:, None]), -448.0, 448.0), SOFT_FP8)
+            tl.store(q_rows + h0 + cols[None, :], q, mask=mask)
+
+
+#: widest row chunk a per-token program holds (one pass at or below it)
+_TOKEN_BLOCK_H = 4096
+
+
+def _launch_fp8_token_quant(x, soft_fp8):
+    T, H = x.shape
+    q = torch.empty((T, H), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((T, 1), dtype=torch.float32, device=x.device)
+    if T == 0:
+        return q, s
+    if soft_fp8 is None:
+        soft_fp8 = is_interpreted(_fp8_token_quant_kernel)
+    block_h = min(triton.next_power_of_2(max(H, 16)), _TOKEN_BLOCK_H)
+    block_t = max(1, min(16, 2048 // block_h))
+    _fp8_token_quant_kernel[(triton.cdiv(T, block_t),)](
+        x, q.view(torch.uint8) if soft_fp8 else q, s, T, H, x.stride(0), q.stride(0), s.stride(0),
+        BLOCK_T=block_t, BLOCK_H=block_h, ONE_PASS=H <= block_h, SOFT_FP8=bool(soft_fp8),
+        num_warps=8 if block_t * block_h >= 4096 else 4,
+    )
+    return q, s
+
+
 def fp8_block_quant(w: torch.Tensor, block: int = 128, *, soft_fp8: bool | None = None):
     """DeepSeek-V3 block quantization of one weight.
 
@@ -106,12 +167,17 @@ def fp8_block_quant(w: torch.Tensor, block: int = 128, *, soft_fp8: bool | None 
 def fp8_act_quant(x: torch.Tensor, group: int = 128, *, soft_fp8: bool | None = None):
     """Per-token-group fp8 quantization (DeepSeek ``act_quant``), H need not divide by group.
 
-    x [T, H] fp32/fp16/bf16, contiguous -> (q float8_e4m3fn [T, H], s float32 [T, ceil(H/group)]),
-    x ~= q * s per 1 x group slice.
+    x [T, H] fp32/fp16/bf16, rows contiguous (the row stride is free) -> (q float8_e4m3fn
+    [T, H], s float32 [T, ceil(H/group)]), x ~= q * s per 1 x group slice.
+    group = TOKEN_GROUP (0): one scale per token, s float32 [T, 1], any H (FP8_DYNAMIC).
     """
-    check_2d_contiguous("x", x)
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise MoetoolError(f"x must be 2-D with contiguous rows, got shape {tuple(x.shape)} "
+                           f"strides {tuple(x.stride())}")
     check_float("x", x)
     check_device(_fp8_quant_kernel, x)
+    if group == TOKEN_GROUP:
+        return _launch_fp8_token_quant(x, soft_fp8)
     if group < 16 or group & (group - 1):
         raise MoetoolError(f"fp8 group size must be a power of two >= 16, got {group}")
     T, H = x.shape
@@ -135,8 +201,14 @@ def fp8_block_quant_ref(w: torch.Tensor, block: int = 128):
 
 
 def fp8_act_quant_ref(x: torch.Tensor, group: int = 128):
-    """Reference of :func:`fp8_act_quant`: x [T, H] -> (q e4m3 [T, H], s fp32 [T, ceil(H/group)])."""
+    """Reference of :func:`fp8_act_quant`: x [T, H] -> (q e4m3 [T, H], s fp32 [T, ceil(H/group)]),
+    or s fp32 [T, 1] for group = TOKEN_GROUP."""
     T, H = x.shape
+    if group == TOKEN_GROUP:
+        x32 = x.float()
+        amax = x32.abs().amax(dim=1, keepdim=True) if H else x32.new_zeros(T, 1)
+        s = amax.clamp(min=AMAX_EPS) / FP8_MAX  # [T, 1]
+        return (x32 / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), s
     nG = -(-H // group)
     x32 = _pad_to(x.float(), T, nG * group).view(T, nG, group)
     s = x32.abs().amax(dim=2).clamp(min=AMAX_EPS) / FP8_MAX  # [T, nG]
@@ -153,5 +225,7 @@ def fp8_dequant_block_ref(q: torch.Tensor, s: torch.Tensor, block: int = 128) ->
 
 
 def fp8_dequant_act_ref(q: torch.Tensor, s: torch.Tensor, group: int = 128) -> torch.Tensor:
-    """q e4m3 [T, H], s fp32 [T, ceil(H/group)] -> fp32 [T, H]."""
+    """q e4m3 [T, H], s fp32 [T, ceil(H/group)] (group = TOKEN_GROUP: [T, 1]) -> fp32 [T, H]."""
+    if group == TOKEN_GROUP:
+        return q.float() * s.float()
     return q.float() * s.float().repeat_interleave(group, 1)[:, : q.shape[1]]
