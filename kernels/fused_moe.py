@@ -11,7 +11,8 @@ Each step is a kernel module with its torch reference beside it:
    to BM: sorted_ids int32 [EM], expert_ids int32 [EM/BM], num_post_pad int32 [1].
 2. :mod:`moe_gemm`    cache1[p] = w13[e] @ x[p // k]                              [P, 2N]
 3. :mod:`moe_silu`    cache2[p] = silu(gate) * up                                [P, N]
-   (fp8-block: quantized per 1x128 group to e4m3 + fp32 scales, DeepSeek style)
+   (W8A8: rounded to the act dtype, then quantized to e4m3 + fp32 scales per the scheme's
+   ``act_group``: fp8-block per 1x128 group, DeepSeek style; fp8-channel per token)
 4. :mod:`moe_gemm`    cache3[p] = w2[e] @ cache2[p] (* topk_weight[p])          [P, H] fp32
 5. :mod:`moe_sum`     out[t] = sum over slots j with id >= 0 of cache3[t*k + j]  [T, H] fp32
 
@@ -23,16 +24,15 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-import triton
 
-from .common import FLOAT_ACTS, FP8_BLOCK, check, check_device, is_interpreted
+from .common import FLOAT_ACTS, FP8_BLOCK, TOKEN_GROUP, act_scale_cols, check, check_device, is_interpreted
 from .moe_align import moe_align_block_size
 from .moe_gemm import _moe_gemm_kernel, moe_gemm
 from .moe_silu import silu_and_mul
 from .moe_sum import OUT_DTYPES, check_out, moe_sum
 from .moe_tiles import MoeConfig, default_config
 from .moe_weights import SCHEMES, dequantize_stacked, parse_weights
-from .quant import fp8_act_quant, fp8_dequant_act_ref
+from .quant import fp8_act_quant, fp8_act_quant_ref, fp8_dequant_act_ref
 
 
 def _check_common(hidden, w13, w2, scheme, topk_ids, topk_weights, hidden_scale, activation, apply_router_weight):
@@ -54,9 +54,11 @@ def _check_common(hidden, w13, w2, scheme, topk_ids, topk_weights, hidden_scale,
         w8a8 = [name for name, s in SCHEMES.items() if s.fp8_acts]
         check(SCHEMES[scheme].fp8_acts, f"fp8 hidden states need the {' / '.join(w8a8)} format, not {scheme}")
         T, H = hidden.shape
-        check(hidden_scale is not None and tuple(hidden_scale.shape) == (T, triton.cdiv(H, FP8_BLOCK))
-              and hidden_scale.dtype == torch.float32,
-              f"fp8 hidden needs hidden_scale float32 [T, ceil(H/128)] = [{T}, {triton.cdiv(H, FP8_BLOCK)}]")
+        act_group = SCHEMES[scheme].act_group
+        G = act_scale_cols(H, act_group)
+        per = "per token" if act_group == TOKEN_GROUP else f"per 1x{act_group} group"
+        check(hidden_scale is not None and tuple(hidden_scale.shape) == (T, G) and hidden_scale.dtype == torch.float32,
+              f"fp8 hidden needs hidden_scale float32 [{T}, {G}] ({scheme}: one scale {per})")
     else:
         check(hidden.dtype in FLOAT_ACTS, f"hidden has dtype {hidden.dtype}, expected fp16/bf16/fp32/e4m3")
         check(hidden_scale is None, "hidden_scale is only for float8_e4m3fn hidden states")
@@ -88,9 +90,11 @@ def fused_experts(
     bfloat16 rounded once from the fp32 sum, e.g. for a bf16 combine); written into ``out``
     when given (out_dtype [T, H], rows may be strided), e.g. a buffer other ranks read.
 
-    hidden [T, H] fp16/bf16/fp32, or float8_e4m3fn with hidden_scale fp32 [T, ceil(H/128)]
-    (rows of hidden and hidden_scale may be strided, e.g. views into a received buffer)
-    (fp8-block only; float hidden is quantized per 1x128 group here for fp8-block).
+    hidden [T, H] fp16/bf16/fp32, or float8_e4m3fn with hidden_scale fp32 [T, G] (rows of
+    hidden and hidden_scale may be strided, e.g. views into a received buffer) for the W8A8
+    schemes: G = ceil(H/128) for fp8-block, 1 for fp8-channel (per token), the scheme's
+    ``act_group``. They quantize float hidden that way here, and the intermediate after silu,
+    so both GEMMs are e4m3 x e4m3 with fp32 accumulation.
     scheme: the weights' kernel scheme (``moetool.kernels.moe_weights.SCHEMES``; a weight
     format names its own as ``kernel_scheme``).
     w13 / w2: stacked tensors of ``scheme`` (moe_weights), logical [E, 2N, H] / [E, H, N].
@@ -129,20 +133,21 @@ def fused_experts(
     cfg = config or default_config(scheme, P / E, act_dtype, interpreted, group_size)
     check(all(b >= 16 and b & (b - 1) == 0 for b in (cfg.block_m, cfg.block_n, cfg.block_k)),
           f"tile sizes must be powers of two >= 16: {cfg}")
-    fp8 = SCHEMES[scheme].fp8_acts
-    check(not fp8 or FP8_BLOCK % cfg.block_k == 0, f"fp8-block needs block_k dividing 128: {cfg}")
+    act_group = SCHEMES[scheme].act_group
+    fp8 = act_group is not None
+    check(act_group != FP8_BLOCK or FP8_BLOCK % cfg.block_k == 0, f"fp8-block needs block_k dividing 128: {cfg}")
     sorted_ids, expert_ids, num_post_pad = moe_align_block_size(topk_ids, cfg.block_m, E)
     weights = topk_weights if apply_router_weight else hidden
 
     a1, a1_scale = hidden, hidden_scale
     if fp8 and hidden.dtype != torch.float8_e4m3fn:
-        a1, a1_scale = fp8_act_quant(hidden.contiguous(), FP8_BLOCK, soft_fp8=soft_fp8)
+        a1, a1_scale = fp8_act_quant(hidden, act_group, soft_fp8=soft_fp8)
     cache1 = torch.empty((P, 2 * N), dtype=act_dtype, device=dev)
     moe_gemm(a1, a1_scale, w13p, cache1, weights, sorted_ids, expert_ids, num_post_pad,
                  P, k, N, False, group_size, cfg)
     row_ids = topk_ids.view(-1)
     if fp8:
-        a2, a2_scale = silu_and_mul(cache1, row_ids, quant_fp8=True, soft_fp8=soft_fp8)
+        a2, a2_scale = silu_and_mul(cache1, row_ids, quant_fp8=True, group=act_group, soft_fp8=soft_fp8)
     else:
         a2, a2_scale = silu_and_mul(cache1, row_ids), None
     cache3 = torch.empty((P, H), dtype=torch.float32, device=dev)
@@ -164,6 +169,7 @@ def fused_experts_ref(
     hidden_scale: torch.Tensor | None = None,
     apply_router_weight: bool = True,
     activation: str = "silu",
+    emulate: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Pure-torch reference of :func:`fused_experts` (same arguments but the kernel options)
     -> fp32 [T, H].
@@ -172,16 +178,33 @@ def fused_experts_ref(
     format's own ``dequantize`` and ``split_rows`` (the caller passes them, e.g.
     ``get_format(name, group_size=g).dequantize``: :func:`dequantize_stacked`), y =
     (silu(x w_gate^T) * (x w_up^T)) w2^T, all in fp32; fp8 hidden is dequantized with its
-    scales. Unlike the kernels, float hidden is not quantized for fp8-block and the intermediate
-    activation is not rounded (to act dtype / fp8): that difference is the kernels' error.
+    scales (the scheme's ``act_group``). Unlike the kernels, float hidden is not quantized for
+    the W8A8 schemes and the intermediate activation is not rounded (to act dtype / fp8): that
+    difference is the kernels' error.
+
+    ``emulate`` (an act dtype, fp16/bf16/fp32): take the kernels' activation steps instead, in
+    that dtype: W8A8 float hidden quantized per ``act_group`` (``fp8_act_quant_ref``); x w13^T
+    rounded to the act dtype; silu(gate) * up in fp32, rounded to the act dtype and, for W8A8,
+    quantized per ``act_group``; products in fp32 on the dequantized codes (e4m3 x e4m3 is exact
+    in fp32, so what is left against the kernels is fp32 summation order and the rare rounding
+    step that order or exp() flips; int4 also rounds its dequantized weight tiles to the act
+    dtype, which is not emulated).
     """
     E, N = _check_common(hidden, w13, w2, scheme, topk_ids, topk_weights, hidden_scale, activation,
                          apply_router_weight)
+    check(emulate is None or emulate in FLOAT_ACTS, f"emulate must be an activation dtype, got {emulate}")
     T, H = hidden.shape
+    act_group = SCHEMES[scheme].act_group
     if hidden.dtype == torch.float8_e4m3fn:
-        x = fp8_dequant_act_ref(hidden, hidden_scale, FP8_BLOCK)
+        x = fp8_dequant_act_ref(hidden, hidden_scale, act_group)
+    elif emulate is not None and act_group is not None:
+        x = fp8_dequant_act_ref(*fp8_act_quant_ref(hidden, act_group), act_group)
     else:
         x = hidden.float()
+
+    def act(y: torch.Tensor) -> torch.Tensor:  # what the kernels keep of an intermediate
+        return y if emulate is None else y.to(emulate).float()
+
     out = torch.zeros((T, H), dtype=torch.float32, device=hidden.device)
     for e in range(E):
         tok, slot = (topk_ids == e).nonzero(as_tuple=True)
@@ -189,8 +212,13 @@ def fused_experts_ref(
             continue
         w13e = dequantize_stacked(scheme, w13, e, 2 * N, H, dequantize, split_rows)  # [2N, H]
         w2e = dequantize_stacked(scheme, w2, e, H, N, dequantize)  # [H, N]
-        gu = x[tok] @ w13e.t()  # [t_e, 2N]
-        y = (F.silu(gu[:, :N]) * gu[:, N:]) @ w2e.t()  # [t_e, H]
+        gu = act(x[tok] @ w13e.t())  # [t_e, 2N]
+        h = F.silu(gu[:, :N]) * gu[:, N:]  # [t_e, N]
+        if emulate is not None:
+            h = act(h)
+            if act_group is not None:
+                h = fp8_dequant_act_ref(*fp8_act_quant_ref(h, act_group), act_group)
+        y = h @ w2e.t()  # [t_e, H]
         if apply_router_weight:
             y = y * topk_weights[tok, slot].float()[:, None]
         out.index_add_(0, tok, y)

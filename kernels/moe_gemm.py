@@ -15,9 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import FP8_BLOCK, check, is_interpreted
+from .common import FP8_BLOCK, TOKEN_GROUP, act_scale_cols, check, is_interpreted
 from .moe_tiles import MoeConfig
-from .moe_weights import SCHEMES, StackedWeights
+from .moe_weights import StackedWeights
 from .quant import fp8_dequant_act_ref
 
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -58,7 +58,8 @@ def _moe_gemm_kernel(
     FMT 1 fp8-block (W8A8): A, B e4m3; per 128-wide K block acc += (A@B) * a_s[m] * b_s[n];
           a_scale [rows, ceil(K/128)], b_scale rows: n // 128 below split_n, else
           split_nb + (n - split_n) // 128 (gate / up blocks stacked separately).
-    FMT 2 fp8-channel (W8A16): B e4m3 cast to DOT_DTYPE, scale [E, N, 1] applied after the K loop.
+    FMT 2 fp8-channel (W8A8, per token): A, B e4m3; acc = A@B over all of K, then times
+          a_s[m] * b_s[n] (a_scale [rows, 1], b_scale [E, N, 1]).
     FMT 3 int4-group (W4A16): B int32 [E, N, ceil(K/8)] nibbles, scale [E, N, ceil(K/g)],
           zero points [E, ceil(N/8), ceil(K/g)] (HAS_ZP); tile dequantized as (q - z) * s.
           GROUP_TILE: g % BLOCK_K == 0, so scales / zero points are loaded once per K tile.
@@ -143,14 +144,19 @@ def _moe_gemm_kernel(
             a_s = tl.load(a_scale_ptr + a_rows * stride_asm + kb * stride_ask, mask=m_mask, other=0.0)
             b_s = tl.load(bs_base + kb * stride_sk)
             acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        elif FMT == 2:
+            b = _load_k(b_base + offs_bn64[None, :] * stride_bn + kk[:, None] * stride_bk,
+                        None, k_mask[:, None], EVEN_K)  # [BK, BN] e4m3
+            acc = tl.dot(a, b, acc)
         else:
             b = _load_k(b_base + offs_bn64[None, :] * stride_bn + kk[:, None] * stride_bk,
                         None, k_mask[:, None], EVEN_K)
             acc += tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), input_precision=PREC)
 
     if FMT == 2:
+        a_s = tl.load(a_scale_ptr + a_rows * stride_asm, mask=m_mask, other=0.0)
         cs = tl.load(b_scale_ptr + expert * stride_se + offs_bn64 * stride_sn)
-        acc = acc * cs.to(tl.float32)[None, :]
+        acc = acc * a_s[:, None] * cs.to(tl.float32)[None, :]
     if MUL_WEIGHT:
         w = tl.load(topk_weights_ptr + pair64, mask=m_mask, other=0.0)
         acc = acc * w[:, None]
@@ -169,7 +175,8 @@ def moe_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, wts: StackedWeights,
     p < num_valid of a block of sorted_ids, e = that block's expert; other rows of c untouched.
 
     a [rows, K] with contiguous rows: e4m3 with a_scale fp32 [rows, ceil(K/128)] for fp8-block,
-    else fp16/bf16/fp32 (a_scale None); wts: one stacked linear, logical [E, R, K], checked by
+    [rows, 1] for fp8-channel (the scheme's ``act_group``; a_scale rows may be strided), else
+    fp16/bf16/fp32 (a_scale None); wts: one stacked linear, logical [E, R, K], checked by
     :func:`moetool.kernels.moe_weights.parse_weights`; c [P, R]; topk_weights fp32 [P] (read
     only when mul_weight); sorted_ids / expert_ids / num_post_pad: ``moe_align_block_size`` with
     BM = cfg.block_m; split_n: the gate rows of an fp8-block w13 (R for any other linear);
@@ -180,12 +187,20 @@ def moe_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, wts: StackedWeights,
           f"moe_gemm: c has {c.shape[1]} columns, the weights {wts.main.shape[1]} rows")
     R = c.shape[1]
     K = a.shape[1]
+    if wts.act_group is not None:
+        G = act_scale_cols(K, wts.act_group)
+        check(a.dtype == torch.float8_e4m3fn and a_scale is not None and a_scale.dtype == torch.float32
+              and tuple(a_scale.shape) == (a.shape[0], G),
+              f"moe_gemm: W8A8 needs a e4m3 [rows, K] and a_scale float32 [rows, {G}], got {a.dtype} and "
+              f"{None if a_scale is None else (a_scale.dtype, list(a_scale.shape))}")
+    else:
+        check(a.dtype in _TL_DTYPES and a_scale is None, f"moe_gemm: a must be fp16/bf16/fp32, got {a.dtype}")
     EM = sorted_ids.numel()
     main, scale = wts.main, wts.scale
     scale_ = scale if scale is not None else main
     zp_ = wts.zp if wts.zp is not None else main
     a_scale_ = a_scale if a_scale is not None else a
-    if wts.fmt == SCHEMES["fp8-block"].code:  # e4m3 x e4m3 dots
+    if wts.act_group is not None:  # e4m3 x e4m3 dots
         dot_dtype, prec = tl.float8e4nv, "ieee"
     else:
         dot_dtype = _TL_DTYPES[a.dtype]
@@ -216,9 +231,14 @@ def moe_gemm_ref(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor,
                  mul_weight: bool, block_m: int) -> torch.Tensor:
     """Reference of :func:`moe_gemm` in fp32 on dequantized weights w fp32 [E, R, K] (e.g.
     ``dequantize_stacked`` of each expert) -> [num_valid, R], zero rows for pairs in no block.
+    e4m3 a is dequantized with a_scale: [rows, ceil(K/128)] per 1x128 group, or [rows, 1] per
+    token (the same thing when K <= 128).
     Not bit-exact: the kernel sums its K tiles in another order, and fp8-block scales each
     128-column block's partial sum."""
-    x = fp8_dequant_act_ref(a, a_scale, FP8_BLOCK) if a.dtype == torch.float8_e4m3fn else a.float()
+    if a.dtype == torch.float8_e4m3fn:
+        x = fp8_dequant_act_ref(a, a_scale, TOKEN_GROUP if a_scale.shape[1] == 1 else FP8_BLOCK)
+    else:
+        x = a.float()
     out = torch.zeros((num_valid, w.shape[1]), dtype=torch.float32, device=a.device)
     for b, e in enumerate(expert_ids.tolist()):
         if e < 0:

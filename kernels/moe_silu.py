@@ -1,6 +1,6 @@
 """silu(gate) * up over the grouped GEMM's [P, 2N] output, optionally quantized to fp8 per
-1x128 group (step 3 of :func:`moetool.kernels.fused_moe.fused_experts`): :func:`silu_and_mul`
-and its reference :func:`silu_and_mul_ref`.
+1x128 group or per token (step 3 of :func:`moetool.kernels.fused_moe.fused_experts`):
+:func:`silu_and_mul` and its reference :func:`silu_and_mul_ref`.
 
 Letters: M = rows (token-slot pairs), N = expert intermediate size.
 """
@@ -11,20 +11,46 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .common import FLOAT_ACTS, FP8_BLOCK, check, check_device, e4m3_rne, is_interpreted
+from .common import (
+    FLOAT_ACTS,
+    FP8_BLOCK,
+    TOKEN_GROUP,
+    act_scale_cols,
+    check,
+    check_device,
+    e4m3_rne,
+    is_interpreted,
+    round_to_bf16,
+)
+
+
+@triton.jit
+def _silu_mul_tile(x_row, cols, mask, N, stride_xn, ROUND: tl.constexpr):
+    """silu(gate) * up in fp32 over the columns ``cols`` of rows ``x_row`` ([BM, BN]); ROUND:
+    rounded to the input's dtype first (1 bf16, 2 fp16, 0 none), as the engine stores it."""
+    g = tl.load(x_row + cols[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_row + (cols + N)[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
+    y = g / (1.0 + tl.exp(-g)) * u
+    if ROUND == 1:
+        y = round_to_bf16(y)
+    elif ROUND == 2:
+        y = y.to(tl.float16).to(tl.float32)
+    return y
 
 
 @triton.jit
 def _silu_mul_kernel(
     x_ptr, y_ptr, ys_ptr, ids_ptr, M, N,
     stride_xm, stride_xn, stride_ym, stride_yn, stride_sm, stride_sn,
-    HAS_IDS: tl.constexpr, QUANT_FP8: tl.constexpr, SOFT_FP8: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_IDS: tl.constexpr, QUANT_FP8: tl.constexpr, TWO_PASS: tl.constexpr,
+    ROUND: tl.constexpr, SOFT_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """x [M, 2N] (gate | up) -> y [M, N] = silu(gate) * up, computed in fp32.
 
-    HAS_IDS: rows whose ids[row] < 0 are skipped (pairs never computed). QUANT_FP8: y is stored
-    as e4m3 with scales ys [M, ceil(N/BLOCK_N)] (BLOCK_N = group), as ``fp8_act_quant``.
+    HAS_IDS: rows whose ids[row] < 0 are skipped (pairs never computed). QUANT_FP8: y (rounded
+    as ROUND says) is stored as e4m3 with scales ys [M, ceil(N/BLOCK_N)] (BLOCK_N = group; per
+    token: BLOCK_N >= N, one group), as ``fp8_act_quant``. TWO_PASS: per token with N > BLOCK_N,
+    ys [M, 1]: one pass over the row for the amax, one recomputing y for the codes.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -33,21 +59,39 @@ def _silu_mul_kernel(
     rmask = rows < M
     if HAS_IDS:
         rmask = rmask & (tl.load(ids_ptr + rows, mask=rmask, other=-1) >= 0)
-    mask = rmask[:, None] & (cols < N)[None, :]
     rows64 = rows.to(tl.int64)
     x_row = x_ptr + rows64[:, None] * stride_xm
-    g = tl.load(x_row + cols[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(x_row + (cols + N)[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
-    y = g / (1.0 + tl.exp(-g)) * u
-    y_ptrs = y_ptr + rows64[:, None] * stride_ym + cols[None, :] * stride_yn
-    if QUANT_FP8:
-        amax = tl.max(tl.abs(y), axis=1)
+    y_row = y_ptr + rows64[:, None] * stride_ym
+    if TWO_PASS:
+        amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for n0 in range(0, N, BLOCK_N):
+            mask = rmask[:, None] & (n0 + cols < N)[None, :]
+            y = _silu_mul_tile(x_row, n0 + cols, mask, N, stride_xn, ROUND)
+            amax = tl.maximum(amax, tl.max(tl.abs(y), axis=1))
         s = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
-        q = e4m3_rne(tl.clamp(tl.math.div_rn(y, s[:, None]), -448.0, 448.0), SOFT_FP8)
-        tl.store(y_ptrs, q, mask=mask)
-        tl.store(ys_ptr + rows64 * stride_sm + pid_n * stride_sn, s, mask=rmask)
+        for n0 in range(0, N, BLOCK_N):
+            mask = rmask[:, None] & (n0 + cols < N)[None, :]
+            y = _silu_mul_tile(x_row, n0 + cols, mask, N, stride_xn, ROUND)
+            q = e4m3_rne(tl.clamp(tl.math.div_rn(y, s[:, None]), -448.0, 448.0), SOFT_FP8)
+            tl.store(y_row + (n0 + cols)[None, :] * stride_yn, q, mask=mask)
+        tl.store(ys_ptr + rows64 * stride_sm, s, mask=rmask)
     else:
-        tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)
+        mask = rmask[:, None] & (cols < N)[None, :]
+        y = _silu_mul_tile(x_row, cols, mask, N, stride_xn, ROUND)
+        y_ptrs = y_row + cols[None, :] * stride_yn
+        if QUANT_FP8:
+            amax = tl.max(tl.abs(y), axis=1)
+            s = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
+            q = e4m3_rne(tl.clamp(tl.math.div_rn(y, s[:, None]), -448.0, 448.0), SOFT_FP8)
+            tl.store(y_ptrs, q, mask=mask)
+            tl.store(ys_ptr + rows64 * stride_sm + pid_n * stride_sn, s, mask=rmask)
+        else:
+            tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+#: widest row chunk a per-token program holds (one pass at or below it)
+_TOKEN_BLOCK_N = 4096
+_ROUND = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 0}
 
 
 def silu_and_mul(x: torch.Tensor, row_ids: torch.Tensor | None = None, *, quant_fp8: bool = False,
@@ -55,8 +99,9 @@ def silu_and_mul(x: torch.Tensor, row_ids: torch.Tensor | None = None, *, quant_
     """x [M, 2N] float, contiguous -> silu(x[:, :N]) * x[:, N:] [M, N] (out_dtype, default x's).
 
     row_ids: optional int [M]; rows with a negative id are skipped (left unwritten).
-    quant_fp8: returns (q e4m3 [M, N], s fp32 [M, ceil(N/group)]) instead, quantized like
-    :func:`moetool.kernels.fp8_act_quant` from the fp32 product.
+    quant_fp8: returns (q e4m3 [M, N], s fp32 [M, ceil(N/group)]) instead (group = TOKEN_GROUP:
+    s [M, 1], one scale per row), quantized like :func:`moetool.kernels.quant.fp8_act_quant`
+    from the product rounded to x's dtype (what the engine stores and then quantizes).
     """
     check(x.dim() == 2 and x.is_contiguous(), "silu_and_mul: x must be 2-D and contiguous")
     check(x.dtype in FLOAT_ACTS, f"silu_and_mul: x has dtype {x.dtype}")
@@ -65,11 +110,15 @@ def silu_and_mul(x: torch.Tensor, row_ids: torch.Tensor | None = None, *, quant_
     M, N = x.shape[0], x.shape[1] // 2
     if row_ids is not None:
         check(row_ids.numel() == M and row_ids.is_contiguous(), "silu_and_mul: row_ids must be [M], contiguous")
+    per_token = quant_fp8 and group == TOKEN_GROUP
+    if quant_fp8 and not per_token:
+        check(group >= 16 and group & (group - 1) == 0,
+              f"silu_and_mul: the fp8 group must be a power of two >= 16 or TOKEN_GROUP, got {group}")
     dev = x.device
     if quant_fp8:
         y = torch.empty((M, N), dtype=torch.float8_e4m3fn, device=dev)
-        ys = torch.empty((M, triton.cdiv(N, group)), dtype=torch.float32, device=dev)
-        block_n = group
+        ys = torch.empty((M, act_scale_cols(N, group)), dtype=torch.float32, device=dev)
+        block_n = min(triton.next_power_of_2(max(N, 16)), _TOKEN_BLOCK_N) if per_token else group
     else:
         y = torch.empty((M, N), dtype=out_dtype or x.dtype, device=dev)
         ys = y
@@ -79,12 +128,12 @@ def silu_and_mul(x: torch.Tensor, row_ids: torch.Tensor | None = None, *, quant_
             soft_fp8 = is_interpreted(_silu_mul_kernel)
         y_arg = y.view(torch.uint8) if quant_fp8 and soft_fp8 else y
         block_m = max(1, min(64, 4096 // block_n))
-        grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+        grid = (triton.cdiv(M, block_m), 1 if per_token else triton.cdiv(N, block_n))
         _silu_mul_kernel[grid](
             x, y_arg, ys, row_ids if row_ids is not None else x, M, N,
             x.stride(0), x.stride(1), y.stride(0), y.stride(1), ys.stride(0), ys.stride(1),
-            HAS_IDS=row_ids is not None, QUANT_FP8=bool(quant_fp8), SOFT_FP8=bool(soft_fp8),
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
+            HAS_IDS=row_ids is not None, QUANT_FP8=bool(quant_fp8), TWO_PASS=per_token and N > block_n,
+            ROUND=_ROUND[x.dtype] if quant_fp8 else 0, SOFT_FP8=bool(soft_fp8), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
         )
     return (y, ys) if quant_fp8 else y
 

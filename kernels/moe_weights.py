@@ -10,7 +10,7 @@ then up rows), [H, N] for w2. The schemes (a weight format names its scheme as
   dense        weight [E, R, C] float
   fp8-block    weight e4m3 [E, R, C]; weight_scale_inv fp32 [E, ceil(R/128), ceil(C/128)], for w13
                gate and up blocks stacked separately: [E, 2*ceil(N/128), ceil(H/128)]  (W8A8)
-  fp8-channel  weight e4m3 [E, R, C]; weight_scale [E, R, 1]                         (W8A16)
+  fp8-channel  weight e4m3 [E, R, C]; weight_scale [E, R, 1]        (W8A8, per-token activations)
   int4-group   weight_packed int32 [E, R, ceil(C/8)]; weight_scale [E, R, ceil(C/g)];
                weight_shape [E, 2] (not read); optional weight_zero_point int32
                [E, ceil(R/8), ceil(C/g)] packed along R (w13: over all 2N rows)       (W4A16)
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .common import FLOAT_ACTS, FP8_BLOCK, check
+from .common import FLOAT_ACTS, FP8_BLOCK, TOKEN_GROUP, check
 
 
 @dataclass(frozen=True)
@@ -32,15 +32,23 @@ class Scheme:
 
     code: int  # the FMT constexpr of moetool.kernels.moe_gemm._moe_gemm_kernel
     main: str  # the tensor holding the weights, [E, R, C] (int4: packed words [E, R, C/8])
-    fp8_acts: bool = False  # W8A8: activations quantized to e4m3 per token and 128 columns
+    #: W8A8: the activation group the GEMMs consume, e4m3 codes with one fp32 scale per token
+    #: and ``act_group`` columns (TOKEN_GROUP: per token, the whole row); None: weight-only
+    #: (activations stay in their float dtype)
+    act_group: int | None = None
     groups: bool = False  # weights scaled per group of g columns along K
     shape_key: str | None = None  # a tensor of logical shapes [E, 2], never read by the GEMM
+
+    @property
+    def fp8_acts(self) -> bool:
+        """W8A8: activations are quantized to e4m3 (per ``act_group``) before each GEMM."""
+        return self.act_group is not None
 
 
 SCHEMES = {
     "dense": Scheme(0, "weight"),
-    "fp8-block": Scheme(1, "weight", fp8_acts=True),
-    "fp8-channel": Scheme(2, "weight"),
+    "fp8-block": Scheme(1, "weight", act_group=FP8_BLOCK),
+    "fp8-channel": Scheme(2, "weight", act_group=TOKEN_GROUP),
     "int4-group": Scheme(3, "weight_packed", groups=True, shape_key="weight_shape"),
 }
 
@@ -53,6 +61,7 @@ class StackedWeights:
     main: torch.Tensor  # weight / weight_packed
     scale: torch.Tensor | None
     zp: torch.Tensor | None
+    act_group: int | None = None  # the scheme's ``Scheme.act_group``: what the GEMM's A must be
 
 
 def parse_weights(scheme: str, t: dict, name: str, E: int, R: int, C: int, group_size: int,
@@ -74,17 +83,17 @@ def parse_weights(scheme: str, t: dict, name: str, E: int, R: int, C: int, group
             check(v.dtype in FLOAT_ACTS, f"{name}[{key!r}] has dtype {v.dtype}, expected a float dtype")
         return v
 
-    code = SCHEMES[scheme].code
+    code, act_group = SCHEMES[scheme].code, SCHEMES[scheme].act_group
     if scheme == "dense":
         return StackedWeights(code, need("weight", (E, R, C), floating=True), None, None)
     if scheme == "fp8-block":
         nb = triton.cdiv(C, FP8_BLOCK)
         rb = triton.cdiv(R, FP8_BLOCK) if split_rows is None else 2 * triton.cdiv(split_rows, FP8_BLOCK)
         w = need("weight", (E, R, C), [torch.float8_e4m3fn])
-        return StackedWeights(code, w, need("weight_scale_inv", (E, rb, nb), [torch.float32]), None)
+        return StackedWeights(code, w, need("weight_scale_inv", (E, rb, nb), [torch.float32]), None, act_group)
     if scheme == "fp8-channel":
         w = need("weight", (E, R, C), [torch.float8_e4m3fn])
-        return StackedWeights(code, w, need("weight_scale", (E, R, 1), floating=True), None)
+        return StackedWeights(code, w, need("weight_scale", (E, R, 1), floating=True), None, act_group)
     # int4-group
     G = triton.cdiv(C, group_size)
     w = need("weight_packed", (E, R, triton.cdiv(C, 8)), [torch.int32])

@@ -14,7 +14,7 @@ from moetool.kernels.moe_gemm import moe_gemm, moe_gemm_ref
 from moetool.kernels.moe_silu import silu_and_mul, silu_and_mul_ref
 from moetool.kernels.moe_sum import moe_sum, moe_sum_ref
 from moetool.kernels.moe_tiles import MoeConfig, default_config
-from moetool.kernels.moe_weights import dequantize_stacked, parse_weights
+from moetool.kernels.moe_weights import SCHEMES, dequantize_stacked, parse_weights
 
 from moetool.errors import MoetoolError
 
@@ -22,7 +22,8 @@ from moetool.errors import MoetoolError
 # does not: dense/W*A16: the intermediate [P, 2N] and silu output in the activation dtype
 # (fp16: ~5e-4; bf16 ~4e-3, ~1e-2 under the interpreter, whose bf16 cast truncates) and, for
 # int4, the dequantized tile in the activation dtype; fp8-block: the silu output quantized to
-# e4m3 per 1x128 group (~2-3 %), plus float hidden quantized the same way.
+# e4m3 per 1x128 group (~2-3 %), plus float hidden quantized the same way; fp8-channel (W8A8
+# per token): the same with one scale per row, coarser on these random rows (~3-5.6 %).
 # (format, hidden dtype, int4 symmetric, rel_err limit)
 CASES = {
     "dense-fp32": ("dense", torch.float32, None, 2e-6),
@@ -30,14 +31,16 @@ CASES = {
     "dense-bf16": ("dense", torch.bfloat16, None, 2e-2),
     "fp8-block-w8a8": ("fp8-block", torch.float8_e4m3fn, None, 0.035),
     "fp8-block-fp16-hidden": ("fp8-block", torch.float16, None, 0.06),
-    "fp8-channel-fp16": ("fp8-channel", torch.float16, None, 1.5e-3),
-    "fp8-channel-fp32": ("fp8-channel", torch.float32, None, 2e-6),
+    "fp8-channel-w8a8": ("fp8-channel", torch.float8_e4m3fn, None, 0.04),
+    "fp8-channel-fp16": ("fp8-channel", torch.float16, None, 0.08),
+    "fp8-channel-fp32": ("fp8-channel", torch.float32, None, 0.08),
     "int4-sym-fp16": ("int4-group", torch.float16, True, 1.5e-3),
     "int4-asym-fp16": ("int4-group", torch.float16, False, 1.5e-3),
     "int4-asym-fp32": ("int4-group", torch.float32, False, 2e-6),
 }
 # measured under the interpreter (3 shapes, seed 0): fp32 <= 4e-7, fp16 <= 5.5e-4,
-# bf16 <= 9.7e-3, fp8-block w8a8 <= 2.3e-2, fp8-block with fp16 hidden <= 4.4e-2
+# bf16 <= 9.7e-3, fp8-block w8a8 <= 2.3e-2, fp8-block with fp16 hidden <= 4.4e-2,
+# fp8-channel w8a8 <= 2.6e-2, fp8-channel with fp16 / fp32 hidden <= 5.6e-2
 # (T, E, H, N, k, int4 group): N not a multiple of 128 (fp8-block gate/up scale split), H and N
 # not multiples of the tiles, partial int4 groups (200 % 40, 96 % 40); g = 32 / 64 take the
 # one-scale-per-K-tile path (g % BLOCK_K == 0), g = 40 / 8 the per-element one
@@ -97,10 +100,11 @@ def make_routing(T, E, k, E_global=None, seed=0):
     return ids, w / w.sum(-1, keepdim=True).clamp(min=1e-6)
 
 
-def make_hidden(T, H, dtype):
+def make_hidden(T, H, dtype, group=128):
+    """x [T, H] in dtype; e4m3 with its scales per ``group`` (TOKEN_GROUP: per token)."""
     x = torch.randn(T, H)
     if dtype == torch.float8_e4m3fn:
-        q, s = kq.fp8_act_quant_ref(x)
+        q, s = kq.fp8_act_quant_ref(x, group)
         return q, s
     return x.to(dtype), None
 
@@ -118,7 +122,7 @@ def run_case(case, shape, device, apply_router_weight=True):
     T, E, H, N, k, group = shape
     w13, w2 = make_weights(fmt, E, H, N, group, bool(symmetric))
     ids, tw = make_routing(T, E, k)
-    x, xs = make_hidden(T, H, hdtype)
+    x, xs = make_hidden(T, H, hdtype, SCHEMES[fmt].act_group)
     kwargs = {"hidden_scale": xs, "apply_router_weight": apply_router_weight}
     ref = fused_ref(x, w13, w2, fmt, ids, tw, group, bool(symmetric), **kwargs)
     kwargs["hidden_scale"] = xs.to(device) if xs is not None else None
@@ -139,13 +143,13 @@ def test_fused_experts_matches_ref(case, shape, device):
     assert (out[remote] == 0).all()
 
 
-@pytest.mark.parametrize("case", ["dense-fp16", "fp8-block-w8a8", "int4-asym-fp16"])
+@pytest.mark.parametrize("case", ["dense-fp16", "fp8-block-w8a8", "fp8-channel-fp16", "int4-asym-fp16"])
 def test_without_router_weight(case, device):
     out, ref, tol, _ = run_case(case, SHAPES[0], device, apply_router_weight=False)
     assert rel_err(out, ref) < tol
 
 
-@pytest.mark.parametrize("case", ["fp8-block-w8a8", "dense-fp16"])
+@pytest.mark.parametrize("case", ["fp8-block-w8a8", "fp8-channel-w8a8", "fp8-channel-fp16", "dense-fp16"])
 def test_row_strided_hidden_and_bf16_output(case, device):
     """Hidden rows (and fp8 scales) viewed inside wider received buffers give the contiguous result, and
     out_dtype=bfloat16 is that fp32 result rounded once (nearest even)."""
@@ -154,7 +158,7 @@ def test_row_strided_hidden_and_bf16_output(case, device):
     w13, w2 = make_weights(fmt, E, H, N, group, bool(symmetric))
     w13, w2 = _to(w13, device), _to(w2, device)
     ids, tw = make_routing(T, E, k)
-    x, xs = make_hidden(T, H, hdtype)
+    x, xs = make_hidden(T, H, hdtype, SCHEMES[fmt].act_group)
     ids, tw, x = ids.to(device), tw.to(device), x.to(device)
     xs = xs.to(device) if xs is not None else None
     wide = torch.zeros(T, H + 48, dtype=x.dtype, device=device)
@@ -218,7 +222,7 @@ def test_structured_expert_identity(device):
     torch.testing.assert_close(out, expect[:, None].expand(T, H), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("fmt", ["dense", "fp8-block", "int4-group"])
+@pytest.mark.parametrize("fmt", ["dense", "fp8-block", "fp8-channel", "int4-group"])
 def test_zero_tokens_and_no_local_experts(fmt, device):
     E, H, N = 4, 64, 32
     w13, w2 = make_weights(fmt, E, H, N, 32)
@@ -268,6 +272,20 @@ def test_bad_arguments_raise(device):
     bad = dict(q13, weight_scale_inv=q13["weight_scale_inv"][:, :1].contiguous())
     with pytest.raises(MoetoolError, match="weight_scale_inv"):
         fm.fused_experts(x, bad, q2, "fp8-block", ids, tw)
+    # fp8-channel takes one scale per token, fp8-block one per 1x128 group: neither takes the other's
+    H2 = 192
+    c13, c2 = (_to(w, device) for w in make_weights("fp8-channel", E, H2, N))
+    b13, b2 = (_to(w, device) for w in make_weights("fp8-block", E, H2, N))
+    q, s_group = (t.to(device) for t in kq.fp8_act_quant_ref(torch.randn(3, H2), 128))  # [3, 2] scales
+    s_token = s_group[:, :1].contiguous()
+    with pytest.raises(MoetoolError, match=r"hidden_scale float32 \[3, 1\] \(fp8-channel: one scale per token\)"):
+        fm.fused_experts(q, c13, c2, "fp8-channel", ids, tw, hidden_scale=s_group)
+    with pytest.raises(MoetoolError, match=r"hidden_scale float32 \[3, 1\]"):
+        fm.fused_experts(q, c13, c2, "fp8-channel", ids, tw)
+    with pytest.raises(MoetoolError, match=r"hidden_scale float32 \[3, 2\] \(fp8-block: one scale per 1x128"):
+        fm.fused_experts(q, b13, b2, "fp8-block", ids, tw, hidden_scale=s_token)
+    with pytest.raises(MoetoolError, match="fp8 hidden states need the fp8-block / fp8-channel format"):
+        fm.fused_experts(q[:, :H], w13, w2, "dense", ids, tw, hidden_scale=s_token)
 
 
 # ---- the steps on their own ---------------------------------------------------------------
@@ -293,7 +311,7 @@ def test_align_matches_loop_reference(T, k, E, block_m, device):
 
 @pytest.mark.parametrize("fmt, act_dtype, symmetric", [
     ("dense", torch.float32, None), ("fp8-block", torch.float8_e4m3fn, None),
-    ("fp8-channel", torch.float32, None), ("int4-group", torch.float32, False),
+    ("fp8-channel", torch.float8_e4m3fn, None), ("int4-group", torch.float32, False),
 ])
 def test_moe_gemm_matches_ref(fmt, act_dtype, symmetric, device):
     """Both grouped GEMMs alone (w13 on token rows with fp8-block's separately scaled gate/up
@@ -306,8 +324,8 @@ def test_moe_gemm_matches_ref(fmt, act_dtype, symmetric, device):
     P = T * k
     cfg = default_config(f.kernel_scheme, P / E, torch.float32, device == "cpu", group)
     sorted_ids, expert_ids, num_post_pad = (t.cpu() for t in moe_align_block_size(ids.to(device), cfg.block_m, E))
-    x, xs = make_hidden(T, H, act_dtype)
-    h, hs = make_hidden(P, N, act_dtype)
+    x, xs = make_hidden(T, H, act_dtype, SCHEMES[fmt].act_group)
+    h, hs = make_hidden(P, N, act_dtype, SCHEMES[fmt].act_group)
     for a, a_scale, w, R, C, a_row_div, split, mul in ((x, xs, w13, 2 * N, H, k, N, False),
                                                        (h, hs, w2, H, N, 1, None, True)):
         wts = parse_weights(f.kernel_scheme, _to(w, device), "w", E, R, C, group, split)
@@ -359,7 +377,8 @@ GPU_CASES = {
     "dense-bf16": ("dense", torch.bfloat16, None, 8e-3),
     "fp8-block-w8a8": ("fp8-block", torch.float8_e4m3fn, None, 0.05),
     "fp8-block-bf16-hidden": ("fp8-block", torch.bfloat16, None, 0.06),
-    "fp8-channel-bf16": ("fp8-channel", torch.bfloat16, None, 8e-3),
+    "fp8-channel-w8a8": ("fp8-channel", torch.float8_e4m3fn, None, 0.05),
+    "fp8-channel-bf16": ("fp8-channel", torch.bfloat16, None, 0.06),
     "int4-sym-bf16": ("int4-group", torch.bfloat16, True, 1e-2),
     "int4-asym-bf16": ("int4-group", torch.bfloat16, False, 1e-2),
     "dense-fp32": ("dense", torch.float32, None, 1e-5),
