@@ -14,8 +14,8 @@ a token at global position p that chose expert e uses replica ``p % count_tab[e]
    t among those sent to rank r, -1 = not sent), counts int64 [R] (tokens per destination rank,
    a token counted once per rank however many of its experts live there)
 2. :func:`pack_rows`    x [m, H], ids, weights, token_index, order, counts -> the send rows
-   (uint8 [P, B], rank-major, tokens ascending): each token quantized once (fp8 per-token
-   groups) or cast, stored in the row of every destination with its ids, weights and global
+   (uint8 [P, B], rank-major, tokens ascending): each token quantized once (fp8 per 1 x group
+   or per token) or cast, stored in the row of every destination with its ids, weights and global
    position; returns pos int64 [R, m] (row of (r, t), -1 = not sent)
 3. :func:`local_slots`   received global ids [M, k], token_index [M], this rank -> local_ids
    int64 [M, k] (-1 = on another rank), expert_num_tokens int64 [L]
@@ -30,7 +30,16 @@ import triton.language as tl
 
 from moetool.errors import MoetoolError
 
-from .common import PeerBuffers, check_device, check_rank, e4m3_rne, is_interpreted, round_to_bf16
+from .common import (
+    TOKEN_GROUP,
+    PeerBuffers,
+    act_scale_cols,
+    check_device,
+    check_rank,
+    e4m3_rne,
+    is_interpreted,
+    round_to_bf16,
+)
 from .quant import fp8_act_quant_ref
 
 _INTS = (torch.int32, torch.int64)
@@ -243,11 +252,14 @@ def _pack_rows_kernel(x_ptr, ids_ptr, w_ptr, tok_ptr, order_ptr, counts_ptr, pos
                       H, k, R, m, me, cap, stride_x, stride_ids, stride_w, stride_tok,
                       B: tl.constexpr, SCALE_OFF: tl.constexpr, IDS_OFF: tl.constexpr, W_OFF: tl.constexpr,
                       TOK_OFF: tl.constexpr, HID_KIND: tl.constexpr,
-                      GROUP: tl.constexpr, NG: tl.constexpr, K_P2: tl.constexpr, TO_PEERS: tl.constexpr):
+                      GROUP: tl.constexpr, NG: tl.constexpr, K_P2: tl.constexpr, TO_PEERS: tl.constexpr,
+                      PER_TOKEN: tl.constexpr, WHOLE_ROW: tl.constexpr):
     """Program (t, h-block of NG groups): quantize (or cast) x[t, block] once, store it into
     the send row of every rank t goes to (row = rows of the ranks before + order); the h-block 0
-    program also stores the metadata and the row numbers (pos). With TO_PEERS, out_ptr holds
-    int64 [R] addresses of every rank's receive buffer, and the row of (r, t) is row
+    program also stores the metadata and the row numbers (pos). PER_TOKEN: one fp8 scale for
+    the row, stored by h-block 0 (GROUP x NG is then just the h-block; WHOLE_ROW: it holds the
+    row, else each program of the row finds the amax in a pass over all of it first).
+    With TO_PEERS, out_ptr holds int64 [R] addresses of every rank's receive buffer, and the row of (r, t) is row
     me * cap + order of rank r's buffer (pos = r * cap + order). out_ptr is the uint8 buffer;
     each part is addressed in bytes and cast to its type (one argument instead of a view per
     dtype: at serving sizes the host time of a launch is what the dispatch waits on).
@@ -260,9 +272,22 @@ def _pack_rows_kernel(x_ptr, ids_ptr, w_ptr, tok_ptr, order_ptr, counts_ptr, pos
     in_h = cols < H
     x = tl.load(x_ptr + t.to(tl.int64) * stride_x + cols, mask=in_h, other=0.0).to(tl.float32)
     s = tl.zeros((NG,), dtype=tl.float32)
-    if HID_KIND <= 1:  # same formula as quant._fp8_quant_kernel (ROW_WISE)
-        s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12), 448.0)
-        v = e4m3_rne(tl.clamp(tl.math.div_rn(x, s[:, None]), -448.0, 448.0), HID_KIND == 0)
+    if HID_KIND <= 1:
+        if PER_TOKEN:  # same formula as quant._fp8_token_quant_kernel
+            if WHOLE_ROW:
+                amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+            else:
+                span = tl.arange(0, NG * GROUP)
+                amax = tl.zeros((), dtype=tl.float32)
+                for h0 in range(0, H, NG * GROUP):
+                    xs = tl.load(x_ptr + t.to(tl.int64) * stride_x + h0 + span, mask=h0 + span < H, other=0.0)
+                    amax = tl.maximum(amax, tl.max(tl.abs(xs.to(tl.float32)), axis=0))
+            s_tok = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
+            s = s + s_tok  # [NG], the one scale
+            v = e4m3_rne(tl.clamp(tl.math.div_rn(x, s_tok), -448.0, 448.0), HID_KIND == 0)
+        else:  # same formula as quant._fp8_quant_kernel (ROW_WISE)
+            s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12), 448.0)
+            v = e4m3_rne(tl.clamp(tl.math.div_rn(x, s[:, None]), -448.0, 448.0), HID_KIND == 0)
     elif HID_KIND == 2:  # the interpreter's fp32 -> bf16 cast truncates; round first
         v = round_to_bf16(x).to(tl.bfloat16)
     elif HID_KIND == 3:
@@ -288,7 +313,10 @@ def _pack_rows_kernel(x_ptr, ids_ptr, w_ptr, tok_ptr, order_ptr, counts_ptr, pos
         if p >= 0:
             tl.store(row.to(tl.pointer_type(v.dtype)) + cols, v, mask=in_h)
             if HID_KIND <= 1:
-                tl.store((row + SCALE_OFF).to(tl.pointer_type(tl.float32)) + g, s, mask=g * GROUP < H)
+                if PER_TOKEN:
+                    tl.store((row + SCALE_OFF).to(tl.pointer_type(tl.float32)) + g, s, mask=g == 0)
+                else:
+                    tl.store((row + SCALE_OFF).to(tl.pointer_type(tl.float32)) + g, s, mask=g * GROUP < H)
             if pid_h == 0:
                 tl.store((row + IDS_OFF).to(tl.pointer_type(tl.int32)) + j, ids, mask=j < k)
                 tl.store((row + W_OFF).to(tl.pointer_type(tl.float32)) + j, w, mask=j < k)
@@ -328,7 +356,9 @@ def _check_pack(x, topk_ids, topk_weights, token_index, order, counts, out, hidd
     quant = hidden_dtype == torch.float8_e4m3fn
     if quant != (offsets.scale is not None):
         raise MoetoolError("pack_rows: fp8 rows need a scale offset, other rows none")
-    G = -(-H // group)
+    if group != TOKEN_GROUP and (group < 16 or group & (group - 1)):
+        raise MoetoolError(f"pack_rows: the fp8 group must be a power of two >= 16 or TOKEN_GROUP (0), got {group}")
+    G = act_scale_cols(H, group)
     spans = [(0, H * hidden_dtype.itemsize, 1), (offsets.ids, 4 * k, 4), (offsets.weights, 4 * k, 4),
              (offsets.token, 8, 8)] + ([(offsets.scale, 4 * G, 4)] if quant else [])
     if any(off % align or off + size > out.shape[1] for off, size, align in spans):
@@ -347,7 +377,8 @@ def pack_rows(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
     [rows, B] with rows >= counts.sum() (known on the device only, so size it for the worst
     case: m * min(k, R)). The row
     holds x as ``hidden_dtype`` at byte 0 (float8_e4m3fn: per-token 1 x ``group`` codes, the
-    fp32 scales at ``offsets.scale``, bit-identical to ``quant.fp8_act_quant``), ids as int32,
+    fp32 scales [ceil(H/group)] at ``offsets.scale``, or one scale per row for group =
+    TOKEN_GROUP, bit-identical to ``quant.fp8_act_quant``), ids as int32,
     weights as fp32 and the token index as int64. Other bytes of out are left as they were.
 
     ``out`` may instead be :class:`PeerBuffers`: every rank's receive buffer uint8 [R * cap, B],
@@ -373,13 +404,19 @@ def pack_rows(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tenso
         kind = 0 if is_interpreted(_pack_rows_kernel) else 1
     else:
         kind = {torch.bfloat16: 2, torch.float16: 3, torch.float32: 4}[hidden_dtype]
-    ng = max(1, min(8, triton.next_power_of_2(-(-H // group))))
-    _pack_rows_kernel[(m, triton.cdiv(H, group * ng))](
+    per_token = group == TOKEN_GROUP
+    if per_token:  # h-blocks of up to 8192 columns: one program holds a DeepSeek-V3 row (7168)
+        group = min(128, max(16, triton.next_power_of_2(H)))
+        ng = max(1, min(64, triton.next_power_of_2(-(-H // group))))
+    else:
+        ng = max(1, min(8, triton.next_power_of_2(-(-H // group))))
+    h_blocks = triton.cdiv(H, group * ng)
+    _pack_rows_kernel[(m, h_blocks)](
         x, topk_ids, topk_weights, token_index, order, counts, pos, out, H, k, R, m, me, cap,
         x.stride(0), topk_ids.stride(0), topk_weights.stride(0), token_index.stride(0),
         B=B, SCALE_OFF=offsets.scale or 0, IDS_OFF=offsets.ids, W_OFF=offsets.weights,
         TOK_OFF=offsets.token, HID_KIND=kind, GROUP=group, NG=ng, K_P2=triton.next_power_of_2(max(k, 1)),
-        TO_PEERS=peers is not None, num_warps=4)
+        TO_PEERS=peers is not None, PER_TOKEN=per_token, WHOLE_ROW=h_blocks == 1, num_warps=8 if group * ng >= 4096 else 4)
     return pos
 
 

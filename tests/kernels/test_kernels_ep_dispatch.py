@@ -2,7 +2,7 @@
 import pytest
 import torch
 from moetool.kernels import ep_dispatch as ed
-from moetool.kernels.common import PeerBuffers
+from moetool.kernels.common import TOKEN_GROUP, PeerBuffers, act_scale_cols
 
 from moetool.errors import MoetoolError
 from moetool.model.placement import linear_placement
@@ -104,6 +104,9 @@ def test_bad_arguments_are_named(device):
     with pytest.raises(MoetoolError, match="fp8 rows need a scale offset"):
         ed.pack_rows(x, ids, w, tok, order, counts, torch.zeros(4, 64, dtype=torch.uint8), torch.float8_e4m3fn,
                      (None, 16, 32, 48))
+    with pytest.raises(MoetoolError, match="fp8 group must be a power of two >= 16 or TOKEN_GROUP"):
+        ed.pack_rows(x, ids, w, tok, order, counts, torch.zeros(4, 64, dtype=torch.uint8), torch.float8_e4m3fn,
+                     (16, 32, 40, 48), 24)
     with pytest.raises(MoetoolError, match="out must be contiguous uint8"):
         ed.pack_rows(x, ids, w, tok, order, counts, torch.zeros(4, 40, dtype=torch.uint8), torch.float32,
                      (None, 16, 24, 32))
@@ -114,17 +117,20 @@ def test_bad_arguments_are_named(device):
 
 def _offsets(H: int, k: int, dtype: torch.dtype, group: int) -> tuple[tuple, int]:
     """Parts 16-byte aligned as RowLayout lays them out: (scale, ids, weights, token), row bytes."""
-    payload = ((dtype, H),) + (((torch.float32, -(-H // group)),) if dtype == torch.float8_e4m3fn else ())
+    payload = ((dtype, H),) + (((torch.float32, act_scale_cols(H, group)),) if dtype == torch.float8_e4m3fn else ())
     layout = RowLayout(payload + ((torch.int32, k), (torch.float32, k), (torch.int64, 1)))
     offs = layout.offsets
     return ((offs[1] if len(payload) == 2 else None, *offs[-4:-1]), layout.row_bytes)
 
 
 # (tokens, hidden, ranks, k, wire dtype, group): H not a multiple of the group, one group,
-# several h-blocks (H 2304 = 18 groups of 128 -> 3 blocks of 8), bf16 / fp32 rows
+# several h-blocks (H 2304 = 18 groups of 128 -> 3 blocks of 8), bf16 / fp32 rows; per token
+# (group 0): H 7168 in one h-block, H 9000 over two (each finds the row's amax), H 7 < 16
 PACK_CASES = [(37, 384, 4, 3, torch.float8_e4m3fn, 128), (5, 200, 3, 2, torch.float8_e4m3fn, 128),
               (9, 2304, 2, 8, torch.float8_e4m3fn, 128), (16, 96, 4, 4, torch.float8_e4m3fn, 32),
-              (23, 272, 4, 2, torch.bfloat16, 128), (11, 64, 3, 3, torch.float32, 128)]
+              (23, 272, 4, 2, torch.bfloat16, 128), (11, 64, 3, 3, torch.float32, 128),
+              (37, 384, 4, 3, torch.float8_e4m3fn, TOKEN_GROUP), (3, 7168, 2, 8, torch.float8_e4m3fn, TOKEN_GROUP),
+              (4, 9000, 3, 2, torch.float8_e4m3fn, TOKEN_GROUP), (6, 7, 2, 2, torch.float8_e4m3fn, TOKEN_GROUP)]
 
 
 @pytest.mark.parametrize("m,H,R,k,dtype,group", PACK_CASES)
@@ -134,7 +140,7 @@ def test_pack_rows_matches_reference_byte_for_byte(device, m, H, R, k, dtype, gr
     ids = torch.stack([torch.randperm(E)[:k] for _ in range(m)])
     tok = 50 + torch.arange(m)
     wide = torch.randn(m, H + 16) * torch.logspace(-3, 2, m)[:, None]  # rows of a wider buffer, scaled unevenly
-    wide[0, :group] = 0.0  # an all-zero group gets the clamped scale
+    wide[0, 8:8 + (group or H)] = 0.0  # an all-zero group (per token: row) gets the clamped scale
     x = wide[:, 8:8 + H]
     weights = torch.rand(m, k)
     counts = torch.empty(R, dtype=torch.int64)
