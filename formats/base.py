@@ -28,7 +28,8 @@ importing torch, by ``moetool.formats.cards``):
 ``weight_dtype``            the dtype its ``weight`` tensor must have (fp8: float8_e4m3fn)
 ``tolerance``               round-trip error limits (``rel_err``, ``sqnr_db``)
 ``verify_tolerances``       verify pass limits (``rel_err`` per layer, ``expert_rel_err``)
-``activation_quant``        how the serving engine quantizes activations ("fp8-1x128" / None)
+``activation_quant``        how the serving engine quantizes activations ("fp8-1x128",
+                            "fp8-token" / None): verify's served numerics
 ``kernel_scheme``           the fused-MoE kernel scheme that reads it (``moetool.kernels``)
 ``config_method``           the ``quant_method`` of its ``quantization_config``
 ``config_label``            how "moetool reads ..." messages name it after that method
@@ -116,10 +117,12 @@ class WeightFormat:
     #: margin: an injected fault (swapped experts, a doubled scale, swapped gate/up halves)
     #: gives 0.5 - 1.5 on the expert and fails
     verify_tolerances: ClassVar[dict[str, float]]
-    #: how the serving engine (vLLM) treats the activations of a linear in this format:
-    #: "fp8-1x128" = quantized to float8_e4m3fn per token and 128-column group with float32
-    #: scales (what verify's dispatchers send and the kernels compute with); None = they stay
-    #: in the model's dtype (weight-only formats)
+    #: how the serving engine (vLLM) treats the activations of a linear in this format, the
+    #: policy verify's served numerics follow (``moetool.verify.numerics``): "fp8-1x128" =
+    #: quantized to float8_e4m3fn per token and 128-column group with float32 scales;
+    #: "fp8-token" = one float32 scale per token (per-token dynamic, W8A8 per channel); both
+    #: from the bf16 activations, before each expert GEMM (what verify's dispatchers send and
+    #: the kernels compute with); None = they stay in the served dtype (weight-only formats)
     activation_quant: ClassVar[str | None] = None
     #: the scheme of the fused-MoE kernels (``moetool.kernels.moe_gemm.SCHEMES``) that reads
     #: the stacked tensors of this format; None: no kernel (verify uses the torch experts)

@@ -92,9 +92,9 @@ class Fp8Channel(CompressedTensors, WeightFormat):
     # DeepSeek-V3-style model, H 256, N 192, 16 experts): 0.036 / 0.048; the limits add
     # margin, an injected fault gives 0.5 - 1.5 and fails
     verify_tolerances: ClassVar[dict[str, float]] = {"rel_err": 0.08, "expert_rel_err": 0.09}
-    # the config declares dynamic per-token fp8 activations (vLLM serves W8A8); moetool's
-    # verify and fused kernels run this format W8A16, activations unquantized: not modelled yet
-    activation_quant: ClassVar[str | None] = None
+    # W8A8: the config declares dynamic per-token fp8 activations, so vLLM quantizes each
+    # token's activations to fp8 with one scale per row before both expert GEMMs
+    activation_quant: ClassVar[str | None] = "fp8-token"
     kernel_scheme: ClassVar[str | None] = "fp8-channel"
     config_label: ClassVar[str] = "fp8-channel"
     ct_weights: ClassVar[tuple[str, int, str]] = ("float", 8, "channel")

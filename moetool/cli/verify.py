@@ -41,6 +41,9 @@ def verify_cmd(
                                            "mapped (ranks store into each other's memory; one host), or auto "
                                            "(mapped on the GPUs of one host)")] = "auto",
     experts: Annotated[str, typer.Option("--experts", help="experts backend: torch or triton")] = "torch",
+    numerics: Annotated[str, typer.Option("--numerics", help="served: the engine's math for the shards' format "
+                                          "(bf16 activations, fp8 ones where the format declares them); exact: "
+                                          "float32 with unquantized activations (the weights' error alone)")] = "served",
     tokens: Annotated[int, typer.Option("--tokens", help="test tokens per dp group, per layer")] = 256,
     layers: Annotated[Optional[str], typer.Option("--layers", help="MoE layers to check, e.g. 1,3,5-7 (default all)")] = None,
     backend: Annotated[Optional[str], typer.Option("--backend", help="nccl or gloo (default: nccl when enough GPUs)")] = None,
@@ -74,7 +77,8 @@ def verify_cmd(
         wm = import_module("moetool.verify.whole_model")
         wopts = wm.WholeModelOptions(dp=dp, ep=ep, tokens=tokens, seq_len=seq_len, text=None if text is None else str(text),
                                      seed=seed, backend=backend, dispatch=dispatch, experts=experts,
-                                     transport=transport, chunk_size=chunk_size, timeout_s=timeout)
+                                     transport=transport, chunk_size=chunk_size, timeout_s=timeout,
+                                     numerics=numerics)
         report = wm.verify_whole_model(shards, ref, wopts, revision=revision,
                                        thresholds=None if max_rel_err is None else {"moe_rel_err": max_rel_err})
         typer.echo(json.dumps(report.to_json(), indent=2) if json_out else report.render())
@@ -86,7 +90,7 @@ def verify_cmd(
     opts = VerifyOptions(dp=dp, ep=ep, dispatch=dispatch, experts=experts, tokens=tokens, layers=parse_layers(layers),
                          backend=backend, chunk_size=chunk_size, seed=seed, max_rel_err=max_rel_err,
                          max_expert_rel_err=max_expert_rel_err, timeout_s=timeout, warmup=warmup,
-                         repeat=repeat, transport=transport)
+                         repeat=repeat, transport=transport, numerics=numerics)
     if under_torchrun():
         report = verify_torchrun(shards, ref, opts, revision=revision)
         if report is None:  # not rank 0: rank 0 prints the report

@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 
 from moetool.errors import MoetoolError
-from moetool.formats.registry import FORMATS
 from moetool.model.spec import ExpertPlacement
 from moetool.verify.chunk import ChunkInfo, CommStats, Prepared
 from moetool.verify.experts import weight_and_reduce
@@ -26,26 +25,17 @@ from moetool.verify.topology import RouteTable, Topology, all_gather_tensor, red
 from moetool.verify.transports import TRANSPORTS
 from moetool.verify.wire import RowLayout, payload, token_rows
 
-#: the activation numerics the wire implements: fp8 e4m3 in per-token 1x128 groups, scales
-#: travelling with the rows (a format declares it as its ``activation_quant``)
-WIRE_ACT_QUANT = "fp8-1x128"
-#: formats whose activations are quantized before the send (W8A8), from the registry
-ACT_QUANT_FORMATS = tuple(name for name, cls in FORMATS.items() if cls.activation_quant == WIRE_ACT_QUANT)
-
-
 class Dispatcher:
     """Prepare (quantize + dispatch) and finalize (combine) for one communication backend."""
 
     name: ClassVar[str]
 
-    def __init__(self, topo: Topology, quantize_activations: bool | None = None,
-                 comm_dtype: torch.dtype = torch.float32):
-        """``quantize_activations``: None = when the format allows (fp8-block), False = never.
-        ``comm_dtype``: dtype of unquantized token rows on the wire. Expert outputs travel back
+    def __init__(self, topo: Topology, comm_dtype: torch.dtype = torch.float32):
+        """``comm_dtype``: dtype of unquantized token rows on the wire. Expert outputs travel back
         in float32 (allgather), or in ``comm_dtype`` when that is bfloat16 or float32 and in
-        float32 otherwise (all2all)."""
+        float32 otherwise (all2all). Whether rows travel as fp8 is the caller's ``act_group``
+        (the numerics of the run, ``moetool.verify.numerics``)."""
         self.topo = topo
-        self.quantize_activations = quantize_activations
         self.comm_dtype = comm_dtype
         self._tables: dict[int, tuple[ExpertPlacement, RouteTable]] = {}
 
@@ -57,22 +47,17 @@ class Dispatcher:
             cached = self._tables[id(placement)] = (placement, RouteTable.build(placement, self.topo.device))
         return cached[1]
 
-    def act_quant_for(self, fmt_name: str) -> bool:
-        if self.quantize_activations is False:
-            return False
-        if self.quantize_activations and fmt_name not in ACT_QUANT_FORMATS:
-            raise MoetoolError(f"activation quantization is defined for {ACT_QUANT_FORMATS}, not {fmt_name}")
-        return fmt_name in ACT_QUANT_FORMATS
-
     def token_slice(self, t: int) -> slice:
         """Rows of this group's chunk of t tokens that this rank routes and sends."""
         raise NotImplementedError
 
     def prepare(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 token_index: torch.Tensor, chunk: ChunkInfo, table: RouteTable, num_slots: int,
-                act_quant: bool, stats: CommStats) -> Prepared:
+                act_group: int | None, stats: CommStats) -> Prepared:
         """x [m, H] float32, topk_ids int64 [m, k] (global), topk_weights float32 [m, k],
-        token_index int64 [m] (global positions) for the rows ``token_slice`` chose."""
+        token_index int64 [m] (global positions) for the rows ``token_slice`` chose; act_group:
+        the fp8 group size the rows are quantized with before the send (128, or 0 for one scale
+        per token), None = sent unquantized in ``comm_dtype``."""
         raise NotImplementedError
 
     def finalize(self, expert_out: torch.Tensor, prep: Prepared, reduced: bool,
@@ -106,13 +91,13 @@ class AllGatherDispatcher(Dispatcher):
     def token_slice(self, t: int) -> slice:
         return slice(0, t)
 
-    def prepare(self, x, topk_ids, topk_weights, token_index, chunk, table, num_slots, act_quant, stats):
+    def prepare(self, x, topk_ids, topk_weights, token_index, chunk, table, num_slots, act_group, stats):
         topo = self.topo
         dev = x.device
         t, k = topk_ids.shape
         sizes = chunk.sizes  # [dp]
         tmax = max(sizes)
-        parts, like = payload(x, act_quant, self.comm_dtype)
+        parts, like = payload(x, act_group, self.comm_dtype)
         layout = RowLayout(tuple(like) + ((torch.int64, k), (torch.float32, k)))
         buf = layout.pack(parts + [topk_ids, topk_weights])  # uint8 [t, B]
         if t < tmax:
@@ -136,7 +121,7 @@ class AllGatherDispatcher(Dispatcher):
         counts = _expert_counts(local_ids, num_slots)
         stats.tokens_received += int(mine.any(dim=1).sum())
         stats.rows_padding += topo.dp * tmax - sum(sizes)
-        return Prepared(unpacked[0], unpacked[1] if act_quant else None, local_ids, weights, counts,
+        return Prepared(unpacked[0], unpacked[1] if act_group is not None else None, local_ids, weights, counts,
                         {"t": t})
 
     def finalize(self, expert_out, prep, reduced, stats):
@@ -172,11 +157,11 @@ class All2AllDispatcher(Dispatcher):
 
     name = "all2all"
 
-    def __init__(self, topo: Topology, quantize_activations: bool | None = None,
-                 comm_dtype: torch.dtype = torch.float32, transport: str = "collectives", timeout_s: float = 300.0):
+    def __init__(self, topo: Topology, comm_dtype: torch.dtype = torch.float32, transport: str = "collectives",
+                 timeout_s: float = 300.0):
         """``transport``: a name of ``transports.TRANSPORTS`` (collectives | mapped).
         ``timeout_s``: how long the transport's own waits for the other ranks may take."""
-        super().__init__(topo, quantize_activations, comm_dtype)
+        super().__init__(topo, comm_dtype)
         if transport not in TRANSPORTS:
             raise MoetoolError(f"unknown all2all transport {transport!r} (known: {', '.join(TRANSPORTS)})")
         self.transport = TRANSPORTS[transport](topo, self._wire, timeout_s)
@@ -191,9 +176,9 @@ class All2AllDispatcher(Dispatcher):
         """dtype of the expert results on the way back"""
         return self.comm_dtype if self.comm_dtype in (torch.float32, torch.bfloat16) else torch.float32
 
-    def prepare(self, x, topk_ids, topk_weights, token_index, chunk, table, num_slots, act_quant, stats):
-        layout = token_rows(x.shape[1], topk_ids.shape[1], act_quant, self.comm_dtype)
-        return self.transport.dispatch(x, topk_ids, topk_weights, token_index, chunk, table, num_slots, act_quant,
+    def prepare(self, x, topk_ids, topk_weights, token_index, chunk, table, num_slots, act_group, stats):
+        layout = token_rows(x.shape[1], topk_ids.shape[1], act_group, self.comm_dtype)
+        return self.transport.dispatch(x, topk_ids, topk_weights, token_index, chunk, table, num_slots, act_group,
                                        layout, stats)
 
     def finalize(self, expert_out, prep, reduced, stats):

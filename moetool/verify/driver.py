@@ -30,6 +30,7 @@ from moetool.read.experts import ExpertReader, detect_expert_format
 from moetool.read.manifest import MANIFEST_NAME, made_by_moetool
 from moetool.read.shards import EPShards
 from moetool.verify.launch import run_under_torchrun, spawn_world
+from moetool.verify.numerics import NUMERICS, numerics_for
 from moetool.verify.reference import reference_moe_forward, swiglu
 from moetool.verify.report import LayerReport, VerifyReport
 from moetool.verify.tokens import make_tokens, norm_weight_name, probe_tokens
@@ -57,6 +58,7 @@ class VerifyOptions:
     warmup: int = 0  # extra untimed runs of each layer; > 0 also aligns ranks before each timed phase
     repeat: int = 1  # timed runs of each layer; each phase's time is the median over them
     transport: str = "auto"  # all2all only: collectives | mapped | auto (mapped on the GPUs of one host)
+    numerics: str = "served"  # served (the engine's math for the format) | exact (float32, weights' error only)
 
 
 # ------------------------------------------------------------------------------------ ranks
@@ -127,6 +129,8 @@ def check_options(opts: VerifyOptions, shards: EPShards) -> None:
         raise MoetoolError(f"--experts {opts.experts!r}: expected torch or triton")
     if opts.transport not in ("auto", "collectives", "mapped"):
         raise MoetoolError(f"--transport {opts.transport!r}: expected auto, collectives or mapped")
+    if opts.numerics not in NUMERICS:
+        raise MoetoolError(f"--numerics {opts.numerics!r}: expected {' or '.join(NUMERICS)}")
     if opts.transport == "mapped" and opts.dispatch != "all2all":
         raise MoetoolError(f"--transport mapped is a transport of --all2all all2all, not {opts.dispatch}")
 
@@ -249,8 +253,10 @@ def build_report(shards: EPShards, ref_ckpt, spec, ref_reader: ExpertReader, opt
     # the reference runs on a GPU when there is one (the ranks are done with them by now)
     dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     reports = []
+    numerics = None
     for i in layer_ids:
         layer = spec.layer(i)
+        numerics = numerics_for(opts.numerics, FORMATS[fmt], ref_ckpt.info(layer.router_weight).dtype)
         nw_name = norm_weight_name(layer)
         nw = ref_ckpt.get(nw_name) if nw_name in ref_ckpt else None
         gate = ref_ckpt.get(layer.router_weight).float().to(dev)
@@ -261,12 +267,12 @@ def build_report(shards: EPShards, ref_ckpt, spec, ref_reader: ExpertReader, opt
         ys, refs = [], []
         for g in range(opts.dp):
             rank0 = next(r for r in results if r[i]["group"] == g and r[i]["y"] is not None)
-            x = make_tokens(i, g, opts.tokens, layer.hidden, opts.seed, nw).to(dev)
+            x = make_tokens(i, g, opts.tokens, layer.hidden, opts.seed, nw, numerics).to(dev)
             refs.append(reference_moe_forward(x, gate, bias, layer.router, lazy, shared).cpu())
             ys.append(rank0[i]["y"])
         rel, sqnr, mx = _metrics(torch.cat(ys), torch.cat(refs))
         # each expert alone on the probe batch, every copy of it (replicas too)
-        xp = probe_tokens(i, layer.hidden, opts.seed, nw).to(dev)
+        xp = probe_tokens(i, layer.hidden, opts.seed, nw, numerics).to(dev)
         worst = None  # (expert, rank, rel err): the first of the largest (every expert is on a rank)
         expert_ref: dict[int, torch.Tensor] = {}
         for rank, r in enumerate(results):
@@ -293,6 +299,7 @@ def build_report(shards: EPShards, ref_ckpt, spec, ref_reader: ExpertReader, opt
         reports.append(LayerReport(i, rel, sqnr, mx, [s["pairs_computed"] for s in stats], worst[0], worst[1],
                                    worst[2], not reasons, "; ".join(reasons), timing, moved))
     options = {**asdict(opts), "backend": backend, "layers": layer_ids,
+               "numerics": numerics.describe() if numerics else opts.numerics,
                "transport": results[0][layer_ids[0]]["stats"].get("transport") if layer_ids else None}
     return VerifyReport(str(shards.root), str(ref_ckpt.root), shards.manifest["format"], options, th, reports)
 

@@ -18,18 +18,30 @@ import torch.nn.functional as F
 
 from moetool.errors import MoetoolError
 from moetool.kernels.fused_moe import fused_experts
-from moetool.kernels.quant import fp8_dequant_act_ref
+from moetool.kernels.quant import fp8_act_quant_ref, fp8_dequant_act_ref
 from moetool.model.spec import LocalExperts
+from moetool.verify.numerics import ACT_GROUPS, Numerics
 
-#: fp8 activation quantization groups along H (DeepSeek-V3 block size)
-ACT_GROUP = 128
+#: fp8 activation quantization groups along H of the wire's default (DeepSeek-V3 block size)
+ACT_GROUP = ACT_GROUPS["fp8-1x128"]
+#: the numerics of a backend built without any: float32, unquantized activations
+EXACT = Numerics("exact")
 
 
 def dequant_activations(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """q float8_e4m3fn [M, H], scale float32 [M, G] (per 128-column group) -> float32 [M, H]."""
+    """q float8_e4m3fn [M, H], scale float32 [M, G] (per 128-column group) or [M, 1] (per
+    token) -> float32 [M, H]."""
     if q.dtype != torch.float8_e4m3fn:
         raise MoetoolError(f"quantized activations must be float8_e4m3fn, got {q.dtype}")
-    return fp8_dequant_act_ref(q, scale, ACT_GROUP)
+    return fp8_dequant_act_ref(q, scale, 0 if scale.shape[1] == 1 else ACT_GROUP)  # one column: the whole row
+
+
+def fp8_round_trip(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x [M, C] float -> float32 dequantize(quantize(x)) with fp8 e4m3 per ``group`` columns
+    (0: per row): what an engine's W8A8 GEMM sees of its input."""
+    if x.shape[0] == 0:
+        return x.float()
+    return fp8_dequant_act_ref(*fp8_act_quant_ref(x.float().contiguous(), group), group)
 
 
 def weight_and_reduce(out: torch.Tensor, local_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -43,6 +55,8 @@ class ExpertsBackend:
     """One compute backend for a rank's local experts."""
 
     name: ClassVar[str]
+    #: how the backend computes (and so what the dispatcher sends it): ``moetool.verify.numerics``
+    numerics: Numerics = EXACT
     #: "standard": hidden [M, H] with local ids [M, k]; ("batched" [L, max_M, H] is not built)
     input_format: ClassVar[Literal["standard", "batched"]] = "standard"
 
@@ -83,12 +97,21 @@ def _check_ids(local_ids: torch.Tensor, num_slots: int) -> None:
 
 class TorchExperts(ExpertsBackend):
     """Reference compute: a loop over local slots, weights dequantized to float32 once per
-    layer by the format's own ``dequantize``, fp8 activations dequantized (q * s per 128)."""
+    layer by the format's own ``dequantize``.
+
+    Exact numerics: float32 throughout (fp8 activations from the wire are dequantized, q * s).
+    Served numerics emulate the engine's fused MoE step by step: the input in the served dtype
+    (quantized to fp8 and back where the format declares fp8 activations and the dispatcher
+    did not already), gate and up outputs rounded to the served dtype, silu(gate) * up rounded
+    and, W8A8, quantized and dequantized again for the down GEMM, each pair's weighted output
+    rounded, the sum over k in float32. Weight-only formats run their dequantized weights
+    rounded to the served dtype (as the W4A16 / bf16 kernels feed the tensor cores)."""
 
     name = "torch"
 
-    def __init__(self, reduce: bool = True):
+    def __init__(self, reduce: bool = True, numerics: Numerics = EXACT):
         self._reduce = reduce
+        self.numerics = numerics
         self._bound: LocalExperts | None = None
         self._gate: list[torch.Tensor] = []  # L x [N, H]
         self._up: list[torch.Tensor] = []  # L x [N, H]
@@ -103,6 +126,8 @@ class TorchExperts(ExpertsBackend):
             return
         self.release()
         fmt, N, H = local.fmt, local.intermediate, local.hidden
+        # weight-only formats: the engine's GEMM reads the dequantized weight in the served dtype
+        weights = self.numerics.round if self.numerics.act_group is None else (lambda w: w)
         for i, e in enumerate(local.slot_to_global):
             t13, t2 = local.slot(i)
             try:
@@ -114,15 +139,24 @@ class TorchExperts(ExpertsBackend):
             if tuple(w13.shape) != (2 * N, H) or tuple(w2.shape) != (H, N):
                 raise MoetoolError(f"local slot {i} (expert {e}): w13 {list(w13.shape)}, w2 "
                                    f"{list(w2.shape)}; expected [{2 * N}, {H}] and [{H}, {N}]")
-            w13 = w13.to(device=device, dtype=torch.float32)
+            w13 = weights(w13.to(device=device, dtype=torch.float32))
             self._gate.append(w13[:N].contiguous())
             self._up.append(w13[N:].contiguous())
-            self._down.append(w2.to(device=device, dtype=torch.float32).contiguous())
+            self._down.append(weights(w2.to(device=device, dtype=torch.float32)).contiguous())
         self._bound = local
 
     def release(self) -> None:
         self._bound = None
         self._gate, self._up, self._down = [], [], []
+
+    def _input(self, hidden: torch.Tensor, hidden_scale: torch.Tensor | None) -> torch.Tensor:
+        """The GEMM input [M, H] float32: fp8 rows dequantized; float rows in the served dtype,
+        quantized to fp8 and back where the format's activations are fp8."""
+        if hidden_scale is not None:
+            return dequant_activations(hidden, hidden_scale)
+        nm = self.numerics
+        x = nm.round(hidden)
+        return x if nm.act_group is None else fp8_round_trip(x, nm.act_group)
 
     def apply(self, hidden, hidden_scale, local_ids, topk_weights, expert_num_tokens, out_dtype=torch.float32,
               out=None):
@@ -130,7 +164,8 @@ class TorchExperts(ExpertsBackend):
             raise MoetoolError("TorchExperts.apply before bind")
         L = len(self._gate)
         _check_ids(local_ids, L)
-        x = dequant_activations(hidden, hidden_scale) if hidden_scale is not None else hidden.float()  # [M, H]
+        nm = self.numerics
+        x = self._input(hidden, hidden_scale)  # [M, H]
         M, k = local_ids.shape
         H = x.shape[1]
         acc = x.new_zeros((M, H) if self._reduce else (M, k, H))
@@ -138,12 +173,15 @@ class TorchExperts(ExpertsBackend):
             if int(expert_num_tokens[s]) == 0:
                 continue
             tok, j = torch.nonzero(local_ids == s, as_tuple=True)  # [n], [n]
-            h = F.silu(x[tok] @ self._gate[s].t()) * (x[tok] @ self._up[s].t())  # [n, N]
+            xs = x[tok]
+            h = nm.round(F.silu(nm.round(xs @ self._gate[s].t())) * nm.round(xs @ self._up[s].t()))  # [n, N]
+            if nm.act_group is not None:
+                h = fp8_round_trip(h, nm.act_group)
             y = h @ self._down[s].t()  # [n, H]
             if self._reduce:
-                acc.index_add_(0, tok, y * topk_weights[tok, j].float()[:, None])
+                acc.index_add_(0, tok, nm.round(y * topk_weights[tok, j].float()[:, None]))
             else:
-                acc[tok, j] = y
+                acc[tok, j] = nm.round(y)
         if not self._reduce:
             return acc
         if out is None:
@@ -153,11 +191,16 @@ class TorchExperts(ExpertsBackend):
 
 class TritonExperts(ExpertsBackend):
     """The fused Triton kernels (``moetool.kernels.fused_moe.fused_experts``) reading the
-    format's stacked tensors directly; they apply the top-k weights and reduce over k."""
+    format's stacked tensors directly; they apply the top-k weights and reduce over k.
+
+    Served numerics are the kernels' own: float input in the served dtype, fp8 activations
+    quantized inside for the W8A8 schemes. Exact numerics need float32 math with unquantized
+    activations, which the W8A8 kernels do not compute: those formats are refused."""
 
     name = "triton"
 
-    def __init__(self):
+    def __init__(self, numerics: Numerics = EXACT):
+        self.numerics = numerics
         self._bound: LocalExperts | None = None
         self._w13: dict[str, torch.Tensor] = {}
         self._w2: dict[str, torch.Tensor] = {}
@@ -169,6 +212,11 @@ class TritonExperts(ExpertsBackend):
     def bind(self, local: LocalExperts, device: torch.device) -> None:
         if self._bound is local:
             return
+        if local.fmt.kernel_scheme is None:
+            raise MoetoolError(f"--experts triton: no fused kernel reads {local.fmt.name}; use --experts torch")
+        if self.numerics.exact and local.fmt.activation_quant is not None:
+            raise MoetoolError(f"--numerics exact with --experts triton: the {local.fmt.name} kernels compute W8A8 "
+                               "(fp8 activations); use --experts torch for float32 activations")
         self._w13 = {k: v.to(device) for k, v in local.w13.items()}
         self._w2 = {k: v.to(device) for k, v in local.w2.items()}
         self._fmt_name = local.fmt.kernel_scheme
@@ -186,6 +234,8 @@ class TritonExperts(ExpertsBackend):
         _check_ids(local_ids, self._num_slots)
         if local_ids.shape[0] == 0:
             return torch.zeros(0, hidden.shape[1], dtype=out_dtype, device=hidden.device) if out is None else out
+        if hidden_scale is None and not self.numerics.exact:
+            hidden = hidden.to(self.numerics.act_dtype)  # e.g. the probe batch, made in float32
         return fused_experts(hidden, self._w13, self._w2, self._fmt_name, local_ids, topk_weights,
                              hidden_scale=hidden_scale, apply_router_weight=True, check_ids=False,
                              group_size=self._group_size, out_dtype=out_dtype, out=out)
@@ -194,8 +244,8 @@ class TritonExperts(ExpertsBackend):
 EXPERTS: dict[str, type[ExpertsBackend]] = {"torch": TorchExperts, "triton": TritonExperts}
 
 
-def get_experts(name: str) -> ExpertsBackend:
-    """An experts backend by CLI name: "torch" or "triton"."""
+def get_experts(name: str, numerics: Numerics = EXACT) -> ExpertsBackend:
+    """An experts backend by CLI name ("torch" or "triton") computing in ``numerics``."""
     if name not in EXPERTS:
         raise MoetoolError(f"unknown experts backend {name!r} (known: {', '.join(EXPERTS)})")
-    return EXPERTS[name]()
+    return EXPERTS[name](numerics=numerics)

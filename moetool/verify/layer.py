@@ -16,6 +16,7 @@ from moetool.model.spec import ExpertPlacement, LocalExperts, RouterSpec
 from moetool.verify.chunk import ChunkInfo, CommStats, num_chunks
 from moetool.verify.dispatchers import Dispatcher
 from moetool.verify.experts import ExpertsBackend
+from moetool.verify.numerics import Numerics
 from moetool.verify.reference import SharedWeights, shared_forward
 from moetool.verify.router import route
 from moetool.verify.topology import all_gather_tensor, check_local_experts
@@ -72,7 +73,9 @@ def run_moe_layer(x_group: torch.Tensor, gate_weight: torch.Tensor,
     correction_bias [E] or None; local: this rank's experts (slots as ``placement.slots[rank]``);
     shared: dense float32 shared expert, replicated, added once per token after combine.
     Returns (y [T_g, H] float32, replicated in the tp group; stats: a dict of plain values,
-    see ``_stats``). Tokens run in chunks of ``chunk_size`` per group; ranks whose group has
+    see ``_stats``). The numerics are the experts backend's (``experts.numerics``): served,
+    the input, the shared expert and the output are in the served dtype and the rows travel
+    as fp8 where the format's activations are; exact, float32 throughout. Tokens run in chunks of ``chunk_size`` per group; ranks whose group has
     fewer chunks join the others' collectives with empty chunks.
     """
     topo = dispatcher.topo
@@ -86,15 +89,16 @@ def run_moe_layer(x_group: torch.Tensor, gate_weight: torch.Tensor,
     check_local_experts(local, placement, topo.rank, topo.world_size)
     timer = PhaseTimer(dev, align_phases)
     t_start = time.perf_counter()
-    x_group = x_group.to(device=dev, dtype=torch.float32)
+    nm = experts.numerics
+    x_group = nm.round(x_group.to(dev))  # the block's input as the engine holds it
     gate_weight = gate_weight.to(dev)
     correction_bias = None if correction_bias is None else correction_bias.to(dev)
     if shared is not None:
-        shared = tuple(None if w is None else w.to(device=dev, dtype=torch.float32) for w in shared)
+        shared = tuple(None if w is None else nm.round(w.to(dev)) for w in shared)
     experts.bind(local, dev)
     table = dispatcher.route_table(placement)
     num_slots = len(local.slot_to_global)
-    act_quant = dispatcher.act_quant_for(local.fmt.name)
+    act_group = nm.act_group
 
     # every group's token count: global token positions, padding and the common chunk count
     counts = torch.zeros(topo.world_size, dtype=torch.int64, device=dev)
@@ -120,12 +124,12 @@ def run_moe_layer(x_group: torch.Tensor, gate_weight: torch.Tensor,
         with timer.phase("route"):
             topk_ids, topk_weights = route(x_c, gate_weight, router, correction_bias)  # [m, k] x2
             if router.apply_weight_on_input:
-                x_c = x_c * topk_weights  # [m, H] * [m, 1]
+                x_c = nm.round(x_c * topk_weights)  # [m, H] * [m, 1]
                 topk_weights = torch.ones_like(topk_weights)
             token_index = info.starts[g] + rows.start + torch.arange(x_c.shape[0], device=dev)  # [m]
         with timer.phase("dispatch"):
             prep = dispatcher.prepare(x_c, topk_ids, topk_weights, token_index, info, table,
-                                      num_slots, act_quant, stats)
+                                      num_slots, act_group, stats)
         with timer.phase("experts"):
             out = experts.apply(prep.hidden, prep.hidden_scale, prep.local_ids, prep.topk_weights,
                                 prep.expert_num_tokens, out_dtype=prep.out_dtype, out=prep.out_buffer)
@@ -136,18 +140,19 @@ def run_moe_layer(x_group: torch.Tensor, gate_weight: torch.Tensor,
         if sizes[g]:
             if shared is not None:
                 with timer.phase("shared"):
-                    y_c = y_c + shared_forward(x_group[lo:lo + sizes[g]], shared)
-            y[lo:lo + sizes[g]] = y_c
+                    y_c = y_c.float() + shared_forward(x_group[lo:lo + sizes[g]], shared, nm.round)
+            y[lo:lo + sizes[g]] = nm.round(y_c)
     stats.settle()
     stats.pairs_computed = sum(stats.expert_tokens)
     return y, _stats(topo, dispatcher, experts, stats, timer, x_group.shape[0], chunks,
-                     time.perf_counter() - t_start, act_quant, local)
+                     time.perf_counter() - t_start, nm, local)
 
 
 def _stats(topo, dispatcher, experts, cs: CommStats, timer: PhaseTimer, tokens: int, chunks: int,
-           total_s: float, act_quant: bool, local: LocalExperts) -> dict:
+           total_s: float, numerics: Numerics, local: LocalExperts) -> dict:
     """Per-rank stats, plain values only:
-    rank, dp_group, tp_index, dispatcher, experts, format, act_quant, chunks,
+    rank, dp_group, tp_index, dispatcher, experts, format, numerics ({mode, act_dtype,
+    act_quant}), act_quant (the fp8 activation scheme on the wire or None), chunks,
     tokens_in (tokens of this rank's group), tokens_received (token rows reaching its experts),
     pairs_computed ((token, local slot) pairs run), rows_padding, expert_tokens [L],
     local_experts [L] (global ids), dispatch/combine_bytes_sent/recv, dispatch/combine_split_bytes
@@ -160,7 +165,8 @@ def _stats(topo, dispatcher, experts, cs: CommStats, timer: PhaseTimer, tokens: 
         "dispatcher": dispatcher.name,
         "experts": experts.name,
         "format": local.fmt.name,
-        "act_quant": act_quant,
+        "numerics": numerics.to_json(),
+        "act_quant": numerics.act_quant,
         "chunks": chunks,
         "tokens_in": tokens,
         "tokens_received": cs.tokens_received,

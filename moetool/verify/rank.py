@@ -22,6 +22,7 @@ from moetool.read.shards import EPShards
 from moetool.verify.dispatchers import get_dispatcher
 from moetool.verify.experts import ExpertsBackend, get_experts
 from moetool.verify.layer import run_moe_layer
+from moetool.verify.numerics import numerics_for
 from moetool.verify.tokens import make_tokens, norm_weight_name, probe_tokens
 from moetool.verify.topology import Topology
 from moetool.verify.transports import choose_transport
@@ -51,21 +52,25 @@ def run_job(rank: int, shards_root: str, opts: VerifyOptions, layer_ids: list[in
     device = topo.device
     reader = ExpertReader(ckpt, spec)
     transport = choose_transport(opts.transport, device) if opts.dispatch == "all2all" else None
-    dispatcher = get_dispatcher(opts.dispatch, topo, comm_dtype=getattr(torch, opts.comm_dtype),
+    comm_dtype = torch.float32 if opts.numerics == "exact" else getattr(torch, opts.comm_dtype)
+    dispatcher = get_dispatcher(opts.dispatch, topo, comm_dtype=comm_dtype,
                                 **({"transport": transport, "timeout_s": opts.timeout_s} if transport else {}))
-    experts = get_experts(opts.experts)
     results: dict[int, dict] = {}
+    experts = None
     try:
         for i in layer_ids:
             layer = spec.layer(i)
             placement = shards.placements[i]
+            numerics = numerics_for(opts.numerics, reader.fmt, ckpt.info(layer.router_weight).dtype)
+            if experts is None or experts.numerics != numerics:
+                experts = get_experts(opts.experts, numerics)
             local = load_local_experts(reader, layer, placement.slots[rank])
             gate = ckpt.get(layer.router_weight).float()
             bias = ckpt.get(layer.correction_bias).float() if layer.correction_bias else None
             shared = reader.shared_fp32(layer)
             nw_name = norm_weight_name(layer)
             nw = ckpt.get(nw_name) if nw_name in ckpt else None
-            x = make_tokens(i, topo.group_index, opts.tokens, layer.hidden, opts.seed, nw).to(device)
+            x = make_tokens(i, topo.group_index, opts.tokens, layer.hidden, opts.seed, nw, numerics).to(device)
             # everything on the rank's device before the timed runs (no host copies inside)
             gate = gate.to(device)
             bias = None if bias is None else bias.to(device)
@@ -79,7 +84,7 @@ def run_job(rank: int, shards_root: str, opts: VerifyOptions, layer_ids: list[in
                                          experts, opts.chunk_size, align_phases=opts.warmup > 0)
                 timed.append({k: v for k, v in stats.items() if k.startswith(("time_", "cuda_"))})
             stats.update({k: statistics.median(t[k] for t in timed) for k in timed[0]}, transport=transport)
-            probe = _probe_slots(experts, local, probe_tokens(i, layer.hidden, opts.seed, nw), device)
+            probe = _probe_slots(experts, local, probe_tokens(i, layer.hidden, opts.seed, nw, numerics), device)
             results[i] = {"y": y.cpu() if topo.tp_index == 0 else None, "group": topo.group_index,
                           "probe": probe.cpu(), "slots": list(local.slot_to_global), "stats": stats}
             experts.release()

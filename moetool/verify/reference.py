@@ -6,7 +6,7 @@ H = hidden, N = expert intermediate, E = experts, k = top-k.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -21,18 +21,25 @@ ExpertWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 SharedWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"]
 
 
-def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """x [T, H] -> down(silu(gate x) * up x) [T, H], all float32."""
-    return (F.silu(x @ gate.t()) * (x @ up.t())) @ down.t()
+def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+           rnd: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """x [T, H] -> down(silu(gate x) * up x) [T, H], float32 math. ``rnd``: rounds each
+    intermediate (gate x, up x, their product, the output) as an engine storing them in its
+    activation dtype does (``Numerics.round``); None: no rounding."""
+    if rnd is None:
+        return (F.silu(x @ gate.t()) * (x @ up.t())) @ down.t()
+    return rnd(rnd(F.silu(rnd(x @ gate.t())) * rnd(x @ up.t())) @ down.t())
 
 
-def shared_forward(x: torch.Tensor, shared: SharedWeights) -> torch.Tensor:
+def shared_forward(x: torch.Tensor, shared: SharedWeights,
+                   rnd: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """x [T, H] float32 -> the shared expert's output [T, H], scaled by
-    sigmoid(shared_expert_gate x) when that gate exists (Qwen2-MoE)."""
+    sigmoid(shared_expert_gate x) when that gate exists (Qwen2-MoE). ``rnd`` as in ``swiglu``."""
     gate, up, down, sgate = shared
-    y = swiglu(x, gate.float(), up.float(), down.float())  # [T, H]
+    y = swiglu(x, gate.float(), up.float(), down.float(), rnd)  # [T, H]
     if sgate is not None:
         y = torch.sigmoid(x @ sgate.float().t()) * y  # [T, 1] * [T, H]
+        y = y if rnd is None else rnd(y)
     return y
 
 

@@ -30,7 +30,6 @@ from moetool.errors import MoetoolError
 from moetool.kernels import ep_combine, ep_dispatch
 from moetool.kernels.common import is_interpreted
 from moetool.verify.chunk import ChunkInfo, CommStats, Prepared
-from moetool.verify.experts import ACT_GROUP
 from moetool.verify.graphs import GraphCache
 from moetool.verify.peer_memory import MappedBuffers
 from moetool.verify.topology import RouteTable, Topology, all_gather_tensor, row_split
@@ -60,6 +59,11 @@ COMBINE_FROM_PEERS = KernelOrRef(ep_combine.combine_from_peers, ep_combine._comb
                                  ep_combine.combine_from_peers_ref)
 
 
+def _group(act_group: int | None) -> int:
+    """pack_rows' group argument: the fp8 group size (unused for unquantized rows)."""
+    return 128 if act_group is None else act_group
+
+
 class Transport:
     """Moves one chunk's token rows to the ranks that hold their experts (``dispatch``) and the
     expert results back to the ranks that routed the tokens (``combine``)."""
@@ -75,9 +79,10 @@ class Transport:
 
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                  token_index: torch.Tensor, chunk: ChunkInfo, table: RouteTable, num_slots: int,
-                 act_quant: bool, layout: RowLayout, stats: CommStats) -> Prepared:
+                 act_group: int | None, layout: RowLayout, stats: CommStats) -> Prepared:
         """x [m, H] float32, topk_ids int64 [m, k] (global), topk_weights float32 [m, k],
-        token_index int64 [m] (global positions), ``layout`` the row they travel in
+        token_index int64 [m] (global positions), act_group: fp8 quantization of the rows
+        (``wire.py``; None: sent in the layout's dtype), ``layout`` the row they travel in
         (``wire.token_rows``) -> the rows this rank's experts get, with state["pos"] int64
         [R, m] (where each (rank, token) row went, -1: not sent) and state["t"] (group chunk size)."""
         raise NotImplementedError
@@ -115,7 +120,7 @@ class CollectivesTransport(Transport):
 
     name = "collectives"
 
-    def dispatch(self, x, topk_ids, topk_weights, token_index, chunk, table, num_slots, act_quant, layout, stats):
+    def dispatch(self, x, topk_ids, topk_weights, token_index, chunk, table, num_slots, act_group, layout, stats):
         topo = self.topo
         R, me = topo.world_size, topo.rank
         k = topk_ids.shape[1]
@@ -129,7 +134,7 @@ class CollectivesTransport(Transport):
         # min(k, R) ranks), so nothing here waits for the host.
         send = torch.empty(x.shape[0] * min(k, R), layout.row_bytes, dtype=torch.uint8, device=x.device)
         pos = pack_rows(x, topk_ids, topk_weights, token_index, order, send_counts, send,
-                        *pack_format(layout, act_quant), ACT_GROUP)  # [R, m] send row of (r, t) or -1
+                        *pack_format(layout, act_group), _group(act_group))  # [R, m] send row of (r, t) or -1
         # the one host synchronisation: on a side stream on CUDA, so the host learns the counts
         # as soon as they arrive while the packing may still run on the compute stream
         with self._counts_stream(x.device):
@@ -140,7 +145,7 @@ class CollectivesTransport(Transport):
         dist.all_to_all_single(recv, send[:sum(send_l)], output_split_sizes=recv_l, input_split_sizes=send_l)
         self._dispatch_stats(stats, send_l, recv_l, B)
         hidden, *rest = layout.unpack(recv)
-        scale = rest[0] if act_quant else None
+        scale = rest[0] if act_group is not None else None
         local_ids, expert_counts = local_slots(rest[-3], rest[-1][:, 0], table.rank, table.slot, table.count,
                                                me, num_slots)  # [M, k], [L]
         return Prepared(hidden, scale, local_ids, rest[-2].contiguous(), expert_counts,
@@ -192,11 +197,11 @@ class MappedTransport(Transport):
         # dispatch's topk ids, weights and token positions are new tensors every call: staged
         self.dispatch_graphs, self.combine_graphs = GraphCache(staged=(1, 2, 3)), GraphCache()
 
-    def dispatch(self, x, topk_ids, topk_weights, token_index, chunk, table, num_slots, act_quant, layout, stats):
+    def dispatch(self, x, topk_ids, topk_weights, token_index, chunk, table, num_slots, act_group, layout, stats):
         topo = self.topo
         cap = max(max(row_split(n, topo.tp)) for n in chunk.sizes)
         bufs = self._buffers(max(cap, 1), layout.row_bytes, x.shape[1])
-        args = (x, topk_ids, topk_weights, token_index, table, num_slots, act_quant, layout, bufs)
+        args = (x, topk_ids, topk_weights, token_index, table, num_slots, act_group, layout, bufs)
         out = self.dispatch_graphs.run(self._dispatch, args) if x.is_cuda else None
         if out is None:
             out = self._dispatch(*args)
@@ -205,7 +210,7 @@ class MappedTransport(Transport):
                         {"pos": pos, "counts": counts, "t": chunk.sizes[topo.group_index]},
                         out_dtype=self.wire, out_buffer=bufs.results.views[topo.rank])
 
-    def _dispatch(self, x, topk_ids, topk_weights, token_index, table, num_slots, act_quant, layout, bufs):
+    def _dispatch(self, x, topk_ids, topk_weights, token_index, table, num_slots, act_group, layout, bufs):
         """The device work of the dispatch (no host synchronisation: capturable)."""
         topo = self.topo
         R, me = topo.world_size, topo.rank
@@ -214,14 +219,14 @@ class MappedTransport(Transport):
         send_counts = counts[0]
         order = route_tokens(topk_ids, token_index, table.rank, table.count, send_counts, bufs.counts, me)  # [R, m]
         pos = pack_rows(x, topk_ids, topk_weights, token_index, order, send_counts, bufs.rows,
-                        *pack_format(layout, act_quant), ACT_GROUP, me)  # [R, m]: r * cap + order, or -1
+                        *pack_format(layout, act_group), _group(act_group), me)  # [R, m]: r * cap + order, or -1
         bufs.memory.barrier(0)  # every rank's rows and counts have arrived
         recv_counts = bufs.counts.views[me]  # [R] rows from each source, first in its region
         hidden, *rest = layout.unpack(bufs.rows.views[me])  # [R * cap, ...] views
         local_ids, expert_counts = local_slots(rest[-3], rest[-1][:, 0], table.rank, table.slot, table.count,
                                                me, num_slots, recv_counts)
         counts[1].copy_(recv_counts)  # kept for the statistics: the next chunk's counts overwrite the buffer
-        return pos, counts, hidden, rest[0] if act_quant else None, local_ids, rest[-2].contiguous(), expert_counts
+        return pos, counts, hidden, rest[0] if act_group is not None else None, local_ids, rest[-2].contiguous(), expert_counts
 
     def _buffers(self, cap: int, B: int, H: int) -> MappedBuffers:
         """The buffers for this chunk's sizes; collective when they have to grow (every rank

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from moetool.errors import MoetoolError, VerificationFailed
+from moetool.formats.registry import FORMATS
 from moetool.model.families import describe, text_config
 from moetool.read.checkpoint import open_checkpoint
 from moetool.read.experts import ExpertReader
@@ -44,6 +45,7 @@ from moetool.verify.driver import THRESHOLDS as MOE_THRESHOLDS
 from moetool.verify.driver import check_files_present, check_reference, resolve_backend
 from moetool.verify.hf_layers import Skeleton, capture, require_transformers
 from moetool.verify.launch import spawn_world
+from moetool.verify.numerics import NUMERICS, numerics_for
 from moetool.verify.reference import shared_forward
 from moetool.verify.router import route
 from moetool.verify.topology import Topology
@@ -101,6 +103,7 @@ class WholeModelOptions:
     chunk_size: int = 4096
     comm_dtype: str = "bfloat16"
     timeout_s: float = 900.0
+    numerics: str = "served"  # the MoE blocks' numerics (moetool.verify.numerics): served | exact
 
 
 # ------------------------------------------------------------------------------------ report
@@ -162,7 +165,7 @@ class WholeModelReport:
         o, t = self.options, self.tokens
         head = (f"verify --whole-model {self.shards} against {self.reference} (transformers): format {self.format}, "
                 f"ep {o['ep']}, dp {o['dp']}, {t['sequences']} x {t['seq_len']} tokens per dp group from "
-                f"{t['source']}, backend {o['backend']}")
+                f"{t['source']}, backend {o['backend']}, numerics {o.get('numerics', 'served')}")
         fmt = lambda v: "-" if v is None else f"{v:.2e}"  # noqa: E731
         lines = [head, f"{'row':>6}  {'kind':>5}  {'stream err':>10}  {'own err':>9}  {'attn err':>9}  "
                        f"{'mlp/moe err':>11}  {'worst tok':>9}  {'router':>9}  {'shared':>9}  result"]
@@ -328,9 +331,12 @@ def _rank_job(rank: int, topo, job: dict) -> dict:
     ref_ckpt = open_checkpoint(job["ref"], job["revision"]) if reporting else None
     try:
         transport = choose_transport(opts.transport, topo.device) if opts.dispatch == "all2all" else None
-        dispatcher = get_dispatcher(opts.dispatch, topo, comm_dtype=getattr(torch, opts.comm_dtype),
+        moe0 = spec.moe_layers[0]
+        numerics = numerics_for(opts.numerics, FORMATS[shards.manifest["format"]], ckpt.info(moe0.router_weight).dtype)
+        comm_dtype = torch.float32 if numerics.exact else getattr(torch, opts.comm_dtype)
+        dispatcher = get_dispatcher(opts.dispatch, topo, comm_dtype=comm_dtype,
                                     **({"transport": transport, "timeout_s": opts.timeout_s} if transport else {}))
-        experts = get_experts(opts.experts)
+        experts = get_experts(opts.experts, numerics)
         ids = job["ids"][topo.group_index]  # [B, S]
         return _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts, load_local_experts,
                     run_moe_layer)
@@ -522,6 +528,8 @@ def check_options(opts: WholeModelOptions, shards: EPShards) -> None:
         raise MoetoolError(f"--all2all {opts.dispatch!r}: expected allgather or all2all")
     if opts.experts not in ("torch", "triton"):
         raise MoetoolError(f"--experts {opts.experts!r}: expected torch or triton")
+    if opts.numerics not in NUMERICS:
+        raise MoetoolError(f"--numerics {opts.numerics!r}: expected {' or '.join(NUMERICS)}")
 
 
 def whole_model_backend(opts: WholeModelOptions) -> str:

@@ -14,6 +14,7 @@ from moetool.model.spec import ExpertPlacement, LocalExperts, RouterSpec
 from moetool.verify.dispatchers import get_dispatcher
 from moetool.verify.experts import ExpertsBackend, TorchExperts, TritonExperts
 from moetool.verify.layer import run_moe_layer
+from moetool.verify.numerics import numerics_for
 from moetool.verify.peer_memory import PeerMemory
 from moetool.verify.topology import Topology
 from moetool.verify.transports import choose_transport
@@ -134,7 +135,7 @@ def group_tokens(x: torch.Tensor, group_sizes: list[int], g: int) -> torch.Tenso
 
 def run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
     """Each case: dp, router, seed, shared, shared_gate, group_sizes [dp], placement extra,
-    dispatcher, reduce (TorchExperts), chunk_size, fmt, swap (rank, slot a, slot b) to corrupt,
+    dispatcher, reduce (TorchExperts), numerics (served | exact, the default), chunk_size, fmt, swap (rank, slot a, slot b) to corrupt,
     timeout_s (all2all: the transport's own waits). Returns per case {"y": this rank's [T_g, H],
     "stats": ..., "peer_timeout_ms": the mapped transport's barrier timeout, or None}."""
     torch.manual_seed(0)
@@ -168,12 +169,13 @@ def run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
         if "timeout_s" in case:
             options["timeout_s"] = case["timeout_s"]
         dispatcher = get_dispatcher(name, topo, comm_dtype=getattr(torch, case.get("comm_dtype", "float32")), **options)
+        numerics = numerics_for(case.get("numerics", "exact"), local.fmt, torch.float32)
         if case.get("probe"):
             experts = ProbeExperts()
         elif case.get("experts") == "triton":
-            experts = TritonExperts()
+            experts = TritonExperts(numerics)
         else:
-            experts = TorchExperts(reduce=case.get("reduce", True))
+            experts = TorchExperts(reduce=case.get("reduce", True), numerics=numerics)
         ys = []
         for _ in range(case.get("repeat", 1)):  # the same dispatcher again: CUDA graph replays on GPUs
             y, stats = run_moe_layer(x, layer["gate"], layer["bias"], layer["spec"], local, placement,
