@@ -1,12 +1,38 @@
-"""Tile sizes of the grouped GEMMs (:mod:`moetool.kernels.moe_gemm`): the config type and the
-defaults per weight scheme, measured on an H100 by ``bench/kernels.py --sweep``."""
+"""Tile sizes of the grouped GEMMs (:mod:`moetool.kernels.moe_gemm`): the config type, the tuned
+tables and the rules for shapes no table holds.
+
+Letters: T = tokens, k = experts chosen per token, E = local experts, N = expert intermediate
+size, H = hidden size, g = int4 group size, P = T*k token-slot pairs, SMs = the GPU's
+multiprocessors.
+
+:func:`select_config` picks the tiles of one call of ``fused_experts``:
+
+1. a table: ``tiles/<GPU name>.json`` beside this module, written by ``bench/tune.py`` (which
+   times every candidate on that GPU), holds per (scheme, E, N, H, k[, g]) the best tiles at a
+   few token counts; a call takes the entry of the nearest token count (log scale);
+2. otherwise the rules of :func:`rule_config`, which follow from how the kernel spends its time:
+   at T <= 16 the weights' bytes are the whole cost and the kernel has no split-K, so BLOCK_N
+   shrinks until even a single active expert gives every SM a program; BLOCK_M follows the pairs
+   per expert, so an expert's rows fit one M tile and its weight tiles are read once; at many
+   pairs per expert the tiles grow to what the tensor cores need.
+
+:func:`default_config` is the older choice by pairs per expert alone.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 
 import torch
+import triton
 
-from .common import FP8_BLOCK
+from moetool.errors import MoetoolError
+
+from .common import FP8_BLOCK, check
 from .moe_weights import SCHEMES
 
 
@@ -22,6 +48,13 @@ class MoeConfig:
     num_stages: int = 3
 
 
+#: where the tuned tables live, one JSON file per GPU name (:func:`table_path`)
+TILES_DIR = Path(__file__).parent / "tiles"
+#: token counts up to this are decode-like: weight bytes are the cost, so fill every SM
+DECODE_T = 16
+#: multiprocessors assumed when the GPU cannot be asked (an H100 SXM has 132)
+DEFAULT_SMS = 132
+
 # Tiles per scheme for (pairs per expert <= 32, <= 256, more): the best of bench/kernels.py
 # --sweep on an H100 (DeepSeek-V3 expert shapes H 7168, N 2048, 32 local experts, bf16
 # activations, T 64 / 512 / 4096). (block_m, block_n, block_k, group_m, num_warps, num_stages)
@@ -33,19 +66,193 @@ _TILES = {
 }
 
 
-def default_config(scheme: str, pairs_per_expert: float, act_dtype: torch.dtype, interpreted: bool,
-                   group_size: int = 128) -> MoeConfig:
-    """Tiles from ``_TILES`` by pairs per expert (T*k/E: an upper bound, -1 pairs included, as
-    counting the real ones would need a host sync). fp32 activations: 2 stages (shared memory).
-    int4: block_k <= g when g is a power of two, so a K tile never straddles two groups."""
-    sch = SCHEMES[scheme]
-    if interpreted:  # small tiles: fewer wasted lanes in tiny tests
-        return MoeConfig(16, 32, FP8_BLOCK if sch.fp8_acts else 32, 1, 4, 1)
-    small, mid, large = _TILES[scheme]
-    bm, bn, bk, gm, warps, stages = small if pairs_per_expert <= 32 else mid if pairs_per_expert <= 256 else large
+def _fit(sch, cfg: MoeConfig, act_dtype: torch.dtype, group_size: int) -> MoeConfig:
+    """fp32 activations: 2 stages and M/N tiles <= 64 (shared memory). int4: block_k <= g when
+    g is a power of two, so a K tile never straddles two groups."""
+    bm, bn, bk, gm, warps, stages = (getattr(cfg, f.name) for f in fields(MoeConfig))
     if act_dtype == torch.float32:
         stages = 2
         bm, bn = min(bm, 64), min(bn, 64)
     if sch.groups and group_size >= 16 and group_size & (group_size - 1) == 0:
         bk = min(bk, group_size)
     return MoeConfig(bm, bn, bk, gm, warps, stages)
+
+
+def _interpreted_config(sch) -> MoeConfig:
+    return MoeConfig(16, 32, FP8_BLOCK if sch.fp8_acts else 32, 1, 4, 1)  # fewer wasted lanes in tiny tests
+
+
+def default_config(scheme: str, pairs_per_expert: float, act_dtype: torch.dtype, interpreted: bool,
+                   group_size: int = 128) -> MoeConfig:
+    """Tiles from ``_TILES`` by pairs per expert (T*k/E: an upper bound, -1 pairs included, as
+    counting the real ones would need a host sync), fitted by :func:`_fit`."""
+    sch = SCHEMES[scheme]
+    if interpreted:
+        return _interpreted_config(sch)
+    small, mid, large = _TILES[scheme]
+    tiles = small if pairs_per_expert <= 32 else mid if pairs_per_expert <= 256 else large
+    return _fit(sch, MoeConfig(*tiles), act_dtype, group_size)
+
+
+def config_problem(scheme: str, cfg: MoeConfig, group_size: int = 128) -> str | None:
+    """Why ``cfg`` cannot run ``scheme`` (None when it can): what the kernel and its wrapper
+    require of the tiles."""
+    for f in ("block_m", "block_n", "block_k"):
+        v = getattr(cfg, f)
+        if not isinstance(v, int) or v < 16 or v & (v - 1):
+            return f"{f} = {v!r} is not a power of two >= 16"
+    if not isinstance(cfg.group_m, int) or cfg.group_m < 1:
+        return f"group_m = {cfg.group_m!r} is not a positive integer"
+    if cfg.num_warps not in (1, 2, 4, 8, 16):
+        return f"num_warps = {cfg.num_warps!r} is not a power of two <= 16"
+    if not isinstance(cfg.num_stages, int) or not 1 <= cfg.num_stages <= 8:
+        return f"num_stages = {cfg.num_stages!r} is not in 1..8"
+    if SCHEMES[scheme].act_group == FP8_BLOCK and FP8_BLOCK % cfg.block_k:
+        return f"block_k = {cfg.block_k} does not divide the fp8 block of {FP8_BLOCK}"
+    if SCHEMES[scheme].groups and group_size & (group_size - 1) == 0 and cfg.block_k > max(group_size, 16):
+        return f"block_k = {cfg.block_k} straddles int4 groups of {group_size}"
+    return None
+
+
+def rule_config(scheme: str, E: int, N: int, H: int, top_k: int, T: int, act_dtype: torch.dtype,
+                group_size: int = 128, num_sms: int = DEFAULT_SMS) -> MoeConfig:
+    """Tiles for a shape no table holds (module docstring), from what the kernel is bound by.
+
+    T <= 16: BLOCK_M 16; BLOCK_N the largest of 128 / 64 / 32 with which min(E, T) expert blocks
+    (a rank of an expert-parallel layer may get no more: its other pairs are -1) times the
+    narrower GEMM's column tiles (min(2N, H) / BLOCK_N) reach num_sms programs; BLOCK_K 128 and
+    4 stages keep the weight loads in flight. More tokens: BLOCK_M the power of two >= 1.5x
+    the pairs per expert (T*k/E; the margin covers routing imbalance), 16 to 64, so each
+    expert's rows fit one M tile; past 128 pairs per expert the compute-bound tiles (dense
+    128 x 128 with 8 warps; fp8-block 64 x 128 x 128 with 4 warps and group 32, as vLLM's
+    defaults, found faster than 8 warps / group 8).
+    """
+    sch = SCHEMES[scheme]
+    ppe = T * top_k / max(E, 1)
+    kind = "int4" if sch.groups else "fp8" if sch.fp8_acts else "dense"  # fp8: e4m3 x e4m3 dots
+    if T <= DECODE_T:
+        narrow = min(2 * N, H)
+        blocks = max(1, min(E, T))
+        bn = next((b for b in (128, 64, 32) if blocks * triton.cdiv(narrow, b) >= num_sms), 32)
+        cfg = MoeConfig(16, bn, 64 if kind == "int4" else 128, 1, 4, 4)
+    elif ppe > 128:
+        cfg = MoeConfig(*{"dense": (128, 128, 64, 16, 8, 3), "fp8": (64, 128, 128, 32, 4, 3),
+                          "int4": (64, 128, 64, 8, 4, 3)}[kind])
+    else:
+        bm = min(64, max(16, triton.next_power_of_2(math.ceil(1.5 * ppe))))
+        cfg = {"dense": MoeConfig(bm, 128, 64 if bm > 16 else 128, 8, 4, 3),
+               "fp8": MoeConfig(bm, 128, 128, 32 if bm >= 64 else 8, 4, 3),
+               "int4": MoeConfig(bm, 64, 64, 8, 4, 4)}[kind]
+    return _fit(sch, cfg, act_dtype, group_size)
+
+
+def table_path(device_name: str) -> Path:
+    """tiles/<name>.json, the name with every run of other characters than letters and digits
+    made one '_' ('NVIDIA H100 80GB HBM3' -> NVIDIA_H100_80GB_HBM3.json)."""
+    return TILES_DIR / (re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_") + ".json")
+
+
+def entry_key(scheme: str, E: int, N: int, H: int, top_k: int, group_size: int = 128) -> tuple:
+    """The key of one table entry; the group size counts only for grouped schemes (int4)."""
+    return (scheme, E, N, H, top_k, group_size if SCHEMES[scheme].groups else None)
+
+
+def parse_table(data: dict, where: str) -> dict[tuple, dict[int, MoeConfig]]:
+    """A table's JSON (``bench/tune.py`` writes it) -> {entry_key: {T: MoeConfig}}, every entry
+    checked by :func:`config_problem`. Format::
+
+        {"device": "NVIDIA H100 80GB HBM3", "entries": [
+          {"scheme": "fp8-block", "E": 32, "N": 2048, "H": 7168, "top_k": 8,
+           "tiles": {"1": {"block_m": 16, ..., "num_stages": 4, "us": 41.2}, "16": {...}}}]}
+
+    (int4 entries add "group_size"; keys other than MoeConfig's in a tile, such as the
+    measured "us", are notes.)
+    """
+    names = [f.name for f in fields(MoeConfig)]
+    check(isinstance(data, dict) and isinstance(data.get("entries"), list), f"{where}: no 'entries' list")
+    out: dict[tuple, dict[int, MoeConfig]] = {}
+    for i, e in enumerate(data["entries"]):
+        here = f"{where}: entry {i}"
+        check(isinstance(e, dict) and e.get("scheme") in SCHEMES, f"{here}: unknown scheme {e.get('scheme')!r}")
+        for dim in ("E", "N", "H", "top_k"):
+            check(isinstance(e.get(dim), int) and e[dim] > 0, f"{here}: {dim} must be a positive integer")
+        key = entry_key(e["scheme"], e["E"], e["N"], e["H"], e["top_k"], e.get("group_size", 128))
+        check(key not in out, f"{here}: a second entry for {key}")
+        tiles = e.get("tiles")
+        check(isinstance(tiles, dict) and tiles, f"{here}: no tiles")
+        per_t = {}
+        for t, tile in tiles.items():
+            check(t.isdigit() and int(t) > 0 and isinstance(tile, dict) and all(n in tile for n in names),
+                  f"{here}: tiles[{t!r}] must map a token count to {', '.join(names)}")
+            cfg = MoeConfig(**{n: tile[n] for n in names})
+            problem = config_problem(e["scheme"], cfg, e.get("group_size", 128))
+            check(problem is None, f"{here}: tiles[{t!r}]: {problem}")
+            per_t[int(t)] = cfg
+        out[key] = per_t
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def load_table(device_name: str) -> dict[tuple, dict[int, MoeConfig]]:
+    """The tuned table of ``device_name`` ({} when none ships), read once per process."""
+    path = table_path(device_name)
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as e:
+        raise MoetoolError(f"{path}: not JSON ({e})") from None
+    return parse_table(data, str(path))
+
+
+def nearest_tokens(measured, T: int) -> int:
+    """The measured token count nearest T on a log scale (ties to the smaller)."""
+    return min(sorted(measured), key=lambda m: abs(math.log2(m) - math.log2(max(T, 1))))
+
+
+def table_config(device_name: str, scheme: str, E: int, N: int, H: int, top_k: int, T: int,
+                 group_size: int = 128) -> MoeConfig | None:
+    """The table's tiles for this shape at the nearest measured T, or None."""
+    per_t = load_table(device_name).get(entry_key(scheme, E, N, H, top_k, group_size))
+    return per_t[nearest_tokens(per_t, T)] if per_t else None
+
+
+@functools.lru_cache(maxsize=16)
+def _device(index: int) -> tuple[str, int]:
+    props = torch.cuda.get_device_properties(index)
+    return props.name, props.multi_processor_count
+
+
+def select_config(scheme: str, E: int, N: int, H: int, top_k: int, T: int, act_dtype: torch.dtype,
+                  interpreted: bool, group_size: int = 128, device_name: str | None = None,
+                  num_sms: int | None = None) -> MoeConfig:
+    """Tiles for one ``fused_experts`` call on the current CUDA device: the tuned table's entry
+    (16-bit activations) or :func:`rule_config`. Interpreted: the small test tiles.
+    device_name / num_sms: a GPU other than the current one (tests; None = ask CUDA).
+    Host cost: a cached lookup (no device query after the first)."""
+    if interpreted:
+        return _interpreted_config(SCHEMES[scheme])
+    if device_name is None or num_sms is None:
+        if torch.cuda.is_available():
+            name, sms = _device(torch.cuda.current_device())
+        else:
+            name, sms = "", DEFAULT_SMS
+        device_name = name if device_name is None else device_name
+        num_sms = sms if num_sms is None else num_sms
+    return _select(device_name, num_sms, scheme, E, N, H, top_k, T, act_dtype, group_size)
+
+
+@functools.lru_cache(maxsize=4096)
+def _select(device_name: str, num_sms: int, scheme: str, E: int, N: int, H: int, top_k: int, T: int,
+            act_dtype: torch.dtype, group_size: int) -> MoeConfig:
+    check(scheme in SCHEMES, f"unknown weight format {scheme!r} (known: {', '.join(SCHEMES)})")
+    if act_dtype != torch.float32:
+        cfg = table_config(device_name, scheme, E, N, H, top_k, T, group_size)
+        if cfg is not None:
+            return cfg
+    return rule_config(scheme, E, N, H, top_k, T, act_dtype, group_size, num_sms)
+
+
+def config_dict(cfg: MoeConfig) -> dict:
+    """MoeConfig -> the dict a table's tile holds (without notes)."""
+    return asdict(cfg)
