@@ -189,10 +189,11 @@ def moe_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, wts: StackedWeights,
     K = a.shape[1]
     if wts.act_group is not None:
         G = act_scale_cols(K, wts.act_group)
+        got = "none" if a_scale is None else f"{a_scale.dtype} {list(a_scale.shape)}"
         check(a.dtype == torch.float8_e4m3fn and a_scale is not None and a_scale.dtype == torch.float32
               and tuple(a_scale.shape) == (a.shape[0], G),
-              f"moe_gemm: W8A8 needs a e4m3 [rows, K] and a_scale float32 [rows, {G}], got {a.dtype} and "
-              f"{None if a_scale is None else (a_scale.dtype, list(a_scale.shape))}")
+              f"moe_gemm: W8A8 needs a float8_e4m3fn with a_scale float32 [{a.shape[0]}, {G}], got a {a.dtype}, "
+              f"a_scale {got}")
     else:
         check(a.dtype in _TL_DTYPES and a_scale is None, f"moe_gemm: a must be fp16/bf16/fp32, got {a.dtype}")
     EM = sorted_ids.numel()
