@@ -6,8 +6,11 @@
 
 What is timed (CUDA events after warm-up, median of --reps runs, random data):
 * fused_experts (Triton) for each format vs fused_experts_ref (torch, weights dequantized every
-  call) and vs a plain bf16 torch per-expert loop (weights already bf16: the usual eager path);
-* fp8_block_quant, fp8_act_quant and int4_group_quant_pack vs their torch references.
+  call) and vs a plain bf16 torch per-expert loop (weights already bf16: the usual eager path).
+  The W8A8 formats get e4m3 hidden with its scales, as the dispatcher sends it: fp8-block per
+  1x128 group, fp8-channel per token (the scheme's ``act_group``);
+* fp8_block_quant, fp8_act_quant (1x128 and per token) and int4_group_quant_pack vs their torch
+  references.
 
 Shapes: one EP rank of a layer with E_global experts split over ``ep`` ranks (linear placement,
 rank 0 holds experts [0, E_local)); every token picks k distinct experts uniformly, ids of
@@ -16,9 +19,9 @@ compute). Letters: T tokens, H hidden, N intermediate, E experts, k top-k, P com
 
 Roofline floor per row: max(FLOPs / peak FLOP/s, bytes / peak bandwidth), with
 FLOPs = 6 * P * N * H (three GEMMs' worth: [2N, H] and [H, N]) and bytes = the weights of the
-experts that got a token (in the stored format, scales included) + hidden in + fp32 out.
-Peaks are datasheet numbers (dense, no sparsity): H100 SXM 989 TFLOP/s bf16, 1979 fp8,
-3.35 TB/s; H200 the same FLOP/s and 4.8 TB/s. ``floor%`` = floor / measured time.
+experts that got a token (in the stored format, scales included) + hidden in + fp32 out;
+the W8A8 formats count at the fp8 FLOP rate. Peaks are datasheet numbers (dense, no
+sparsity): H100 SXM 989 TFLOP/s bf16, 1979 fp8, 3.35 TB/s; H200 the same FLOP/s and 4.8 TB/s. ``floor%`` = floor / measured time.
 """
 from __future__ import annotations
 
@@ -133,6 +136,7 @@ def torch_loop_bf16(x, w13, w2, ids, weights):
 def bench_moe(args, peak, rows):
     from moetool.formats import get_format
     from moetool.kernels.fused_moe import fused_experts, fused_experts_ref
+    from moetool.kernels.moe_weights import SCHEMES
     from moetool.kernels.quant import fp8_act_quant
 
     dev = "cuda"
@@ -147,8 +151,9 @@ def bench_moe(args, peak, rows):
                 x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
                 kwargs = {"check_ids": False}
                 hidden = x
-                if fmt == "fp8-block":  # the dispatcher sends fp8 tokens with their scales
-                    hidden, kwargs["hidden_scale"] = fp8_act_quant(x)
+                w8a8 = SCHEMES[fmt].fp8_acts
+                if w8a8:  # the dispatcher sends fp8 tokens with their scales
+                    hidden, kwargs["hidden_scale"] = fp8_act_quant(x, SCHEMES[fmt].act_group)
                 P = int((ids >= 0).sum())
                 active = int(torch.unique(ids[ids >= 0]).numel())
                 flops = 6.0 * P * N * H
@@ -172,7 +177,7 @@ def bench_moe(args, peak, rows):
                 row["tflops"] = flops / t_tri / 1e12
                 row["gbps"] = nbytes / t_tri / 1e9
                 if peak:
-                    peak_flops = peak[1] if fmt == "fp8-block" else peak[0]
+                    peak_flops = peak[1] if w8a8 else peak[0]
                     floor = max(flops / peak_flops, nbytes / peak[2])
                     row["floor_us"] = floor * 1e6
                     row["floor_pct"] = 100.0 * floor / t_tri
@@ -192,6 +197,7 @@ def sweep_moe(args, rows):
     """Time fused_experts under each SWEEP tile config (for choosing default_config)."""
     from moetool.kernels.fused_moe import fused_experts
     from moetool.kernels.moe_tiles import MoeConfig
+    from moetool.kernels.moe_weights import SCHEMES
     from moetool.kernels.quant import fp8_act_quant
 
     for layer in args.layers:
@@ -204,8 +210,8 @@ def sweep_moe(args, rows):
                 ids, tw = routing(T, E_global, E, k, "cuda")
                 hidden = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
                 kwargs = {"check_ids": False}
-                if fmt == "fp8-block":
-                    hidden, kwargs["hidden_scale"] = fp8_act_quant(hidden)
+                if SCHEMES[fmt].fp8_acts:
+                    hidden, kwargs["hidden_scale"] = fp8_act_quant(hidden, SCHEMES[fmt].act_group)
                 times = {}
                 for c in [None, *SWEEP]:
                     cfg = MoeConfig(*c) if c else None
@@ -232,6 +238,7 @@ def bench_quant(args, peak, rows):
         fp8_block_quant,
         fp8_block_quant_ref,
     )
+    from moetool.kernels.common import TOKEN_GROUP
     from moetool.kernels.int4_quant import int4_group_quant_pack, int4_group_quant_pack_ref
 
     dev = "cuda"
@@ -240,6 +247,8 @@ def bench_quant(args, peak, rows):
     cases = [  # (name, input, kernel, reference, bytes moved per element)
         ("fp8_block_quant", w, fp8_block_quant, fp8_block_quant_ref, 2 + 1),
         ("fp8_act_quant", x, fp8_act_quant, fp8_act_quant_ref, 2 + 1),
+        ("fp8_act_quant_token", x, lambda t: fp8_act_quant(t, TOKEN_GROUP),
+         lambda t: fp8_act_quant_ref(t, TOKEN_GROUP), 2 + 1),
         ("int4_quant_pack_sym", w, lambda t: int4_group_quant_pack(t, 128, True),
          lambda t: int4_group_quant_pack_ref(t, 128, True), 2 + 0.5),
         ("int4_quant_pack_asym", w, lambda t: int4_group_quant_pack(t, 128, False),

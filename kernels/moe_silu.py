@@ -133,7 +133,8 @@ def silu_and_mul(x: torch.Tensor, row_ids: torch.Tensor | None = None, *, quant_
             x, y_arg, ys, row_ids if row_ids is not None else x, M, N,
             x.stride(0), x.stride(1), y.stride(0), y.stride(1), ys.stride(0), ys.stride(1),
             HAS_IDS=row_ids is not None, QUANT_FP8=bool(quant_fp8), TWO_PASS=per_token and N > block_n,
-            ROUND=_ROUND[x.dtype] if quant_fp8 else 0, SOFT_FP8=bool(soft_fp8), BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
+            ROUND=_ROUND[x.dtype] if quant_fp8 else 0, SOFT_FP8=bool(soft_fp8),
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
         )
     return (y, ys) if quant_fp8 else y
 

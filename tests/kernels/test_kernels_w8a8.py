@@ -118,7 +118,8 @@ def test_fp8_channel_scheme_is_w8a8_per_token():
     assert SCHEMES["dense"].act_group is None and SCHEMES["int4-group"].act_group is None
 
 
-@pytest.mark.parametrize("shape", SHAPES + (GPU_SHAPES if ON_GPU else []), ids=lambda s: "T{}-E{}-H{}-N{}-k{}".format(*s))
+@pytest.mark.parametrize("shape", SHAPES + (GPU_SHAPES if ON_GPU else []),
+                         ids=lambda s: "T{}-E{}-H{}-N{}-k{}".format(*s))
 @pytest.mark.parametrize("hdtype", HIDDEN, ids=str)
 def test_fused_experts_matches_engine_emulation(shape, hdtype):
     out, emu, ref = run(shape, hdtype)
