@@ -74,8 +74,9 @@ def run_moe_layer(x_group: torch.Tensor, gate_weight: torch.Tensor,
     shared: dense float32 shared expert, replicated, added once per token after combine.
     Returns (y [T_g, H] float32, replicated in the tp group; stats: a dict of plain values,
     see ``_stats``). The numerics are the experts backend's (``experts.numerics``): served,
-    the input, the shared expert and the output are in the served dtype and the rows travel
-    as fp8 where the format's activations are; exact, float32 throughout. Tokens run in chunks of ``chunk_size`` per group; ranks whose group has
+    the experts' and the shared expert's input and the output are in the served dtype and the
+    rows travel as fp8 where the format's activations are (the router reads x_group as it is);
+    exact, float32 throughout. Tokens run in chunks of ``chunk_size`` per group; ranks whose group has
     fewer chunks join the others' collectives with empty chunks.
     """
     topo = dispatcher.topo
@@ -90,7 +91,11 @@ def run_moe_layer(x_group: torch.Tensor, gate_weight: torch.Tensor,
     timer = PhaseTimer(dev, align_phases)
     t_start = time.perf_counter()
     nm = experts.numerics
-    x_group = nm.round(x_group.to(dev))  # the block's input as the engine holds it
+    x_group = x_group.to(device=dev, dtype=torch.float32)  # what the router sees
+    # the experts' input as the engine holds it. The router keeps the float32 input, as the
+    # reference's does: rounding it too could flip a near-tie between two experts, a
+    # difference of the two sides' rounding, not of the checkpoint
+    x_served = nm.round(x_group)
     gate_weight = gate_weight.to(dev)
     correction_bias = None if correction_bias is None else correction_bias.to(dev)
     if shared is not None:
@@ -120,9 +125,10 @@ def run_moe_layer(x_group: torch.Tensor, gate_weight: torch.Tensor,
         sizes = [max(0, min(chunk_size, t - lo)) for t in group_tokens]
         info = ChunkInfo(sizes=sizes, starts=[group_start[i] + lo for i in range(topo.dp)])
         rows = dispatcher.token_slice(sizes[g])
-        x_c = x_group[lo + rows.start:lo + rows.stop]  # [m, H]
+        x_c = x_served[lo + rows.start:lo + rows.stop]  # [m, H]
         with timer.phase("route"):
-            topk_ids, topk_weights = route(x_c, gate_weight, router, correction_bias)  # [m, k] x2
+            topk_ids, topk_weights = route(x_group[lo + rows.start:lo + rows.stop], gate_weight, router,
+                                           correction_bias)  # [m, k] x2
             if router.apply_weight_on_input:
                 x_c = nm.round(x_c * topk_weights)  # [m, H] * [m, 1]
                 topk_weights = torch.ones_like(topk_weights)
@@ -140,7 +146,7 @@ def run_moe_layer(x_group: torch.Tensor, gate_weight: torch.Tensor,
         if sizes[g]:
             if shared is not None:
                 with timer.phase("shared"):
-                    y_c = y_c.float() + shared_forward(x_group[lo:lo + sizes[g]], shared, nm.round)
+                    y_c = y_c.float() + shared_forward(x_served[lo:lo + sizes[g]], shared, nm.round)
             y[lo:lo + sizes[g]] = nm.round(y_c)
     stats.settle()
     stats.pairs_computed = sum(stats.expert_tokens)

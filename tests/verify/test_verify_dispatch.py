@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))  # spawned ranks import verify_workers by name
 import verify_workers as vw  # noqa: E402
 
-from moetool.formats import TOLERANCES, get_format  # noqa: E402
+from moetool.formats import FORMATS, TOLERANCES, get_format  # noqa: E402
 from moetool.kernels.quant import fp8_act_quant_ref, fp8_dequant_act_ref  # noqa: E402
 from moetool.verify import transports  # noqa: E402
 from moetool.verify.launch import spawn_world  # noqa: E402
@@ -117,8 +117,8 @@ def _tokens(case):
 
 def _engine_emulation(case):
     """What vLLM's fused MoE computes for the case's format, written out step by step in torch
-    (the served numerics; independent of moetool's experts backends): the block's input in
-    bf16; W8A8 formats quantize each GEMM input to fp8 from those bf16 values (1x128 groups
+    (the served numerics; independent of moetool's experts backends): routing from the float32
+    input (as the reference routes), the experts' input in bf16; W8A8 formats quantize each GEMM input to fp8 from those bf16 values (1x128 groups
     for fp8-block, one scale per token for fp8-channel) and multiply the dequantized weights
     in float32; weight-only formats multiply bf16 activations by their dequantized weights
     rounded to bf16; gate and up outputs, silu(gate) * up and each weighted (token, expert)
@@ -140,8 +140,8 @@ def _engine_emulation(case):
         deq = fmt.dequantize(fmt.quantize(w, torch.float32))
         return deq if group is not None else bf16(deq)
 
+    ids, w = route(x, layer["gate"], layer["spec"], layer["bias"])  # from the float32 input, as the reference
     x = bf16(x)
-    ids, w = route(x, layer["gate"], layer["spec"], layer["bias"])
     routed = torch.zeros_like(x)
     for e, (g, u, d) in enumerate(layer["experts"]):
         tok, j = torch.nonzero(ids == e, as_tuple=True)
@@ -192,7 +192,8 @@ def test_matches_reference(worlds, name):
             if case.get("probe"):
                 assert torch.equal(y, ref), f"rank {r} not bit-exact: {_label(case)}"
             else:
-                rtol = RTOL_BF16 if case.get("comm_dtype") == "bfloat16" else RTOL
+                rtol = (RTOL_SERVED if case.get("numerics") == "served" else
+                        RTOL_BF16 if case.get("comm_dtype") == "bfloat16" else RTOL)
                 atol = rtol * float(ref.abs().max()) if ref.numel() else 0.0
                 torch.testing.assert_close(y, ref, rtol=rtol, atol=atol, msg=lambda m: f"rank {r} {_label(case)}: {m}")
             checked += 1
@@ -249,12 +250,14 @@ def test_served_numerics_match_the_engine_emulation_and_the_format_tolerance(wor
         emulated = _engine_emulation(case)
         # the same math in another summation order: equal to within one bf16 rounding
         torch.testing.assert_close(y, emulated, rtol=RTOL_SERVED, atol=RTOL_SERVED * float(emulated.abs().max()))
-        assert float((y - emulated).norm() / emulated.norm()) < 2e-3, _label(case)
+        # a few bf16 roundings apart at most (experts that leave weighting to the dispatcher
+        # weight their rounded outputs in float32: one rounding fewer than the emulation)
+        assert float((y - emulated).norm() / emulated.norm()) < 5e-3, _label(case)
         layer, x = _layer(case), _tokens(case)
-        exact = reference_moe_forward(x.to(torch.bfloat16).float(), layer["gate"], layer["bias"], layer["spec"],
-                                      layer["experts"], layer["shared"])
+        exact = reference_moe_forward(x, layer["gate"], layer["bias"], layer["spec"], layer["experts"],
+                                      layer["shared"])
         rel = float((y - exact).norm() / exact.norm())
-        assert 1e-4 < rel < TOLERANCES[fmt]["rel_err"] * 2, (rel, _label(case))
+        assert 1e-4 < rel < FORMATS[fmt].verify_tolerances["rel_err"], (rel, _label(case))
         outs.setdefault(fmt, []).append(y)
     for ys in outs.values():  # every dispatcher and chunking gives the same answer
         for y in ys[1:]:
