@@ -279,9 +279,10 @@ class Mxfp4(CompressedTensors, WeightFormat):
     # round trip on torch.randn weights (formats/base.py ``tolerance``): rel_err 0.1112 - 0.1126
     tolerance: ClassVar[dict[str, float]] = {"rel_err": 0.146, "sqnr_db": 16.7}
     # verify, layer / worst expert measured with `moetool demo --format mxfp4` (bf16
-    # DeepSeek-V3-style model, H 256, N 192, 16 experts, weights dequantized): 0.153 / 0.210;
-    # the limits add margin, an injected fault gives 0.5 - 1.5 and fails
-    verify_tolerances: ClassVar[dict[str, float]] = {"rel_err": 0.26, "expert_rel_err": 0.37}
+    # DeepSeek-V3-style model, H 256, N 192, 16 experts, weights dequantized): 0.153 / 0.210
+    # (the tests' tiny Mixtral, 32 tokens: 0.199 / 0.205); the limits add margin, an injected
+    # fault gives 0.5 - 1.5 and fails
+    verify_tolerances: ClassVar[dict[str, float]] = {"rel_err": 0.30, "expert_rel_err": 0.37}
     # W4A16: activations stay in the model's dtype; no fused GEMM yet (the torch experts
     # dequantize the weights)
     activation_quant: ClassVar[str | None] = None

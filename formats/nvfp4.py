@@ -93,9 +93,10 @@ class Nvfp4(CompressedTensors, WeightFormat):
     # round trip on torch.randn weights (formats/base.py ``tolerance``): rel_err 0.0946 - 0.0958
     tolerance: ClassVar[dict[str, float]] = {"rel_err": 0.125, "sqnr_db": 18.0}
     # verify, layer / worst expert measured with `moetool demo --format nvfp4` (bf16
-    # DeepSeek-V3-style model, H 256, N 192, 16 experts, weights dequantized): 0.131 / 0.178;
-    # the limits add margin, an injected fault gives 0.5 - 1.5 and fails
-    verify_tolerances: ClassVar[dict[str, float]] = {"rel_err": 0.22, "expert_rel_err": 0.31}
+    # DeepSeek-V3-style model, H 256, N 192, 16 experts, weights dequantized): 0.131 / 0.178
+    # (the tests' tiny Mixtral, 32 tokens: 0.169 / 0.179); the limits add margin, an injected
+    # fault gives 0.5 - 1.5 and fails
+    verify_tolerances: ClassVar[dict[str, float]] = {"rel_err": 0.25, "expert_rel_err": 0.31}
     # W4A16 (NVFP4A16): activations stay in the model's dtype; no fused GEMM yet (the torch
     # experts dequantize the weights, as vLLM's emulation and Marlin FP4 paths do)
     activation_quant: ClassVar[str | None] = None
