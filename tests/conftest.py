@@ -37,7 +37,8 @@ def cli(capsys):
 
 @pytest.fixture(scope="session")
 def hf_model(tmp_path_factory):
-    """hf_model(family) -> HFModel saved by transformers (made once per session and family)."""
+    """hf_model(family, layout="original" | "v5", **config overrides) -> HFModel saved by
+    transformers in that layout (made once per session and arguments)."""
     pytest.importorskip("transformers")
     cache: dict = {}
     root = tmp_path_factory.mktemp("hf")

@@ -151,8 +151,19 @@ class HFModel:
     config: dict  # the saved config.json
 
 
-def save_hf_model(family: str, path: Path, *, dtype: torch.dtype = torch.float32, **overrides) -> HFModel:
+#: the two layouts transformers 5 saves: its default, the family's original on-disk names
+#: (``save_original_format=True``), and its own v5 names (Mixtral: ``mlp``, every family's
+#: routed experts fused in ``experts.gate_up_proj`` / ``experts.down_proj``)
+HF_LAYOUTS = ("original", "v5")
+
+
+def save_hf_model(family: str, path: Path, *, dtype: torch.dtype = torch.float32, layout: str = "original",
+                  **overrides) -> HFModel:
+    """A random transformers model of ``family`` saved in ``layout`` (one of HF_LAYOUTS)."""
     import transformers
+
+    if layout not in HF_LAYOUTS:
+        raise ValueError(f"layout {layout!r}: expected one of {HF_LAYOUTS}")
 
     cls_name, kw = HF_CONFIGS[family]
     args = dict(vocab_size=64, hidden_size=H, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -169,7 +180,7 @@ def save_hf_model(family: str, path: Path, *, dtype: torch.dtype = torch.float32
         for name, p in model.named_parameters():
             if p.dim() >= 1:
                 p.copy_(torch.randn_like(p) * (1 / p.shape[-1] ** 0.5))
-    model.save_pretrained(str(path))
+    model.save_pretrained(str(path), save_original_format=layout == "original")
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return HFModel(family, Path(path), state, json.loads((Path(path) / "config.json").read_text()))
 

@@ -5,17 +5,21 @@ from pathlib import Path
 
 from moetool.convert.conversion import non_expert_groups
 from moetool.convert.output import OutputDir
-from moetool.convert.plan import ROLES, ExpertLinear, Layout, Plan, Stacked, Summary
+from moetool.convert.plan import ROLES, ExpertLinear, Fused, MergeLayout, Plan, Stacked, Summary
 from moetool.convert.planning import assign_files, other_files
 from moetool.convert.torch_executor import ErrorStats, Planner, Source, run_plan
+from moetool.errors import MoetoolError
 from moetool.read.manifest import rank_dir
 from moetool.read.shards import EPShards
 
 
-def merge(shards_dir, out, *, layout: Layout | None = None, max_shard_size: int | None = None,
+def merge(shards_dir, out, *, layout: MergeLayout | None = None, max_shard_size: int | None = None,
           dry_run: bool = False, force: bool = False, progress: bool = True) -> Summary | Plan:
     """Rebuild the unsharded checkpoint: every expert from its primary copy, names and file
-    assignment of the source (recorded in the manifest); non-expert tensors from rank 0."""
+    assignment of the source (recorded in the manifest); non-expert tensors from rank 0.
+    ``layout`` (default: the source's): per-expert, stacked, or fused (a source stored
+    fused, as transformers does: its ``experts.gate_up_proj`` / ``experts.down_proj`` back, the
+    same names, shapes and bytes)."""
     shards = EPShards(Path(shards_dir))
     man = shards.manifest
     opened = [shards.open_rank(r, check=False) for r in range(shards.ep)]
@@ -23,7 +27,10 @@ def merge(shards_dir, out, *, layout: Layout | None = None, max_shard_size: int 
         stats = ErrorStats()
         sources = [Source(ck, sp, None, stats) for ck, sp in opened]
         src0 = sources[0]
-        out_layout = layout or ("stacked" if man["source"]["layout"] == "stacked" else "per-expert")
+        source_layout = man["source"]["layout"]
+        out_layout = layout or source_layout
+        if out_layout == "fused" and source_layout != "fused":
+            raise MoetoolError(f"{shards.root}: --layout fused needs a source stored fused; this one was {source_layout}")
         tensor_files = man["source"]["tensor_files"]
         groups, homes = [], []
         ng, _ = non_expert_groups(src0, include_shared=False)
@@ -34,8 +41,16 @@ def merge(shards_dir, out, *, layout: Layout | None = None, max_shard_size: int 
         for layer in src0.spec.moe_layers:
             p = shards.placements[layer.index]
             primary = [p.replicas[e][0] for e in range(layer.num_experts)]
-            # a fused source (gate_up_proj / down_proj) comes back per-expert, in the fused tensors' file
-            fused_home = tensor_files.get(f"{layer.prefix}.experts.gate_up_proj", "")
+            fused = _fused_record(man, layer, src0.spec.family)
+            fused_home = tensor_files.get(fused["gate_up"], "")
+            if out_layout == "fused":
+                for which in ("gate_up", "down"):
+                    dst = fused[which]
+                    groups.append(Fused(layer.index, which, tuple(s for _, s in primary), dst,
+                                        input_first=fused[f"{which}_input_first"], interleaved=fused["interleaved"],
+                                        sources=tuple(r for r, _ in primary)))
+                    homes.append(tensor_files.get(dst, "model.safetensors"))
+                continue
             if out_layout == "stacked":
                 for which in ("w13", "w2"):
                     base = f"{layer.prefix}.experts.{which}"
@@ -68,3 +83,14 @@ def merge(shards_dir, out, *, layout: Layout | None = None, max_shard_size: int 
     finally:
         for ck, _ in opened:
             ck.close()
+
+
+def _fused_record(manifest: dict, layer, family) -> dict:
+    """How a fused source stored ``layer``'s experts: the manifest's record, or (a manifest
+    written before it kept one) the transformers names in the family's orientation."""
+    for rec in manifest["layers"]:
+        if rec["layer"] == layer.index and isinstance(rec.get("fused"), dict):
+            return rec["fused"]
+    return {"gate_up": f"{layer.prefix}.experts.gate_up_proj", "down": f"{layer.prefix}.experts.down_proj",
+            "gate_up_input_first": family.fused_input_first, "down_input_first": family.fused_input_first,
+            "interleaved": family.fused_interleaved}

@@ -7,7 +7,9 @@ output tensors it produces before any data is read:
 - :class:`Dequant`       a quantized non-expert linear written back in the model dtype,
 - :class:`ExpertLinear`  one expert's gate, up or down linear in the output format (per-expert layout),
 - :class:`SharedLinear`  a shared-expert linear requantized (``--include-shared-experts``),
-- :class:`Stacked`       a layer's ``w13_*`` or ``w2_*`` tensors for a list of experts (stacked layout).
+- :class:`Stacked`       a layer's ``w13_*`` or ``w2_*`` tensors for a list of experts (stacked layout),
+- :class:`Fused`         a layer's transformers ``experts.gate_up_proj`` or ``experts.down_proj`` (fused
+                         layout, unquantized: what ``shard --merge`` gives back for a fused input).
 
 Which groups a conversion has and how they are put into files is decided here, once, for
 both executors: ``moetool.convert.torch_executor`` (read, convert and write tensors with torch) and
@@ -24,6 +26,9 @@ from moetool.read.manifest import JOURNAL_NAME, MANIFEST_NAME
 from moetool.read.safetensors import SAFETENSORS_METADATA, TensorSpec, safetensors_header
 
 Layout = Literal["per-expert", "stacked"]
+#: how ``shard --merge`` may write experts: the layouts above, or transformers' fused tensors
+#: as the sharded input had them
+MergeLayout = Literal["per-expert", "stacked", "fused"]
 #: the files of an EP rank folder holding the non-expert tensors (the same in every rank)
 COMMON_STEM = "model-common"
 ROLES = ("gate", "up", "down")
@@ -75,7 +80,23 @@ class Stacked:
     sources: tuple[int, ...] = ()
 
 
-Group = Union[Copy, Dequant, ExpertLinear, SharedLinear, Stacked]
+@dataclass(frozen=True)
+class Fused:
+    """One transformers fused experts tensor, written expert by expert along its first dim:
+    ``gate_up`` [E', 2N, H] (or input-first [E', H, 2N]; gate and up rows interleaved when
+    ``interleaved``, else gate half then up half) or ``down`` [E', H, N] (input-first [E', N, H])."""
+
+    layer: int
+    which: str  # gate_up | down
+    experts: tuple[int, ...]
+    dst: str
+    input_first: bool = False
+    interleaved: bool = False
+    #: per-entry source index (merge reads each expert from its rank); empty = all from 0
+    sources: tuple[int, ...] = ()
+
+
+Group = Union[Copy, Dequant, ExpertLinear, SharedLinear, Stacked, Fused]
 #: a group's output tensors (``TensorSpec``, or ``byteplan.RawSpec`` for a byte copy)
 SpecsOf = Callable[[Group], list]
 

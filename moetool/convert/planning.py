@@ -156,10 +156,19 @@ def shard_manifest(ckpt: Checkpoint, spec: ModelSpec, ep: int, placements: dict[
         },
         "layers": [
             {"layer": m.index, "prefix": m.prefix, "num_experts": m.num_experts, "hidden": m.hidden,
-             "intermediate": m.intermediate, **placement_to_json(placements[m.index])}
+             "intermediate": m.intermediate, **placement_to_json(placements[m.index]), **_fused_source(m)}
             for m in spec.moe_layers
         ],
     }
+
+
+def _fused_source(layer: MoELayerSpec) -> dict:
+    """For a layer stored fused (transformers), how: ``shard --merge`` writes it back the same way."""
+    st = layer.storage
+    if st.kind != "fused":
+        return {}
+    return {"fused": {"gate_up": st.gate_up, "down": st.down, "gate_up_input_first": st.gate_up_input_first,
+                      "down_input_first": st.down_input_first, "interleaved": st.interleaved}}
 
 
 def shard_plan(ckpt: Checkpoint, spec: ModelSpec, ep: int, placements: dict[int, ExpertPlacement], layout: Layout,

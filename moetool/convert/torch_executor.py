@@ -30,7 +30,8 @@ from moetool.formats.base import WeightFormat
 from moetool.formats.common import error_sums
 from moetool.formats.dense import Dense
 from moetool.memory import trim_in_background
-from moetool.convert.plan import ROLES, Copy, Dequant, ExpertLinear, Group, Plan, PlannedFile, SharedLinear, Stacked, Summary
+from moetool.convert.plan import (ROLES, Copy, Dequant, ExpertLinear, Fused, Group, Plan, PlannedFile, SharedLinear,
+                                  Stacked, Summary)
 from moetool.convert.output import OutputDir, finish_plan
 from moetool.read.safetensors import SAFETENSORS_METADATA, TensorSpec
 
@@ -248,7 +249,8 @@ class Planner:
         return self._probe_cache[key]
 
     def specs(self, group: Group) -> list[TensorSpec]:
-        src = self.sources[group.source if not isinstance(group, Stacked) else (group.sources[0] if group.sources else 0)]
+        by_expert = isinstance(group, (Stacked, Fused))
+        src = self.sources[(group.sources[0] if group.sources else 0) if by_expert else group.source]
         if isinstance(group, Copy):
             info = src.ckpt.info(group.src)
             return [TensorSpec(group.dst, info.dtype, info.shape)]
@@ -266,8 +268,16 @@ class Planner:
         if isinstance(group, ExpertLinear):
             sig = self._probe(group.source, layer, group.role)
             return [TensorSpec(f"{group.dst_base}.{s}", d, shp) for s, (d, shp) in sig.items()]
-        sig = self._probe(group.sources[0] if group.sources else 0, layer, group.which)
         n = len(group.experts)
+        if isinstance(group, Fused):
+            sig = self._probe(group.sources[0] if group.sources else 0, layer,
+                              "w13" if group.which == "gate_up" else "w2")
+            if set(sig) != {"weight"}:
+                raise MoetoolError(f"{group.dst}: fused expert tensors are written unquantized only, "
+                                   f"found {', '.join(sorted(sig))}")
+            dtype, (rows, cols) = sig["weight"]
+            return [TensorSpec(group.dst, dtype, (n, cols, rows) if group.input_first else (n, rows, cols))]
+        sig = self._probe(group.sources[0] if group.sources else 0, layer, group.which)
         return [TensorSpec(f"{group.dst_base}_{s}", d, (n, *shp)) for s, (d, shp) in sig.items()]
 
 
@@ -380,7 +390,11 @@ class Executor:
 
     def _tasks(self, pf: PlannedFile):
         for g in pf.groups:
-            if isinstance(g, Stacked):
+            if isinstance(g, Fused):
+                for i, e in enumerate(g.experts):
+                    yield "slice", partial(self._fused_slice, g, i, e)
+                yield "flush", lambda: None
+            elif isinstance(g, Stacked):
                 for i, e in enumerate(g.experts):
                     yield "slice", partial(self._stacked_slice, g, i, e)
                 yield "flush", lambda: None
@@ -402,6 +416,18 @@ class Executor:
         src = self.sources[g.sources[i] if g.sources else 0]
         layer = src.layer(g.layer)
         return src.expert_w13(layer, e) if g.which == "w13" else src.expert_role(layer, e, "down")
+
+    def _fused_slice(self, g: Fused, i: int, e: int) -> Linear:
+        """Expert e's slice of a fused tensor: [2N, H] / [H, N], or input-first, transposed."""
+        src = self.sources[g.sources[i] if g.sources else 0]
+        layer = src.layer(g.layer)
+        if g.which == "down":
+            w = src.expert_role(layer, e, "down")["weight"]  # [H, N]
+        else:
+            w = src.expert_w13(layer, e)["weight"]  # [2N, H], gate rows then up rows
+            if g.interleaved:
+                w = w.view(2, layer.intermediate, -1).transpose(0, 1).reshape(2 * layer.intermediate, -1)
+        return {"weight": w.t().contiguous() if g.input_first else w}
 
 
 # ---------------------------------------------------------------------------------- running

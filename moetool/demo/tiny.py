@@ -44,6 +44,10 @@ FAMILY_LAYOUT = {  # moe module, router module, per-expert linear names (None = 
     "llama4": ("feed_forward", "router", None),
     "gpt_oss": ("mlp", "router", None),
 }
+#: the two layouts transformers saves (see tiny_tensors)
+LAYOUTS = ("original", "v5")
+#: the MoE module where transformers' v5 layout renames it
+V5_MOE_MODULE = {"mixtral": "mlp"}
 
 
 def tiny_config(family: str, *, hidden: int, intermediate: int, experts: int, top_k: int, layers: int,
@@ -62,18 +66,25 @@ def moe_layer_indices(cfg: dict) -> list[int]:
     return list(range(first, cfg["num_hidden_layers"]))
 
 
-def tiny_tensors(family: str, cfg: dict, *, seed: int = 0, fused_v5: bool = False) -> dict[str, torch.Tensor]:
+def tiny_tensors(family: str, cfg: dict, *, seed: int = 0, layout: str = "original") -> dict[str, torch.Tensor]:
     """All tensors of a tiny model: embeddings, attention, norms, MoE blocks, dense MLPs, lm_head.
 
     Weights are N(0, 1/fan_in) so activations keep their scale through the layer (real checkpoints
-    look alike); the router is scaled up so routing is decisive. ``fused_v5`` stores experts as
-    transformers-v5 ``experts.gate_up_proj`` [E, 2N, H] / ``experts.down_proj`` [E, H, N].
+    look alike); the router is scaled up so routing is decisive. ``layout``: "original" (the
+    family's own names, transformers' default save) or "v5" (``save_original_format=False``:
+    routed experts fused in ``experts.gate_up_proj`` [E, 2N, H] / ``experts.down_proj``
+    [E, H, N], Mixtral's ``block_sparse_moe`` named ``mlp``; Llama-4 and gpt-oss are the same
+    in both).
     """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r}: expected one of {LAYOUTS}")
     g = torch.Generator().manual_seed(seed)
     dtype = getattr(torch, cfg["torch_dtype"])
     H, E = cfg["hidden_size"], _experts(cfg)
     N = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
     moe_module, router_module, linears = FAMILY_LAYOUT[family]
+    if layout == "v5":
+        moe_module = V5_MOE_MODULE.get(family, moe_module)
 
     def rnd(*shape, scale=None):
         fan_in = shape[-1]
@@ -99,7 +110,7 @@ def tiny_tensors(family: str, cfg: dict, *, seed: int = 0, fused_v5: bool = Fals
             t[f"{m}.{router_module}.e_score_correction_bias"] = (torch.randn(E, generator=g) * 0.1).float()
         if family == "gpt_oss":
             t[f"{m}.router.bias"] = rnd(E, scale=0.1)
-        if linears is None or fused_v5:
+        if linears is None:  # fused on disk in both layouts
             gu = torch.stack([torch.cat([rnd(N, H), rnd(N, H)]) for _ in range(E)])  # [E, 2N, H]
             dn = torch.stack([rnd(H, N) for _ in range(E)])  # [E, H, N]
             if family in ("llama4", "gpt_oss"):
@@ -111,11 +122,15 @@ def tiny_tensors(family: str, cfg: dict, *, seed: int = 0, fused_v5: bool = Fals
             if family == "gpt_oss":
                 t[f"{m}.experts.gate_up_proj_bias"] = rnd(E, 2 * N, scale=0.01)
                 t[f"{m}.experts.down_proj_bias"] = rnd(E, H, scale=0.01)
-        else:
-            for e in range(E):
-                t[f"{m}.experts.{e}.{linears[0]}.weight"] = rnd(N, H)
-                t[f"{m}.experts.{e}.{linears[1]}.weight"] = rnd(N, H)
-                t[f"{m}.experts.{e}.{linears[2]}.weight"] = rnd(H, N)
+        else:  # the same experts in both layouts: per expert, or fused as transformers v5 saves them
+            experts = [(rnd(N, H), rnd(N, H), rnd(H, N)) for _ in range(E)]  # (gate, up, down)
+            if layout == "v5":
+                t[f"{m}.experts.gate_up_proj"] = torch.stack([torch.cat([g_, u_]) for g_, u_, _ in experts])
+                t[f"{m}.experts.down_proj"] = torch.stack([d_ for _, _, d_ in experts])
+            else:
+                for e, ws in enumerate(experts):
+                    for lin, w in zip(linears, ws):
+                        t[f"{m}.experts.{e}.{lin}.weight"] = w
         shared = {"qwen2_moe": ("shared_expert", cfg.get("shared_expert_intermediate_size")),
                   "deepseek_v2": ("shared_experts", N * cfg.get("n_shared_experts", 0)),
                   "deepseek_v3": ("shared_experts", N * cfg.get("n_shared_experts", 0)),
@@ -163,7 +178,7 @@ def write_checkpoint(path: Path, config: dict, tensors: dict[str, torch.Tensor],
 
 def make_tiny_checkpoint(path: Path, family: str = "deepseek_v3", *, hidden: int = 256, intermediate: int = 192,
                          experts: int = 16, top_k: int = 4, layers: int = 3, dtype: torch.dtype = torch.bfloat16,
-                         shards: int = 2, seed: int = 0, fused_v5: bool = False) -> Path:
+                         shards: int = 2, seed: int = 0, layout: str = "original") -> Path:
     cfg = tiny_config(family, hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k, layers=layers,
                       dtype=dtype)
-    return write_checkpoint(path, cfg, tiny_tensors(family, cfg, seed=seed, fused_v5=fused_v5), shards=shards)
+    return write_checkpoint(path, cfg, tiny_tensors(family, cfg, seed=seed, layout=layout), shards=shards)

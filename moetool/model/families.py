@@ -5,6 +5,12 @@ things. :func:`describe` reads config.json and the tensor names of a checkpoint 
 :class:`ModelSpec`: every MoE layer with its experts' storage (per-expert names, a fused
 tensor and how it splits, or our stacked vLLM layout), router, shared experts and dims; each
 shape is checked against the config.
+
+Both layouts transformers saves are read: its default, the family's original on-disk names,
+and ``save_pretrained(..., save_original_format=False)``, its own v5 layout, which fuses the
+routed experts into ``experts.gate_up_proj`` [E, 2N, H] (gate rows, then up) and
+``experts.down_proj`` [E, H, N], and renames Mixtral's ``block_sparse_moe`` to ``mlp``.
+Llama-4 and gpt-oss are fused input-first ([E, H, 2N], [E, N, H]) in both.
 """
 from __future__ import annotations
 
@@ -38,6 +44,8 @@ class Family:
     fused_interleaved: bool = False
     fused_input_first: bool = False
     router_has_bias: bool = False
+    #: other names of the MoE module (Mixtral's transformers-v5 layout: ``mlp``)
+    moe_module_aliases: tuple[str, ...] = ()
     notes: str = ""
 
 
@@ -194,7 +202,8 @@ def _gpt_oss_router(config: ConfigReader) -> RouterSpec:
 
 FAMILIES: list[Family] = [
     Family("mixtral", ("mixtral",), "block_sparse_moe", "gate", ("w1", "w3", "w2"),
-           ("num_local_experts",), ("intermediate_size",), _mixtral_router, _all_layers),
+           ("num_local_experts",), ("intermediate_size",), _mixtral_router, _all_layers,
+           moe_module_aliases=("mlp",)),
     Family("qwen2-moe", ("qwen2_moe",), "mlp", "gate", ("gate_proj", "up_proj", "down_proj"),
            ("num_experts",), ("moe_intermediate_size",), _softmax_router, _every_layer_with_sparse_step,
            shared_module="shared_expert", shared_gate_module="shared_expert_gate",
@@ -371,7 +380,7 @@ def describe(config: dict, tensors: dict, stored_experts: dict[int, int] | None 
     layers = []
     for i in moe_indices:
         lp = _layer_prefix(names, i)
-        prefix = f"{lp}.{family.moe_module}"
+        prefix = _moe_prefix(family, lp, names)
         n_stored = stored_experts.get(i, 0) if stored_experts is not None else num_experts
         storage = _detect_storage(family, prefix, names, tensors, n_stored, hidden, intermediate)
         router_weight = f"{prefix}.{family.router_module}.weight"
@@ -412,6 +421,15 @@ def describe(config: dict, tensors: dict, stored_experts: dict[int, int] | None 
         raise MoetoolError(f"config.json: {family.name} model has no MoE layers")
     dense = [i for i in range(n_layers) if i not in set(moe_indices)]
     return ModelSpec(family, cfg.get("model_type", ""), n_layers, hidden, layers, dense)
+
+
+def _moe_prefix(family: Family, layer_prefix: str, names: set[str]) -> str:
+    """The layer's MoE module: the family's name, or an alias (Mixtral v5: ``mlp``) where that
+    one holds the router and the family's name does not."""
+    for module in (family.moe_module, *family.moe_module_aliases):
+        if f"{layer_prefix}.{module}.{family.router_module}.weight" in names:
+            return f"{layer_prefix}.{module}"
+    return f"{layer_prefix}.{family.moe_module}"
 
 
 def _detect_storage(family: Family, prefix: str, names: set[str], tensors: dict, E: int, H: int, N: int) -> ExpertStorage:

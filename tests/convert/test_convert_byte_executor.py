@@ -121,7 +121,7 @@ def test_expert_unlike_expert_0_keeps_the_torch_error(tiny, copy_ckpt, cli, tmp_
 
 
 def test_fused_experts_go_to_torch(tiny, tmp_path):
-    src = tiny("qwen3_moe", fused_v5=True)
+    src = tiny("qwen3_moe", layout="v5")
     with open_checkpoint(src) as ck:
         assert "fused experts" in why_not_byte_copy(ck, describe(ck.config, ck.tensors))
     got = repack(src, tmp_path / "a", "stacked", progress=False)

@@ -171,7 +171,7 @@ def test_quantize_transformers_models(hf_model, cli, tmp_path, family, args, fmt
 
 @pytest.mark.parametrize("family", ["llama4", "qwen3_moe-v5"])
 def test_quantize_fused_inputs_write_per_expert(tiny, cli, tmp_path, family):
-    src = tiny("qwen3_moe", fused_v5=True) if family == "qwen3_moe-v5" else tiny(family)
+    src = tiny("qwen3_moe", layout="v5") if family == "qwen3_moe-v5" else tiny(family)
     out = tmp_path / "out"
     r = cli("quantize", src, out, "--fp8-block", "--quiet")
     assert r.code == 0, r.err

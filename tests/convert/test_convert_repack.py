@@ -173,7 +173,7 @@ def test_fused_inputs_normalised(hf_model, cli, tmp_path, family):
 
 @pytest.mark.parametrize("family", ["llama4", "qwen3_moe"])
 def test_fused_on_disk_from_our_writer(tiny, cli, tmp_path, family):
-    src = tiny(family, fused_v5=family == "qwen3_moe")
+    src = tiny(family, layout="v5" if family == "qwen3_moe" else "original")
     out, per = tmp_path / "stacked", tmp_path / "per"
     assert cli("repack", src, out, "--quiet").code == 0
     assert cli("repack", src, per, "--layout", "per-expert", "--quiet").code == 0

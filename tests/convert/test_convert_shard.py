@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from moetool.convert.merge import merge
+from moetool.convert.shard import shard
 from moetool.read.checkpoint import open_checkpoint
 from moetool.errors import MoetoolError
 from moetool.read.experts import ExpertReader
@@ -501,27 +503,37 @@ def test_rank_folder_is_a_checkpoint_of_its_own(sources, cli, tmp_path):
     assert info["weight_format"] == "fp8-block" and info["expert_storage"] == "per-expert"
 
 
-def test_fused_source_merges_per_expert_into_the_same_files(tiny, cli, tmp_path):
-    """Llama-4 fused experts: shard -> merge gives the same experts (per-expert, normalised),
-    in the files the fused tensors came from; everything else bit-identical."""
-    src = tiny("llama4")
+@pytest.mark.parametrize("family, layout", [("llama4", "original"), ("qwen3_moe", "v5"), ("mixtral", "v5")])
+def test_fused_source_merges_back_fused(tiny, cli, tmp_path, family, layout):
+    """Fused experts (Llama-4 input-first, transformers v5): shard -> merge gives back the
+    same tensor names, bit for bit, in the same files (the guide's promise); merged per-expert
+    on request, the same experts."""
+    src = tiny(family, layout=layout)
     out, merged = tmp_path / "shards", tmp_path / "merged"
     assert cli("shard", src, out, "--ep", "2", "--quiet").code == 0
     assert cli("shard", "--merge", out, merged, "--quiet").code == 0
-    fa, fb = tensor_files(src), tensor_files(merged)
-    assert sorted(set(fa.values())) == sorted(set(fb.values()))
+    assert tensor_files(merged) == tensor_files(src)
     a, b = read_tensors(src), read_tensors(merged)
-    for name, t in a.items():
-        if ".experts." not in name:
-            assert bit_equal(b[name], t) and fb[name] == fa[name], name
+    assert all(bit_equal(b[name], t) for name, t in a.items())
+    assert json.loads((merged / MANIFEST_NAME).read_text())["layout"] == "fused"
+
+    per_expert = tmp_path / "per-expert"
+    merge(out, per_expert, layout="per-expert", progress=False)
+    c = read_tensors(per_expert)
     with open_checkpoint(src) as ck:
         reader = ExpertReader(ck)
         for layer in reader.spec.moe_layers:
             for e in range(layer.num_experts):
-                g, u, d = (x["weight"] for x in reader.gate_up_down(layer, e))
-                p = f"{layer.prefix}.experts.{e}"
-                assert torch.equal(b[f"{p}.gate_proj.weight"], g) and torch.equal(b[f"{p}.down_proj.weight"], d)
-                assert fb[f"{p}.gate_proj.weight"] == fa[f"{layer.prefix}.experts.gate_up_proj"]
+                want = [x["weight"] for x in reader.gate_up_down(layer, e)]
+                bases = [f"{layer.prefix}.experts.{e}.{lin}" for lin in reader.spec.family.expert_linears]
+                assert all(torch.equal(c[f"{b}.weight"], w) for b, w in zip(bases, want))
+
+
+def test_merge_to_fused_needs_a_fused_source(sources, tmp_path):
+    out = tmp_path / "shards"
+    shard(sources["bf16"], out, 2, progress=False)
+    with pytest.raises(MoetoolError, match=r"--layout fused needs a source stored fused; this one was per-expert$"):
+        merge(out, tmp_path / "m", layout="fused", progress=False)
 
 
 def test_small_rank_files_merge_back(sources, cli, tmp_path):

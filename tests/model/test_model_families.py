@@ -1,9 +1,10 @@
 """Architecture registry and ExpertReader against independent producers.
 
-transformers-made models: the reader's per-expert gate/up/down must equal the weights the
-transformers module itself holds (fused [E, 2N, H] in memory in transformers v5; Llama-4 and
-gpt-oss input-first, gpt-oss interleaved). Our own writer: equal to the tensors it generated,
-for per-expert, transformers-v5 fused and Llama-4 / gpt-oss fused layouts.
+transformers-made models, saved in both layouts transformers writes (its default, the
+original names, and its v5 layout): the reader's per-expert gate/up/down must equal the
+weights the transformers module itself holds (fused [E, 2N, H] in memory in transformers v5;
+Llama-4 and gpt-oss input-first, gpt-oss interleaved). Our own writer: equal to the tensors it
+generated, for per-expert, transformers-v5 fused and Llama-4 / gpt-oss fused layouts.
 """
 from __future__ import annotations
 
@@ -17,17 +18,20 @@ from moetool.read.checkpoint import open_checkpoint
 from moetool.errors import MoetoolError
 from moetool.read.experts import ExpertReader
 from moetool.demo.tiny import tiny_config, tiny_tensors
-from moeutil import HF_CONFIGS, N, hf_expert, hf_param
+from moeutil import HF_CONFIGS, HF_LAYOUTS, N, hf_expert, hf_param
 
 HF_FAMILIES = list(HF_CONFIGS)
 
 
+@pytest.mark.parametrize("layout", HF_LAYOUTS)
 @pytest.mark.parametrize("family", HF_FAMILIES)
-def test_reader_matches_transformers_module_weights(hf_model, family):
-    model = hf_model(family)
+def test_reader_matches_transformers_module_weights(hf_model, family, layout):
+    model = hf_model(family, layout=layout)
     with open_checkpoint(model.path) as ck:
         reader = ExpertReader(ck)
         assert reader.fmt.name == "dense"
+        fused = layout == "v5" or family in ("llama4", "gpt_oss")
+        assert {m.storage.kind for m in reader.spec.moe_layers} == {"fused" if fused else "per-expert"}
         for layer in reader.spec.moe_layers:
             assert layer.intermediate == N and layer.hidden == 32
             for e in range(layer.num_experts):
@@ -60,23 +64,25 @@ def test_reader_range_check(hf_model):
             reader.gate_up_down(layer, 4)
 
 
-TINY = [("mixtral", False), ("qwen2_moe", False), ("qwen3_moe", False), ("qwen3_moe", True), ("olmoe", False),
-        ("deepseek_v2", False), ("deepseek_v3", False), ("deepseek_v3", True), ("mixtral", True),
-        ("llama4", False), ("gpt_oss", False)]
+TINY = [("mixtral", "original"), ("qwen2_moe", "original"), ("qwen3_moe", "original"), ("qwen3_moe", "v5"),
+        ("olmoe", "original"), ("deepseek_v2", "original"), ("deepseek_v3", "original"), ("deepseek_v3", "v5"),
+        ("mixtral", "v5"), ("llama4", "original"), ("gpt_oss", "original")]
 
 
-@pytest.mark.parametrize("family, fused_v5", TINY, ids=[f"{f}{'-v5fused' if v else ''}" for f, v in TINY])
-def test_reader_matches_our_writer(tiny, family, fused_v5):
+@pytest.mark.parametrize("family, layout", TINY, ids=[f"{f}-{v}" for f, v in TINY])
+def test_reader_matches_our_writer(tiny, family, layout):
     hidden, inter, experts = 64, 48, (8 if family.startswith("deepseek") else 4)
-    path = tiny(family, hidden=hidden, intermediate=inter, experts=experts, fused_v5=fused_v5, shards=3)
+    path = tiny(family, hidden=hidden, intermediate=inter, experts=experts, layout=layout, shards=3)
     cfg = tiny_config(family, hidden=hidden, intermediate=inter, experts=experts,
                       top_k=1 if family == "llama4" else 2, layers=3 if family.startswith("deepseek") else 2,
                       dtype=torch.bfloat16)
-    src = tiny_tensors(family, cfg, seed=0, fused_v5=fused_v5)
+    src = tiny_tensors(family, cfg, seed=0, layout=layout)
     with open_checkpoint(path) as ck:
         reader = ExpertReader(ck)
         spec = reader.spec
-        fused = fused_v5 or family in ("llama4", "gpt_oss")
+        fused = layout == "v5" or family in ("llama4", "gpt_oss")
+        if family == "mixtral":  # transformers v5 renames the block
+            assert {m.prefix.rsplit(".", 1)[1] for m in spec.moe_layers} == {"mlp" if fused else "block_sparse_moe"}
         for layer in spec.moe_layers:
             assert layer.storage.kind == ("fused" if fused else "per-expert")
             for e in range(experts):
@@ -95,6 +101,19 @@ def test_reader_matches_our_writer(tiny, family, fused_v5):
                         want = [gu[:inter], gu[inter:], dn]
                 for w, got in zip(want, (g, u, d)):
                     assert torch.equal(got, w)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3"])
+def test_our_v5_layout_holds_the_same_experts(tiny, family):
+    """tiny(..., layout="v5") is the original model saved as transformers v5 saves it."""
+    with open_checkpoint(tiny(family, hidden=64, intermediate=48)) as a, \
+            open_checkpoint(tiny(family, hidden=64, intermediate=48, layout="v5")) as b:
+        ra, rb = ExpertReader(a), ExpertReader(b)
+        for la, lb in zip(ra.spec.moe_layers, rb.spec.moe_layers):
+            assert (la.storage.kind, lb.storage.kind) == ("per-expert", "fused")
+            for e in range(la.num_experts):
+                assert all(torch.equal(x["weight"], y["weight"])
+                           for x, y in zip(ra.gate_up_down(la, e), rb.gate_up_down(lb, e)))
 
 
 def test_gpt_oss_biases_found(hf_model):

@@ -83,7 +83,7 @@ def test_inspect_our_writer(tiny, cli, family, storage):
 
 
 def test_inspect_v5_fused(tiny, cli):
-    r = cli("inspect", tiny("qwen3_moe", fused_v5=True, hidden=64, intermediate=48), "--json")
+    r = cli("inspect", tiny("qwen3_moe", layout="v5", hidden=64, intermediate=48), "--json")
     info = json.loads(r.out)
     assert info["expert_storage"] == "fused" and info["expert_intermediate_size"] == 48
 
