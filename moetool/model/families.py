@@ -3,8 +3,8 @@
 A :class:`Family` row says where a family keeps its MoE tensors and how its config names
 things. :func:`describe` reads config.json and the tensor names of a checkpoint and returns a
 :class:`ModelSpec`: every MoE layer with its experts' storage (per-expert names, a fused
-tensor and how it splits, or our stacked vLLM layout), router, shared experts and dims; each
-shape is checked against the config.
+tensor and how it splits, or our stacked vLLM layout), router, activation, shared experts and
+dims; each shape is checked against the config.
 
 Both layouts transformers saves are read: its default, the family's original on-disk names,
 and ``save_pretrained(..., save_original_format=False)``, its own v5 layout, which fuses the
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Literal
 
 from moetool.errors import MoetoolError
-from moetool.model.spec import RouterSpec, SharedExpertSpec
+from moetool.model.spec import SILU_NAMES, ExpertActivation, RouterSpec, SharedExpertSpec
 
 # ----------------------------------------------------------------------------- family table
 
@@ -46,6 +46,8 @@ class Family:
     router_has_bias: bool = False
     #: other names of the MoE module (Mixtral's transformers-v5 layout: ``mlp``)
     moe_module_aliases: tuple[str, ...] = ()
+    #: the experts' activation from the config (default: ``hidden_act``, SwiGLU)
+    activation: Callable[["ConfigReader"], ExpertActivation] | None = None
     notes: str = ""
 
 
@@ -126,6 +128,22 @@ class ConfigReader:
         if not isinstance(v, list) or not all(type(x) is int and x >= 0 for x in v):
             raise self._bad(key, "a list of layer indices (integers >= 0)", v)
         return v
+
+
+def _hidden_act(config: ConfigReader) -> ExpertActivation:
+    """SwiGLU experts: ``hidden_act`` "silu" (the default of every family's transformers
+    config) or its alias "swish"; anything else is refused, never run as SiLU."""
+    v = config.get("hidden_act")
+    if v is not None and v not in SILU_NAMES:
+        raise MoetoolError(f"config.json: {config.prefix}hidden_act {_shown(v)} is not supported (moetool runs "
+                           f"SwiGLU experts: {' or '.join(json.dumps(n) for n in SILU_NAMES)})")
+    return ExpertActivation("silu")
+
+
+def _gpt_oss_act(config: ConfigReader) -> ExpertActivation:
+    # transformers' GptOssExperts apply this whatever hidden_act says (and vLLM's swigluoai too)
+    return ExpertActivation("clamped-swiglu", alpha=config.number("swiglu_alpha", 1.702),
+                            limit=config.number("swiglu_limit", 7.0))
 
 
 def _every_layer_with_sparse_step(config: ConfigReader) -> list[int]:
@@ -226,7 +244,7 @@ FAMILIES: list[Family] = [
            fused_input_first=True),
     Family("gpt-oss", ("gpt_oss",), "mlp", "router", ("gate_proj", "up_proj", "down_proj"),
            ("num_local_experts", "num_experts"), ("intermediate_size",), _gpt_oss_router, _all_layers,
-           fused_interleaved=True, fused_input_first=True, router_has_bias=True,
+           fused_interleaved=True, fused_input_first=True, router_has_bias=True, activation=_gpt_oss_act,
            notes="clamped SwiGLU with expert biases: inspect only (conversion and verify not yet supported)"),
 ]
 FAMILY_BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
@@ -283,6 +301,8 @@ class MoELayerSpec:
     router_bias: str | None = None
     #: experts present on disk (an EP rank folder holds fewer than ``num_experts``, by local slot)
     stored_experts: int = -1
+    #: of the routed and the shared experts
+    activation: ExpertActivation = ExpertActivation()
 
     @property
     def n_stored(self) -> int:
@@ -309,6 +329,11 @@ class ModelSpec:
     @property
     def top_k(self) -> int:
         return max((m.router.top_k for m in self.moe_layers), default=0)
+
+    @property
+    def activation(self) -> ExpertActivation:
+        """Of every expert MLP (routed and shared): one per model."""
+        return self.moe_layers[0].activation if self.moe_layers else ExpertActivation()
 
     def layer(self, index: int) -> MoELayerSpec:
         for m in self.moe_layers:
@@ -374,6 +399,7 @@ def describe(config: dict, tensors: dict, stored_experts: dict[int, int] | None 
     intermediate = conf.first_int(family.intermediate, "expert intermediate size")
     n_layers = conf.first_int(("num_hidden_layers",), "num_hidden_layers")
     router = family.router(conf)
+    activation = (family.activation or _hidden_act)(conf)
     moe_indices = family.moe_layers(conf)
     if router.top_k < 1 or router.top_k > num_experts:
         raise MoetoolError(f"config.json: top-k {router.top_k} must be between 1 and the expert count {num_experts}")
@@ -416,7 +442,7 @@ def describe(config: dict, tensors: dict, stored_experts: dict[int, int] | None 
         router_bias = f"{prefix}.{family.router_module}.bias" if family.router_has_bias else None
         layers.append(MoELayerSpec(i, prefix, num_experts, hidden, intermediate, router, router_weight, bias, storage,
                                    shared, shared_bases, shared_gate, router_bias,
-                                   stored_experts=-1 if stored_experts is None else n_stored))
+                                   stored_experts=-1 if stored_experts is None else n_stored, activation=activation))
     if not layers:
         raise MoetoolError(f"config.json: {family.name} model has no MoE layers")
     dense = [i for i in range(n_layers) if i not in set(moe_indices)]

@@ -36,11 +36,41 @@ class RouterSpec:
     apply_weight_on_input: bool = False
 
 
+#: config.json ``hidden_act`` values naming the SiLU of a SwiGLU expert (transformers' ACT2FN
+#: maps both to SiLU)
+SILU_NAMES = ("silu", "swish")
+
+
 @dataclass(frozen=True)
 class ExpertActivation:
-    """The expert MLP: down(act(gate(x)) * up(x)). Only SwiGLU ("silu") today."""
+    """How an expert MLP (routed or shared) combines its projections before ``down``:
+    h [T, N] = act(gate [T, N], up [T, N]).
 
-    kind: Literal["silu"] = "silu"
+    ``silu``: silu(gate) * up, the SwiGLU of every family but gpt-oss (config.json ``hidden_act``
+    "silu" or its alias "swish"). ``clamped-swiglu`` (gpt-oss, config ``swiglu_alpha`` and
+    ``swiglu_limit``): gate clamped to at most ``limit``, up to [-limit, limit], then
+    gate * sigmoid(alpha * gate) * (up + 1). (gpt-oss also interleaves gate and up rows on disk:
+    that is storage, ``ExpertStorage.interleaved``.)
+    """
+
+    kind: Literal["silu", "clamped-swiglu"] = "silu"
+    alpha: float = 1.0
+    limit: float = float("inf")
+
+    def apply(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The reference: act(gate, up) in the inputs' dtype."""
+        import torch
+
+        if self.kind == "silu":
+            return torch.nn.functional.silu(gate) * up
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return gate * torch.sigmoid(gate * self.alpha) * (up + 1)
+
+    def describe(self) -> str:
+        if self.kind == "silu":
+            return "silu (SwiGLU)"
+        return f"clamped SwiGLU (alpha {self.alpha:g}, limit {self.limit:g}, up + 1)"
 
 
 @dataclass(frozen=True)

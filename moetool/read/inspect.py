@@ -48,6 +48,7 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict:
         "hidden_size": first.hidden,
         "expert_intermediate_size": first.intermediate,
         "router": _router_text(first.router),
+        "activation": spec.activation.describe(),
         "shared_experts": (
             {"intermediate_size": first.shared.intermediate, "gated": first.shared.has_gate} if first.shared else None
         ),
@@ -196,6 +197,7 @@ def render(info: dict) -> str:
         ("experts", f"{info['experts']} per layer, top-{info['top_k']}"),
         ("dims", f"hidden {info['hidden_size']}, expert intermediate {info['expert_intermediate_size']}"),
         ("router", info["router"]),
+        ("activation", info["activation"]),
         ("shared experts", "none" if not shared else
          f"intermediate {shared['intermediate_size']}" + (", sigmoid-gated" if shared["gated"] else "")),
         ("expert storage", info["expert_storage"]),

@@ -65,6 +65,8 @@ def test_inspect(hf_model, cli, family, layout):
     module, storage = STORAGE[family][layout]
     assert info["expert_storage"] == storage
     assert info["weight_format"] == "dense"
+    assert info["activation"] == ("clamped SwiGLU (alpha 1.702, limit 7, up + 1)" if family == "gpt_oss"
+                                  else "silu (SwiGLU)")
     with open_checkpoint(model.path) as ck:
         spec = ExpertReader(ck).spec
     assert all(m.prefix == f"model.layers.{m.index}.{module}" for m in spec.moe_layers)

@@ -43,6 +43,8 @@ def test_inspect_transformers_model(hf_model, cli, family):
     assert info["experts"] == experts and info["top_k"] == top_k
     assert info["hidden_size"] == H and info["expert_intermediate_size"] == N
     assert info["router"] == ROUTERS[family]
+    assert info["activation"] == ("clamped SwiGLU (alpha 1.702, limit 7, up + 1)" if family == "gpt_oss"
+                                  else "silu (SwiGLU)")
     assert info["shared_experts"] == shared
     assert info["expert_storage"] == storage
     assert info["weight_format"] == "dense" and info["format_params"] == {}
@@ -63,6 +65,7 @@ def test_inspect_transformers_model(hf_model, cli, family):
     assert lines["experts"] == f"{experts} per layer, top-{top_k}"
     assert lines["dims"] == f"hidden {H}, expert intermediate {N}"
     assert lines["router"] == ROUTERS[family]
+    assert lines["activation"] == info["activation"]
     assert lines["expert storage"].strip() == storage
 
 
