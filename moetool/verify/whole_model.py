@@ -84,6 +84,10 @@ def thresholds_for(fmt: str) -> dict[str, float]:
             "exact_rel_err": EXACT_REL_ERR}
 
 
+#: the phases of a distributed MoE block (``moetool.verify.layer.PHASES``; not imported: that
+#: module loads the kernels, which the parent never does)
+MOE_PHASES = ("route", "dispatch", "experts", "combine", "shared")
+
 #: activations moetool's MoE runtime runs its experts with (SwiGLU)
 MOE_ACTS = ("silu", "swish")
 
@@ -143,8 +147,9 @@ class WholeModelReport:
     rows: list[RowReport]
     logits: dict  # kl_mean, kl_p99, kl_max, top1, ppl_reference, ppl_converted
     failures: list[str] = field(default_factory=list)
-    #: per rank: seconds per phase (build, read_shards, converted_forward, read_reference,
-    #: reference_forward, compare) and memory (peak RSS; the most weights filled at once)
+    #: per rank: seconds per phase (build, read_shards, converted_forward (of it moe_route,
+    #: moe_dispatch, moe_experts, moe_combine, moe_shared), read_reference, reference_forward,
+    #: compare) and memory (peak RSS; the most weights filled at once)
     ranks: list[dict] = field(default_factory=list)
 
     @property
@@ -181,6 +186,10 @@ class WholeModelReport:
             line += f"; perplexity reference {lg['ppl_reference']:.3f}, converted {lg['ppl_converted']:.3f}"
         lines.append(line)
         if self.ranks:
+            slowest = {p: max(r["timings_s"].get(p, 0.0) for r in self.ranks)
+                       for p in dict.fromkeys(p for r in self.ranks for p in r["timings_s"])}
+            lines.append("time (s, slowest rank): " + ", ".join(f"{p.replace('_', ' ')} {t:.3g}"
+                                                               for p, t in slowest.items()))
             most = lambda key: max(r["memory"].get(key, 0.0) for r in self.ranks)  # noqa: E731
             lines.append(f"memory: weights held at once at most {most('converted_weights_peak_mb'):.3g} MiB converted, "
                          f"{most('reference_weights_peak_mb'):.3g} MiB reference; peak RSS of a rank "
@@ -270,10 +279,12 @@ def _peak_rss_mib() -> float:
 
 
 class _Clock:
-    """Seconds spent per phase of a rank's run."""
+    """Seconds spent per phase of a rank's run (on CUDA, the GPU's work of the phase included:
+    synchronized at its end)."""
 
-    def __init__(self):
+    def __init__(self, device: torch.device | None = None):
         self.s: dict[str, float] = {}
+        self.cuda = device is not None and device.type == "cuda"
 
     @contextmanager
     def __call__(self, phase: str):
@@ -281,7 +292,12 @@ class _Clock:
         try:
             yield
         finally:
-            self.s[phase] = self.s.get(phase, 0.0) + time.perf_counter() - t0
+            if self.cuda:
+                torch.cuda.synchronize()
+            self.add(phase, time.perf_counter() - t0)
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.s[phase] = self.s.get(phase, 0.0) + seconds
 
 
 class DistributedMoE(torch.nn.Module):
@@ -296,12 +312,14 @@ class DistributedMoE(torch.nn.Module):
         self.gate, self.bias, self.shared = gate, bias, shared
         self.dispatcher, self.experts, self.chunk_size = dispatcher, experts, chunk_size
         self.returns_tuple = returns_tuple
+        #: the MoE layer's phase times of its last forward (``moetool.verify.layer.PHASES``)
+        self.stats: dict = {}
 
     def forward(self, hidden_states: torch.Tensor):
         shape = hidden_states.shape  # [B, S, H]
         x = hidden_states.reshape(-1, shape[-1]).float()  # [T, H]
-        y, _ = self.run_moe_layer(x, self.gate, self.bias, self.layer.router, self.local, self.placement, self.shared,
-                             self.dispatcher, self.experts, self.chunk_size)
+        y, self.stats = self.run_moe_layer(x, self.gate, self.bias, self.layer.router, self.local, self.placement,
+                                           self.shared, self.dispatcher, self.experts, self.chunk_size)
         y = y.view(shape).to(hidden_states.dtype)
         return (y, None) if self.returns_tuple else y
 
@@ -350,7 +368,7 @@ def _rank_job(rank: int, topo, job: dict) -> dict:
 def _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts, load_local_experts,
          run_moe_layer) -> dict:
     opts: WholeModelOptions = job["opts"]
-    clock = _Clock()
+    clock = _Clock(topo.device)
     ids = ids.to(topo.device)
     reader = ExpertReader(ckpt, spec)
     with clock("build"):
@@ -410,6 +428,10 @@ def _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts
         x_in = x
         with clock("converted_forward"):
             x = _first(layer(x, *args, **kwargs))  # collective in the MoE block
+        if moe is not None:  # the MoE block's own phases, inside converted_forward
+            block = getattr(layer, mlp_attr)
+            for phase in MOE_PHASES:
+                clock.add(f"moe_{phase}", block.stats.get(f"cuda_{phase}_s", block.stats.get(f"time_{phase}_s", 0.0)))
         for r in removers:
             r()
         conv.empty(layer)

@@ -211,6 +211,20 @@ def test_quantized_shared_expert_and_all2all(world):
     assert all(0.01 < v <= WM_THRESHOLDS["int4-group"]["moe_rel_err"] for v in shared), report.render()
 
 
+def test_report_times_each_phase(world):
+    from moetool.verify.layer import PHASES
+    from moetool.verify.whole_model import MOE_PHASES
+
+    assert MOE_PHASES == PHASES
+    report, _ = world["honest-deepseek_v3"]
+    for rank in report.ranks:
+        t = rank["timings_s"]
+        assert {"build", "read_shards", "converted_forward", "read_reference", "reference_forward", "compare",
+                *(f"moe_{p}" for p in PHASES)} <= set(t), t
+        assert 0 < t["moe_experts"] < t["converted_forward"], t
+    assert "time (s, slowest rank): build" in report.render()
+
+
 def test_deepseek_rows_cover_dense_and_moe_layers(world):
     report, _ = world["honest-deepseek_v3"]
     assert [(r.name, r.kind) for r in report.rows] == [("embed", "embed"), ("0", "dense"), ("1", "moe"),
