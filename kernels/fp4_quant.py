@@ -220,7 +220,8 @@ def _fp4_quant_kernel(
     gmask = rmask[:, None] & (gcols < K // GROUP)[None, :]
     s_ptrs = scale_ptr + rows64[:, None] * stride_sn + gcols[None, :]
     if NV:
-        gs = tl.math.div_rn(2688.0, tl.maximum(tl.load(amax_ptr), 1e-12))
+        # a NaN amax (NaN in w) stays NaN, as torch's clamp keeps it: the caller checks gs
+        gs = tl.math.div_rn(2688.0, tl.maximum(tl.load(amax_ptr), 1e-12, propagate_nan=tl.PropagateNan.ALL))
         s = tl.clamp(tl.math.div_rn(amax, 6.0) * gs, 0.001953125, 448.0)
         s_bits = e4m3_rne(s, True)  # integer rounding: exact on the GPU and interpreted alike
         eff = tl.math.div_rn(_e4m3_decode(s_bits.to(tl.int32)), gs)
