@@ -1,7 +1,7 @@
-"""Quantize / pack kernels: bit-exact against their torch references (fp8 compared as bytes)."""
+"""fp8 quantize kernels: bit-exact against their torch references (compared as bytes). int4:
+test_kernels_int4_quant.py."""
 import pytest
 import torch
-from moetool.kernels import int4_quant as k4
 from moetool.kernels import quant as kq
 
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -84,71 +84,6 @@ def test_fp8_soft_and_hardware_paths_agree_on_gpu():
     assert torch.equal(s_hw, s_sw) and torch.equal(_bytes(q_hw), _bytes(q_sw))
 
 
-@pytest.mark.parametrize("scale_dtype", FLOAT_DTYPES)
-@pytest.mark.parametrize("symmetric", [True, False])
-@pytest.mark.parametrize("shape,group", [((1, 8), 8), ((16, 64), 32), ((37, 200), 64), ((24, 100), 32), ((9, 96), 96)])
-def test_int4_quant_pack_bit_exact(shape, group, symmetric, scale_dtype, device):
-    w = _weights(shape, torch.bfloat16, device)
-    out = k4.int4_group_quant_pack(w, group, symmetric, scale_dtype)
-    ref = k4.int4_group_quant_pack_ref(w.cpu(), group, symmetric, scale_dtype)
-    _assert_same(out, ref)
-    N, K = shape
-    assert out["weight_packed"].shape == (N, -(-K // 8))
-    assert out["weight_scale"].shape == (N, -(-K // group))
-    if not symmetric:
-        assert out["weight_zero_point"].shape == (-(-N // 8), -(-K // group))
-
-
-@pytest.mark.parametrize("symmetric", [True, False])
-def test_int4_round_half_even_ties(symmetric, device):
-    """Rows whose scale is exactly 1 (fp32): w = j + 0.5 must round to even like torch.round."""
-    ties = torch.tensor([-6.5, -5.5, -4.5, -3.5, -2.5, -1.5, -0.5, 0.5, 1.5, 2.5, 3.5, 4.5, 5.5, 6.5])
-    if symmetric:
-        row = torch.cat([ties, torch.tensor([7.0, -7.0])])  # amax 7 -> s = 1
-    else:
-        row = torch.cat([ties, torch.tensor([7.5, -7.5])])  # max - min = 15 -> s = 1, z = round(7.5) - 8 = 0
-    w = row.repeat(8, 1).contiguous()
-    out = k4.int4_group_quant_pack(w.to(device), 16, symmetric, torch.float32)
-    ref = k4.int4_group_quant_pack_ref(w, 16, symmetric, torch.float32)
-    _assert_same(out, ref)
-    assert (out["weight_scale"].cpu() == 1).all()
-    if not symmetric:
-        # -mn/s = 7.5 -> round half even 8 -> z = 0 -> stored 8 in every nibble
-        assert (out["weight_zero_point"].cpu() == int("88888888", 16) - 2**32).all()
-    q = k4.unpack_int4_ref(out["weight_packed"].cpu(), 16) - 8
-    expect = torch.round(ties).clamp(-8, 7).to(torch.int32)
-    assert torch.equal(q[0, :14], expect)
-
-
-@pytest.mark.parametrize("symmetric", [True, False])
-def test_int4_zero_group_fp16_scale(symmetric, device):
-    """fp16 scales are floored at 2^-24 (fp16's smallest subnormal), so an all-zero or ~1e-9 group
-    gets a finite, non-zero scale and q = 0 instead of 0/0."""
-    w = torch.randn(16, 64)
-    w[:, :32] = 0.0
-    w[:8, 32:] = 1e-9
-    out = k4.int4_group_quant_pack(w.to(device), 32, symmetric, torch.float16)
-    ref = k4.int4_group_quant_pack_ref(w, 32, symmetric, torch.float16)
-    _assert_same(out, ref)
-    assert (out["weight_scale"][:, 0].cpu() == 2.0**-24).all()
-    deq = k4.int4_dequant_ref({k: v.cpu() for k, v in out.items()}, (16, 64), 32)
-    assert torch.isfinite(deq).all() and (deq[:, :32] == 0).all()
-
-
-def test_int4_dequant_roundtrip(device):
-    w = torch.randn(40, 128)
-    for symmetric in (True, False):
-        t = k4.int4_group_quant_pack(w.to(device), 32, symmetric, torch.float32)
-        deq = k4.int4_dequant_ref({k: v.cpu() for k, v in t.items()}, (40, 128), 32)
-        err = (deq - w).norm() / w.norm()
-        assert err < 0.12, (symmetric, err)
-
-
-def test_pack_unpack_ref_inverse():
-    u = torch.randint(0, 16, (5, 21), dtype=torch.int32)
-    assert torch.equal(k4.unpack_int4_ref(k4.pack_int4_ref(u), 21), u)
-
-
 def test_bad_inputs_raise(device):
     from moetool.errors import MoetoolError
 
@@ -156,8 +91,6 @@ def test_bad_inputs_raise(device):
         kq.fp8_block_quant(torch.randn(4, 4, 4, device=device))
     with pytest.raises(MoetoolError):
         kq.fp8_act_quant(torch.randn(8, 8, device=device).t())
-    with pytest.raises(MoetoolError):
-        k4.int4_group_quant_pack(torch.randn(8, 32, device=device), 12)
     with pytest.raises(MoetoolError):
         kq.fp8_block_quant(torch.randint(0, 3, (4, 4), device=device))
 
@@ -180,16 +113,3 @@ def test_fp8_block_matches_formats_package(shape, device):
     assert torch.equal(s.cpu(), t["weight_scale_inv"])
     assert torch.equal(fmt.dequantize({"weight": q.cpu(), "weight_scale_inv": s.cpu()}),
                        kq.fp8_dequant_block_ref(q.cpu(), s.cpu()))
-
-
-@pytest.mark.parametrize("scale_dtype", FLOAT_DTYPES)
-@pytest.mark.parametrize("symmetric,group", [(True, 128), (False, 32), (True, 64)])
-def test_int4_matches_formats_package(symmetric, group, scale_dtype, device):
-    """The kernel equals moetool.formats' int4-group quantize (whole groups: K % g == 0)."""
-    fmt = _get_format("int4-group", group_size=group, symmetric=symmetric)
-    w = torch.randn(72, 256, dtype=torch.bfloat16)
-    w[:, :group] = 0.0  # an all-zero group (fp16 scale floor)
-    t = fmt.quantize(w, scale_dtype)
-    ours = k4.int4_group_quant_pack(w.to(device), group, symmetric, scale_dtype)
-    _assert_same(ours, t)
-    assert torch.equal(fmt.dequantize(t), k4.int4_dequant_ref(t, (72, 256), group))
