@@ -149,7 +149,8 @@ class WholeModelReport:
     failures: list[str] = field(default_factory=list)
     #: per rank: seconds per phase (build, read_shards, converted_forward (of it moe_route,
     #: moe_dispatch, moe_experts, moe_combine, moe_shared), read_reference, reference_forward,
-    #: compare) and memory (peak RSS; the most weights filled at once)
+    #: compare), the same per row (``row_timings_s``: {row: {phase: seconds}}) and memory
+    #: (peak RSS; the most weights filled at once)
     ranks: list[dict] = field(default_factory=list)
 
     @property
@@ -284,6 +285,9 @@ class _Clock:
 
     def __init__(self, device: torch.device | None = None):
         self.s: dict[str, float] = {}
+        #: the same per report row (embed, a layer's index, head): {row: {phase: seconds}}
+        self.rows: dict[str, dict[str, float]] = {}
+        self.row = "embed"
         self.cuda = device is not None and device.type == "cuda"
 
     @contextmanager
@@ -298,6 +302,8 @@ class _Clock:
 
     def add(self, phase: str, seconds: float) -> None:
         self.s[phase] = self.s.get(phase, 0.0) + seconds
+        row = self.rows.setdefault(self.row, {})
+        row[phase] = row.get(phase, 0.0) + seconds
 
 
 class DistributedMoE(torch.nn.Module):
@@ -400,6 +406,7 @@ def _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts
 
     for i in range(len(conv.layers)):
         name = str(i)
+        clock.row = name
         layer = conv.layers[i]
         moe = conv.moe_index.get(i)
         mlp_attr = conv.mlp_attr(layer)
@@ -464,6 +471,7 @@ def _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts
         ref.empty(rlayer)
 
     # final norm and lm_head
+    clock.row = "head"
     with clock("read_shards"):
         norm = conv.fill(conv.base.norm, "model.norm.")
         head = conv.fill(conv.model.lm_head, "lm_head.")
@@ -475,7 +483,8 @@ def _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts
     if topo.device.type == "cuda":
         memory["gpu_peak_mb"] = torch.cuda.max_memory_allocated(topo.device) / 2**20
     if ref is None:
-        return {"group": topo.group_index, "reporting": False, "timings_s": clock.s, "memory": memory}
+        return {"group": topo.group_index, "reporting": False, "timings_s": clock.s, "row_timings_s": clock.rows,
+                "memory": memory}
     with clock("read_reference"):
         rnorm = ref.fill(ref.base.norm, "model.norm.")
         rhead = ref.fill(ref.model.lm_head, "lm_head.")
@@ -495,6 +504,7 @@ def _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts
                                     for m in spec.moe_layers),
             "kinds": {str(i): ("moe" if i in conv.moe_index else "dense") for i in range(len(conv.layers))},
             "timings_s": clock.s,
+            "row_timings_s": clock.rows,
             "memory": {**memory, "reference_weights_peak_mb": ref.peak_bytes / 2**20, "rss_peak_mb": _peak_rss_mib(),
                        **({"gpu_peak_mb": torch.cuda.max_memory_allocated(topo.device) / 2**20}
                           if topo.device.type == "cuda" else {})}}
@@ -600,7 +610,8 @@ def verify_whole_model_many(jobs: list[tuple], *, revision: str | None = None,
         th = {**thresholds_for(fmt), **(thresholds or {})}
         groups = [r[j] for r in results if r[j]["reporting"]]
         report = build_report(str(shards.root), ref_root, fmt, opts, backend, th, ids, source, groups)
-        report.ranks = [{"rank": k, "timings_s": r[j]["timings_s"], "memory": r[j]["memory"]} for k, r in enumerate(results)]
+        report.ranks = [{"rank": k, "timings_s": r[j]["timings_s"], "row_timings_s": r[j]["row_timings_s"],
+                         "memory": r[j]["memory"]} for k, r in enumerate(results)]
         reports.append(report)
     return reports
 

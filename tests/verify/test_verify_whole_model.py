@@ -334,9 +334,11 @@ def test_ranks_hold_one_layer_at_a_time(world):
 
 
 def test_a_model_transformers_cannot_load_fails_before_the_ranks(tiny, tmp_path):
-    """moetool's own synthetic DeepSeek-V3 writes plain q/k/v attention, not MLA: one line naming
-    the tensor transformers needs, from the parent (no rank is started)."""
+    """A DeepSeek-V3 checkpoint without one of its MLA projections: one line naming the tensor
+    transformers needs, from the parent (no rank is started)."""
     model = tiny("deepseek_v3", hidden=64, intermediate=32)
+    name = "model.layers.0.self_attn.q_a_proj.weight"
+    rewrite_file(file_of(model, name), lambda t: t.pop(name))
     shard(model, tmp_path / "shards", 2, progress=False)
     with pytest.raises(MoetoolError, match=r"no tensor for transformers' model\.layers\.0\.self_attn\.q_a_proj\.weight"):
         verify_whole_model_many([(tmp_path / "shards", model, OPTS)])

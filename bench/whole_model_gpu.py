@@ -1,0 +1,240 @@
+"""`moetool verify --whole-model` on a GPU at full DeepSeek-V3 size: time per phase, per layer,
+and the extrapolation to the 61-layer model.
+
+    python bench/whole_model_gpu.py --workdir /tmp/wm            # 1 dense + 1 MoE layer
+    python bench/whole_model_gpu.py --moe-layers 2 --workdir ...  # needs ~90 GB of disk
+
+1. writes a DeepSeek-V3 checkpoint of real dimensions (hidden 7168, MLA attention with 128
+   heads, q/kv LoRA ranks 1536/512, 256 routed experts of intermediate 2048 + 1 shared, top-8
+   of 8 groups, vocab 129280), ``--dense-layers`` dense layers then ``--moe-layers`` MoE
+   layers, bf16, tensor names from transformers' own DeepseekV3 module (per-expert on disk),
+   values N(0, 1/fan_in) made on the GPU; times `cp` of it to a second folder (the disk's
+   read+write floor) and a plain read of it (the read floor);
+2. `moetool quantize --format fp8-block --device cuda` and `moetool shard --ep 1`;
+3. `moetool verify --whole-model --ep 1 --experts triton` (served numerics) with --json, and
+   prints the report's per-phase seconds, the MoE block's own phases, memory, and per layer.
+
+Extrapolation to 61 layers (3 dense + 58 MoE) is printed from the measured per-layer times:
+the reference side reads the whole bf16 layer on the reporting rank, the converted side
+its 1/ep share of the experts.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+DSV3 = dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], hidden_size=7168,
+            intermediate_size=18432, moe_intermediate_size=2048, num_attention_heads=128, num_key_value_heads=128,
+            n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4,
+            q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+            routed_scaling_factor=2.5, norm_topk_prob=True, topk_method="noaux_tc", scoring_func="sigmoid",
+            vocab_size=129280, rms_norm_eps=1e-6, max_position_embeddings=4096, rope_theta=10000.0,
+            hidden_act="silu", tie_word_embeddings=False, torch_dtype="bfloat16")
+
+
+def tensor_specs(cfg: dict) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """(name, shape, dtype) of every tensor as DeepSeek-V3 stores them: transformers' module
+    on the meta device gives the names and shapes; fused experts become per-expert linears."""
+    import transformers
+
+    conf = transformers.DeepseekV3Config(**{k: v for k, v in cfg.items() if k not in ("model_type", "architectures",
+                                                                                      "torch_dtype")})
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(conf)
+    out = []
+    for name, t in model.state_dict().items():
+        if name.endswith("experts.gate_up_proj"):  # [E, 2N, H]
+            E, two_n, H = t.shape
+            base = name[: -len("gate_up_proj")]
+            for e in range(E):
+                out += [(f"{base}{e}.gate_proj.weight", (two_n // 2, H), torch.bfloat16),
+                        (f"{base}{e}.up_proj.weight", (two_n // 2, H), torch.bfloat16)]
+        elif name.endswith("experts.down_proj"):  # [E, H, N]
+            E, H, N = t.shape
+            base = name[: -len("down_proj")]
+            out += [(f"{base}{e}.down_proj.weight", (H, N), torch.bfloat16) for e in range(E)]
+        else:
+            dtype = torch.float32 if name.endswith("e_score_correction_bias") else torch.bfloat16
+            out.append((name, tuple(t.shape), dtype))
+    return out
+
+
+#: --small: the same structure at toy size, to try the script on a CPU
+SMALL = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_attention_heads=4,
+             num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+             v_head_dim=16, vocab_size=512)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_value(name: str, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    dev = DEV
+    if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+        return torch.ones(shape, dtype=dtype)
+    if name.endswith("e_score_correction_bias"):
+        return (torch.randn(shape, generator=gen, device=dev) * 0.1).to(dtype).cpu()
+    scale = 1.0 if "embed_tokens" in name else 1 / math.sqrt(shape[-1])
+    if name.endswith("mlp.gate.weight"):
+        scale *= 4  # a decisive router, as trained ones are
+    return (torch.randn(shape, generator=gen, device=dev) * scale).to(dtype).cpu()
+
+
+def write_model(path: Path, cfg: dict, shard_bytes: float) -> float:
+    """Stream the checkpoint to ``path`` (files of about ``shard_bytes``); returns GB written."""
+    from moetool.convert.output import OutputDir
+    from moetool.read.safetensors import SAFETENSORS_METADATA, TensorSpec
+
+    specs = tensor_specs(cfg)
+    files: list[list] = [[]]
+    size = 0
+    for s in specs:
+        n = math.prod(s[1]) * s[2].itemsize
+        if files[-1] and size + n > shard_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(s)
+        size += n
+    out = OutputDir(path, force=True)
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    weight_map, total = {}, 0
+    for i, part in enumerate(files):
+        fname = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+        tspecs = [TensorSpec(n, d, sh) for n, sh, d in part]
+        out.write_safetensors(fname, tspecs, ((n, make_value(n, sh, d, gen)) for n, sh, d in part),
+                              metadata=SAFETENSORS_METADATA)
+        weight_map.update({n: fname for n, _, _ in part})
+        total += sum(math.prod(sh) * d.itemsize for _, sh, d in part)
+    out.write_json("model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+    out.write_json("config.json", cfg)
+    out.finish({"kind": "checkpoint"})
+    (path / "manifest.json").unlink()  # an input checkpoint, not a moetool output
+    return total / 1e9
+
+
+def timed(cmd: list[str], log: Path) -> float:
+    """Run ``cmd``, stdout to ``log`` and stderr to ``log``.err; seconds of wall time."""
+    t0 = time.perf_counter()
+    with open(log, "w") as f, open(f"{log}.err", "w") as e:
+        p = subprocess.run(cmd, stdout=f, stderr=e)
+    dt = time.perf_counter() - t0
+    if p.returncode not in (0, 1):  # 1: verify ran and some check failed; the report says which
+        print(Path(f"{log}.err").read_text()[-3000:], file=sys.stderr)
+        raise SystemExit(f"{' '.join(cmd[:4])}... exited {p.returncode}")
+    return dt
+
+
+def drop_caches() -> None:
+    subprocess.run(["sync"])
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError:
+        pass
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/wm"))
+    ap.add_argument("--dense-layers", type=int, default=1)
+    ap.add_argument("--moe-layers", type=int, default=1)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--tokens", type=int, default=2048, help="per dp group: sequences x --seq-len")
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--format", default="fp8-block")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--small", action="store_true", help="toy dimensions (try the script on a CPU)")
+    args = ap.parse_args()
+    w = args.workdir
+    w.mkdir(parents=True, exist_ok=True)
+    cfg = dict(DSV3, **(SMALL if args.small else {}), num_hidden_layers=args.dense_layers + args.moe_layers, first_k_dense_replace=args.dense_layers,
+               n_routed_experts=args.experts)
+    src, q, sh = w / "model", w / f"model-{args.format}", w / f"model-{args.format}-ep1"
+    moetool = [sys.executable, "-m", "moetool"]
+    res: dict = {"config": {k: cfg[k] for k in ("hidden_size", "n_routed_experts", "moe_intermediate_size",
+                                                 "num_hidden_layers", "first_k_dense_replace")},
+                 "gpu": torch.cuda.get_device_name(0) if DEV == "cuda" else "cpu"}
+    t0 = time.perf_counter()
+    res["model_gb"] = write_model(src, cfg, 5e9)
+    res["write_s"] = time.perf_counter() - t0
+    drop_caches()
+    t0 = time.perf_counter()
+    subprocess.run(["sh", "-c", f"cat {src}/*.safetensors > /dev/null"], check=True)
+    res["read_floor_s"] = time.perf_counter() - t0
+    res["read_floor_gbps"] = res["model_gb"] / res["read_floor_s"]
+    drop_caches()
+    res["quantize_s"] = timed(moetool + ["quantize", str(src), str(q), "--format", args.format, "--device", DEV,
+                                         "--force"], w / "quantize.log")
+    res["shard_s"] = timed(moetool + ["shard", str(q), str(sh), "--ep", "1", "--force"], w / "shard.log")
+    shutil.rmtree(q)  # the disk holds the model and the shards, not three copies
+    res["shards_gb"] = sum(f.stat().st_size for f in sh.rglob("*.safetensors")) / 1e9
+    drop_caches()
+    report_path = w / "report.json"
+    res["verify_wall_s"] = timed(moetool + ["verify", str(sh), "--ref", str(src), "--whole-model", "--ep", "1",
+                                            "--dp", "1", "--experts", "triton" if DEV == "cuda" else "torch", "--tokens", str(args.tokens),
+                                            "--seq-len", str(args.seq_len), "--json"], report_path)
+    text = report_path.read_text()
+    report = json.loads(text)
+    rank = report["ranks"][0]
+    res["phases_s"] = rank["timings_s"]
+    res["row_phases_s"] = rank["row_timings_s"]
+    res["memory"] = rank["memory"]
+    res["rows"] = [{k: r[k] for k in ("name", "kind", "stream_rel_err", "layer_rel_err", "mlp_rel_err")}
+                   for r in report["rows"]]
+    res["logits"] = report["logits"]
+    res["passed"] = report["passed"]
+    moe_ref_gb = 3 * cfg["moe_intermediate_size"] * cfg["hidden_size"] * args.experts * 2 / 1e9
+    res["moe_layer_reference_gb"] = moe_ref_gb
+
+    ph = res["phases_s"]
+    print(f"\n{res['gpu']}: DeepSeek-V3 dims, {args.dense_layers} dense + {args.moe_layers} MoE layers, "
+          f"{args.experts} experts; model {res['model_gb']:.1f} GB bf16, shards {res['shards_gb']:.1f} GB {args.format}")
+    print(f"write {res['write_s']:.1f} s; read floor (cat, cold) {res['read_floor_s']:.1f} s = "
+          f"{res['read_floor_gbps']:.2f} GB/s; quantize {res['quantize_s']:.1f} s; shard {res['shard_s']:.1f} s")
+    print(f"verify --whole-model wall {res['verify_wall_s']:.1f} s ({'PASSED' if res['passed'] else 'FAILED'}), "
+          f"{args.tokens} tokens x {args.seq_len}:")
+    print(f"{'phase':<22} {'seconds':>8}")
+    for k, v in ph.items():
+        print(f"{k:<22} {v:>8.3f}")
+    print("memory:", ", ".join(f"{k} {v:.0f}" for k, v in res["memory"].items()))
+    for r in res["rows"]:
+        print(f"  row {r['name']:>5} {r['kind']:>5} stream {r['stream_rel_err']:.2e} own {r['layer_rel_err']:.2e} "
+              f"mlp {r['mlp_rel_err'] if r['mlp_rel_err'] is None else format(r['mlp_rel_err'], '.2e')}")
+    print("logits:", {k: v for k, v in res["logits"].items() if v is not None})
+    rows = res["row_phases_s"]
+
+    def total(row: dict) -> float:  # moe_* phases are parts of converted_forward
+        return sum(v for k, v in row.items() if not k.startswith("moe_"))
+
+    per = {kind: [total(rows[r["name"]]) for r in res["rows"] if r["kind"] == kind and r["name"] in rows]
+           for kind in ("dense", "moe")}
+    print(f"{'row':<6} " + " ".join(f"{p:>17}" for p in ph))
+    for name, t in rows.items():
+        print(f"{name:<6} " + " ".join(f"{t.get(p, 0.0):>17.3f}" for p in ph))
+    if per["moe"]:
+        moe = sum(per["moe"]) / len(per["moe"])
+        dense = sum(per["dense"]) / len(per["dense"]) if per["dense"] else 0.0
+        ends = sum(total(rows.get(r, {})) for r in ("embed", "head"))  # build is in the embed row
+        one_gpu = ends + 3 * dense + 58 * moe
+        mo = rows[next(r["name"] for r in res["rows"] if r["kind"] == "moe")]
+        ref_side = mo.get("read_reference", 0.0) + mo.get("reference_forward", 0.0)
+        conv_side = moe - ref_side
+        # 8 GPUs, ep 8: the converted side's expert reads and compute split 8 ways; the reporting
+        # rank still reads and runs the whole bf16 reference layer
+        node = ends + 3 * dense + 58 * (ref_side + conv_side / 8)
+        res["extrapolation_61_layers_s"] = {"one_gpu": one_gpu, "8_gpus_ep8_estimate": node,
+                                            "per_moe_layer_s": moe, "per_dense_layer_s": dense}
+        print(f"per MoE layer {moe:.1f} s (reference side {ref_side:.1f} s), per dense layer {dense:.1f} s; "
+              f"61 layers (3 dense + 58 MoE): {one_gpu / 60:.1f} min on this GPU, ~{node / 60:.1f} min on an "
+              f"8-GPU node at ep 8 (estimate: the reference side does not split)")
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()
