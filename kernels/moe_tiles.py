@@ -11,10 +11,10 @@ multiprocessors.
    times every candidate on that GPU), holds per (scheme, E, N, H, k[, g]) the best tiles at a
    few token counts; a call takes the entry of the nearest token count (log scale);
 2. otherwise the rules of :func:`rule_config`, which follow from how the kernel spends its time:
-   at T <= 16 the weights' bytes are the whole cost and the kernel has no split-K, so BLOCK_N
-   shrinks until even a single active expert gives every SM a program; BLOCK_M follows the pairs
-   per expert, so an expert's rows fit one M tile and its weight tiles are read once; at many
-   pairs per expert the tiles grow to what the tensor cores need.
+   at T <= 16 the weights' bytes are the whole cost and the kernel has no split-K, so deep K
+   pipelines, and BLOCK_N shrinks until the call's expert blocks give every SM a program;
+   BLOCK_M follows the pairs per expert, so an expert's rows fit one M tile and its weight tiles
+   are read once; at many pairs per expert the tiles grow to what the tensor cores need.
 
 :func:`default_config` is the older choice by pairs per expert alone.
 """
@@ -114,35 +114,50 @@ def config_problem(scheme: str, cfg: MoeConfig, group_size: int = 128) -> str | 
     return None
 
 
+#: pairs per expert above which the GEMMs are compute-bound enough for the large tiles
+LARGE_PPE = 96
+
+
 def rule_config(scheme: str, E: int, N: int, H: int, top_k: int, T: int, act_dtype: torch.dtype,
                 group_size: int = 128, num_sms: int = DEFAULT_SMS) -> MoeConfig:
-    """Tiles for a shape no table holds (module docstring), from what the kernel is bound by.
+    """Tiles for a shape no table holds (module docstring), from what the kernel is bound by and
+    what ``bench/tune.py`` measured on an H100 (issue-17 shapes; ratios are to each cell's best).
 
-    T <= 16: BLOCK_M 16; BLOCK_N the largest of 128 / 64 / 32 with which min(E, T) expert blocks
-    (a rank of an expert-parallel layer may get no more: its other pairs are -1) times the
-    narrower GEMM's column tiles (min(2N, H) / BLOCK_N) reach num_sms programs; BLOCK_K 128 and
-    4 stages keep the weight loads in flight. More tokens: BLOCK_M the power of two >= 1.5x
-    the pairs per expert (T*k/E; the margin covers routing imbalance), 16 to 64, so each
-    expert's rows fit one M tile; past 128 pairs per expert the compute-bound tiles (dense
-    128 x 128 with 8 warps; fp8-block 64 x 128 x 128 with 4 warps and group 32, as vLLM's
-    defaults, found faster than 8 warps / group 8).
+    T <= 16 (weight bytes are the cost; the kernel has no split-K): BLOCK_M 16, BLOCK_K 128 and
+    4 stages keep weight loads in flight (BLOCK_K 64: 4-24 % slower, 3 stages up to 17 %); BLOCK_N the
+    largest of 128 / 64 / 32 with which min(E, T*k) expert blocks times the narrower GEMM's
+    column tiles (min(2N, H) / BLOCK_N) give every SM a program. Under expert parallelism fewer
+    experts are local: DeepSeek-V3 EP8 at T=1 (~1.5 local experts) ran BLOCK_N 128 within
+    1.2 % of its best, while BLOCK_N 32 on all 256 experts ran 15 % slower. int4 keeps BLOCK_N
+    128, BLOCK_K 64: its packed rows are BLOCK_K / 2 bytes long, and narrower tiles ran
+    12-66 % slower.
+
+    More tokens: BLOCK_M the power of two >= 1.5x the pairs per expert (T*k/E, an upper bound:
+    -1 pairs included; the margin covers routing imbalance), 16 to 64, so an expert's rows fit
+    one M tile (Mixtral T=128, ~32 pairs per expert: BLOCK_M 16 took 2.0x the time of 64).
+    Past LARGE_PPE pairs per expert the compute-bound tiles: dense 128 x 256 x 64 with 8
+    warps (128 x 128: 7-21 % slower); fp8-block 64 x 128 x 128 with 4 warps and group 32
+    (8 warps / group 8, the older default: 35-56 % slower); fp8-channel and int4 BLOCK_M 128.
     """
     sch = SCHEMES[scheme]
     ppe = T * top_k / max(E, 1)
-    kind = "int4" if sch.groups else "fp8" if sch.fp8_acts else "dense"  # fp8: e4m3 x e4m3 dots
+    kind = "int4" if sch.groups else scheme if sch.fp8_acts else "dense"
     if T <= DECODE_T:
-        narrow = min(2 * N, H)
-        blocks = max(1, min(E, T))
-        bn = next((b for b in (128, 64, 32) if blocks * triton.cdiv(narrow, b) >= num_sms), 32)
-        cfg = MoeConfig(16, bn, 64 if kind == "int4" else 128, 1, 4, 4)
-    elif ppe > 128:
-        cfg = MoeConfig(*{"dense": (128, 128, 64, 16, 8, 3), "fp8": (64, 128, 128, 32, 4, 3),
-                          "int4": (64, 128, 64, 8, 4, 3)}[kind])
+        if kind == "int4":
+            cfg = MoeConfig(16, 128, 64, 1, 4, 4)
+        else:
+            narrow = min(2 * N, H)
+            blocks = max(1, min(E, T * top_k))
+            bn = next((b for b in (128, 64, 32) if blocks * triton.cdiv(narrow, b) >= num_sms), 32)
+            cfg = MoeConfig(16, bn, 128, 1, 4, 4)
+    elif ppe > LARGE_PPE:
+        cfg = MoeConfig(*{"dense": (128, 256, 64, 8, 8, 4), "fp8-block": (64, 128, 128, 32, 4, 3),
+                          "fp8-channel": (128, 128, 128, 8, 4, 3), "int4": (128, 128, 64, 8, 4, 3)}[kind])
     else:
         bm = min(64, max(16, triton.next_power_of_2(math.ceil(1.5 * ppe))))
-        cfg = {"dense": MoeConfig(bm, 128, 64 if bm > 16 else 128, 8, 4, 3),
-               "fp8": MoeConfig(bm, 128, 128, 32 if bm >= 64 else 8, 4, 3),
-               "int4": MoeConfig(bm, 64, 64, 8, 4, 4)}[kind]
+        gm = 1 if bm == 16 else 8
+        cfg = {"dense": MoeConfig(bm, 128, 128, gm, 4, 3), "fp8-block": MoeConfig(bm, 128, 128, gm, 4, 3),
+               "fp8-channel": MoeConfig(bm, 64, 128, gm, 4, 3), "int4": MoeConfig(bm, 128, 64, gm, 4, 3)}[kind]
     return _fit(sch, cfg, act_dtype, group_size)
 
 
