@@ -14,6 +14,8 @@ from moetool.formats import Mxfp4, common, read_format_params
 from moetool.formats.mxfp4 import E2M1_VALUES, e2m1_decode, e2m1_encode, e8m0_to_float, pack_fp4, unpack_fp4
 from moetool.kernels import fp4_quant as k4
 
+#: the Triton kernel's device: CUDA when present, else the CPU under TRITON_INTERPRET (tests/conftest.py)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FMT = Mxfp4()
 
 
@@ -102,13 +104,13 @@ def test_banded_quantizer_equals_the_kernel_reference_and_measures_exactly(shape
 
 
 def test_quantize_cuda_is_the_cpu_quantize():
-    """The Triton kernel (interpreted on CPU) writes the same bytes."""
-    w = random_weight((96, 256))
+    """The Triton kernel (on CUDA, or interpreted on CPU) writes the same bytes."""
+    w = random_weight((96, 256)).to(DEVICE)
     got = FMT.quantize_cuda(w, torch.bfloat16)
-    assert all(torch.equal(got[s], v) for s, v in FMT.quantize(w, torch.bfloat16).items())
+    assert all(torch.equal(got[s].cpu(), v) for s, v in FMT.quantize(w.cpu(), torch.bfloat16).items())
     w[3, 3] = float("nan")
     assert FMT.quantize_cuda(w, torch.bfloat16) is None
-    assert FMT.quantize_cuda(torch.zeros(4, 48), torch.bfloat16) is None
+    assert FMT.quantize_cuda(torch.zeros(4, 48, device=DEVICE), torch.bfloat16) is None
 
 
 def test_dequantize_is_code_value_times_a_power_of_two():

@@ -14,6 +14,8 @@ from moetool.formats import FORMATS, Nvfp4, common, detect_format, read_format_p
 from moetool.formats.mxfp4 import E2M1_VALUES, e2m1_decode, unpack_fp4
 from moetool.kernels import fp4_quant as k4
 
+#: the Triton kernel's device: CUDA when present, else the CPU under TRITON_INTERPRET (tests/conftest.py)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FMT = Nvfp4()
 
 
@@ -102,14 +104,15 @@ def test_banded_quantizer_equals_the_kernel_reference_and_measures_exactly(shape
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy on NaN / Inf
 def test_quantize_cuda_is_the_cpu_quantize():
-    """The Triton kernel (interpreted on CPU) writes the same bytes; a weight with NaN or Inf
+    """The Triton kernel (on CUDA, or interpreted on CPU) writes the same bytes; a weight with NaN or Inf
     gets None (a NaN or zero global scale), so the caller's ``quantize`` names it."""
-    w = random_weight((96, 256))
-    assert same(FMT.quantize_cuda(w, torch.bfloat16), FMT.quantize(w, torch.bfloat16))
+    w = random_weight((96, 256)).to(DEVICE)
+    got = FMT.quantize_cuda(w, torch.bfloat16)
+    assert same({s: t.cpu() for s, t in got.items()}, FMT.quantize(w.cpu(), torch.bfloat16))
     for bad in (float("nan"), float("inf")):
         w[3, 3] = bad
         assert FMT.quantize_cuda(w, torch.bfloat16) is None
-    assert FMT.quantize_cuda(torch.zeros(4, 40), torch.bfloat16) is None
+    assert FMT.quantize_cuda(torch.zeros(4, 40, device=DEVICE), torch.bfloat16) is None
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
