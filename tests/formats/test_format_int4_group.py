@@ -8,6 +8,7 @@ import torch
 from moetool.errors import MoetoolError
 from moetool.formats import Int4Group, int4_group_quant_ref, pack_int4, unpack_int4
 from moetool.formats import common
+from moetool.formats import int4_group
 from moetool.formats.int4_group import MSE_SEARCH, pairwise_sum
 
 SHAPES_AND_GROUPS = [
@@ -310,7 +311,7 @@ def test_mse_is_never_worse_than_none_in_any_group(symmetric):
 
     def group_errors(fmt):
         d = (fmt.dequantize(fmt.quantize(w, torch.bfloat16)) - w32).view(64, 8, 128)
-        return pairwise_sum((d * d).reshape(-1, 128).t().contiguous())
+        return pairwise_sum((d * d).reshape(-1, 128))
 
     plain, searched = group_errors(none), group_errors(mse)
     assert (searched <= plain).all()
@@ -325,11 +326,13 @@ def test_mse_lowers_the_error_on_random_weights(symmetric, seed):
     assert rel_err(Int4Group(128, symmetric, "mse"), w) < MSE_GAIN[symmetric] * rel_err(Int4Group(128, symmetric), w)
 
 
-@pytest.mark.parametrize("elements", [1 << 12, 1 << 19], ids=["small-bands", "default-bands"])
+@pytest.mark.parametrize("elements", [(1 << 12, 1 << 10), (1 << 19, 1 << 18)], ids=["small-bands", "default-bands"])
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("orig_dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_mse_measured_matches_quantize(elements, symmetric, orig_dtype, monkeypatch):
-    monkeypatch.setattr(common, "BAND_ELEMENTS", elements)
+    """Bands of rows (measured) and chunks of groups (the search) of any size: the same bytes."""
+    monkeypatch.setattr(common, "BAND_ELEMENTS", elements[0])
+    monkeypatch.setattr(int4_group, "MSE_CHUNK", elements[1])
     w = random_weight((200, 384), orig_dtype, seed=5)
     w[0, :128] = 0  # an all-zero group
     w[-1, -9:] *= 50  # outliers

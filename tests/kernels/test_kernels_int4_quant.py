@@ -85,9 +85,9 @@ def test_pairwise_sum_ref_adds_halves():
     assert k4.pairwise_sum_ref(x).item() == 2.0
     from moetool.formats.int4_group import pairwise_sum
 
-    y = torch.randn(96, 40) ** 2
-    padded = torch.cat([y, torch.zeros(32, 40)])
-    assert torch.equal(pairwise_sum(y.clone()), k4.pairwise_sum_ref(padded.t().contiguous()))
+    y = torch.randn(40, 96) ** 2  # 96: zeros pad it to 128 in the reference
+    padded = torch.cat([y, torch.zeros(40, 32)], dim=1)
+    assert torch.equal(pairwise_sum(y.clone()), k4.pairwise_sum_ref(padded))
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
