@@ -1,8 +1,16 @@
 """Tiny synthetic MoE checkpoints in the real on-disk layout of each family, written with our
-own streaming writer. Used by ``moetool demo`` and the tests (no download, a few MB)."""
+own streaming writer. Used by ``moetool demo`` and the tests (no download, a few MB).
+
+Each is a whole model transformers loads (``AutoModelForCausalLM.from_pretrained``, no missing
+and no unexpected weights): the family's own attention (GQA with Qwen2-MoE's q/k/v biases,
+Qwen3-MoE's per-head and OLMoE's whole-projection q/k norms, gpt-oss's biases and sinks,
+DeepSeek-V2/V3's multi-head latent attention) and every config key its transformers config
+reads, so ``verify --whole-model`` runs on it too.
+"""
 from __future__ import annotations
 
 import math
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -44,6 +52,9 @@ FAMILY_LAYOUT = {  # moe module, router module, per-expert linear names (None = 
     "llama4": ("feed_forward", "router", None),
     "gpt_oss": ("mlp", "router", None),
 }
+#: families with multi-head latent attention (q_a/q_b, kv_a_proj_with_mqa/kv_b, their norms)
+MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
+HEADS = 4
 #: the two layouts transformers saves (see tiny_tensors)
 LAYOUTS = ("original", "v5")
 #: the MoE module where transformers' v5 layout renames it
@@ -52,12 +63,23 @@ V5_MOE_MODULE = {"mixtral": "mlp"}
 
 def tiny_config(family: str, *, hidden: int, intermediate: int, experts: int, top_k: int, layers: int,
                 dtype: torch.dtype) -> dict:
+    """config.json of a tiny model: ``HEADS`` attention heads of hidden / HEADS (a multiple of
+    16: MLA's rotary part is half a head), 2 key-value heads (MLA: one per head), MLA ranks
+    hidden / 2 (q) and hidden / 4 (kv)."""
+    if hidden % (4 * HEADS):
+        raise ValueError(f"hidden {hidden}: tiny models need a multiple of {4 * HEADS}")
     base = dict(FAMILY_CONFIGS[family])
     sizes = {"E": experts, "N": intermediate, "2N": 2 * intermediate}
     cfg = {k: (sizes[v] if isinstance(v, str) and v in sizes else v) for k, v in base.items()}
+    head_dim = hidden // HEADS
     cfg.update(hidden_size=hidden, num_hidden_layers=layers, num_experts_per_tok=top_k, vocab_size=128,
-               num_attention_heads=4, num_key_value_heads=2, torch_dtype=str(dtype).replace("torch.", ""),
-               rms_norm_eps=1e-6)
+               num_attention_heads=HEADS, torch_dtype=str(dtype).replace("torch.", ""), rms_norm_eps=1e-6,
+               hidden_act="silu", tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    if family in MLA_FAMILIES:
+        cfg.update(num_key_value_heads=HEADS, q_lora_rank=hidden // 2, kv_lora_rank=hidden // 4,
+                   qk_nope_head_dim=head_dim, qk_rope_head_dim=head_dim // 2, v_head_dim=head_dim)
+    else:
+        cfg.update(num_key_value_heads=2, head_dim=head_dim)
     return cfg
 
 
@@ -79,6 +101,9 @@ def tiny_tensors(family: str, cfg: dict, *, seed: int = 0, layout: str = "origin
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r}: expected one of {LAYOUTS}")
     g = torch.Generator().manual_seed(seed)
+    # attention has its own generator: the main one draws what the first writer drew, in the
+    # same order, so every other tensor of a seed keeps its values (and what was measured on them)
+    g_attn = torch.Generator().manual_seed(seed + (1 << 32))
     dtype = getattr(torch, cfg["torch_dtype"])
     H, E = cfg["hidden_size"], _experts(cfg)
     N = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
@@ -86,9 +111,9 @@ def tiny_tensors(family: str, cfg: dict, *, seed: int = 0, layout: str = "origin
     if layout == "v5":
         moe_module = V5_MOE_MODULE.get(family, moe_module)
 
-    def rnd(*shape, scale=None):
+    def rnd(*shape, scale=None, gen=g):
         fan_in = shape[-1]
-        return (torch.randn(*shape, generator=g) * (scale if scale is not None else 1 / math.sqrt(fan_in))).to(dtype)
+        return (torch.randn(*shape, generator=gen) * (scale if scale is not None else 1 / math.sqrt(fan_in))).to(dtype)
 
     t: dict[str, torch.Tensor] = {"model.embed_tokens.weight": rnd(cfg["vocab_size"], H, scale=1.0)}
     moe = set(moe_layer_indices(cfg))
@@ -96,8 +121,9 @@ def tiny_tensors(family: str, cfg: dict, *, seed: int = 0, layout: str = "origin
         p = f"model.layers.{i}"
         t[f"{p}.input_layernorm.weight"] = torch.ones(H, dtype=dtype)
         t[f"{p}.post_attention_layernorm.weight"] = torch.ones(H, dtype=dtype)
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            t[f"{p}.self_attn.{proj}.weight"] = rnd(H, H)
+        for _ in range(4):  # the first writer's q, k, v, o [H, H] (see g_attn)
+            torch.randn(H, H, generator=g)
+        t.update(_attention(family, cfg, f"{p}.self_attn", partial(rnd, gen=g_attn)))
         if i not in moe:
             inter = cfg["intermediate_size"]
             t[f"{p}.mlp.gate_proj.weight"] = rnd(inter, H)
@@ -144,6 +170,36 @@ def tiny_tensors(family: str, cfg: dict, *, seed: int = 0, layout: str = "origin
                 t[f"{m}.shared_expert_gate.weight"] = rnd(1, H)
     t["model.norm.weight"] = torch.ones(H, dtype=dtype)
     t["lm_head.weight"] = rnd(cfg["vocab_size"], H)
+    return t
+
+
+def _attention(family: str, cfg: dict, a: str, rnd) -> dict[str, torch.Tensor]:
+    """The attention tensors of one layer (``a``: its ``model.layers.{i}.self_attn``), as the
+    family's transformers module holds them. Norm weights are 1 + noise, so a swap shows."""
+    H, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+
+    def norm(n: int) -> torch.Tensor:
+        return 1 + rnd(n, scale=0.1)
+
+    if family in MLA_FAMILIES:
+        q_rank, kv_rank, v = cfg["q_lora_rank"], cfg["kv_lora_rank"], cfg["v_head_dim"]
+        nope, rope = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"]
+        return {f"{a}.q_a_proj.weight": rnd(q_rank, H), f"{a}.q_a_layernorm.weight": norm(q_rank),
+                f"{a}.q_b_proj.weight": rnd(heads * (nope + rope), q_rank),
+                f"{a}.kv_a_proj_with_mqa.weight": rnd(kv_rank + rope, H), f"{a}.kv_a_layernorm.weight": norm(kv_rank),
+                f"{a}.kv_b_proj.weight": rnd(heads * (nope + v), kv_rank), f"{a}.o_proj.weight": rnd(H, heads * v)}
+    q, kv = heads * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
+    t = {f"{a}.q_proj.weight": rnd(q, H), f"{a}.k_proj.weight": rnd(kv, H), f"{a}.v_proj.weight": rnd(kv, H),
+         f"{a}.o_proj.weight": rnd(H, q)}
+    if family in ("qwen2_moe", "gpt_oss"):
+        t.update({f"{a}.q_proj.bias": rnd(q, scale=0.02), f"{a}.k_proj.bias": rnd(kv, scale=0.02),
+                  f"{a}.v_proj.bias": rnd(kv, scale=0.02)})
+    if family == "gpt_oss":
+        t.update({f"{a}.o_proj.bias": rnd(H, scale=0.02), f"{a}.sinks": rnd(heads, scale=1.0)})
+    if family == "qwen3_moe":  # per head
+        t.update({f"{a}.q_norm.weight": norm(cfg["head_dim"]), f"{a}.k_norm.weight": norm(cfg["head_dim"])})
+    if family == "olmoe":  # over the whole projection
+        t.update({f"{a}.q_norm.weight": norm(q), f"{a}.k_norm.weight": norm(kv)})
     return t
 
 

@@ -246,7 +246,7 @@ def test_requantize_fully_fp8_model(tmp_path, cli):
     r = cli("quantize", src, out, "--int4", "--quiet")
     assert r.code == 0, r.err
     got, orig = read_tensors(out), read_tensors(src)
-    q = "model.layers.0.self_attn.q_proj"
+    q = "model.layers.0.self_attn.q_a_proj"
     assert f"{q}.weight_scale_inv" not in got
     want = Fp8Block().dequantize({"weight": orig[f"{q}.weight"], "weight_scale_inv": orig[f"{q}.weight_scale_inv"]})
     assert bit_equal(got[f"{q}.weight"], want.to(torch.bfloat16))
@@ -263,13 +263,13 @@ def test_requantize_fully_fp8_model(tmp_path, cli):
 
 def test_fp8_weight_without_scale_is_refused(tmp_path, cli):
     src = _all_fp8_checkpoint(tmp_path / "src")
-    name = "model.layers.0.self_attn.q_proj.weight_scale_inv"
+    name = "model.layers.0.self_attn.q_a_proj.weight_scale_inv"
     rewrite_file(file_of(src, name), lambda t: t.pop(name))
     for args in (["--int4"], ["--fp8-channel"]):
         r = cli("quantize", src, tmp_path / "out", *args, "--quiet")
         assert r.code == 2
-        assert r.error_line == ("model.layers.0.self_attn.q_proj.weight: float8_e4m3fn weight without its scale "
-                                "(model.layers.0.self_attn.q_proj.weight_scale_inv not found)")
+        assert r.error_line == ("model.layers.0.self_attn.q_a_proj.weight: float8_e4m3fn weight without its scale "
+                                "(model.layers.0.self_attn.q_a_proj.weight_scale_inv not found)")
         assert not (tmp_path / "out").exists()
 
 
@@ -311,7 +311,7 @@ def test_transformers_loads_quantized_moe(hf_model, cli, tmp_path, args, fmt):
                 g, u, d = reader.expert_fp32(layer, e)
                 assert torch.equal(gu[e], torch.cat([g, u]).to(torch.bfloat16)), (layer.index, e)
                 assert torch.equal(dn[e], d.to(torch.bfloat16)), (layer.index, e)
-        for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.gate.weight", "lm_head.weight"):
+        for name in ("model.layers.0.self_attn.q_a_proj.weight", "model.layers.1.mlp.gate.weight", "lm_head.weight"):
             assert torch.equal(state[name], ck.get(name)), name
 
 
