@@ -58,8 +58,9 @@ def _moe_gemm_kernel(
     FMT 1 fp8-block (W8A8): A, B e4m3; per 128-wide K block acc += (A@B) * a_s[m] * b_s[n];
           a_scale [rows, ceil(K/128)], b_scale rows: n // 128 below split_n, else
           split_nb + (n - split_n) // 128 (gate / up blocks stacked separately).
-    FMT 2 fp8-channel (W8A8, per token): A, B e4m3; acc = A@B over all of K, then times
-          a_s[m] * b_s[n] (a_scale [rows, 1], b_scale [E, N, 1]).
+    FMT 2 fp8-channel (W8A8, per token): A, B e4m3; acc = A@B over all of K (the tensor cores'
+          partial sums added into the fp32 acc every K tile), then times a_s[m] * b_s[n]
+          (a_scale [rows, 1], b_scale [E, N, 1]).
     FMT 3 int4-group (W4A16): B int32 [E, N, ceil(K/8)] nibbles, scale [E, N, ceil(K/g)],
           zero points [E, ceil(N/8), ceil(K/g)] (HAS_ZP); tile dequantized as (q - z) * s.
           GROUP_TILE: g % BLOCK_K == 0, so scales / zero points are loaded once per K tile.
@@ -147,7 +148,8 @@ def _moe_gemm_kernel(
         elif FMT == 2:
             b = _load_k(b_base + offs_bn64[None, :] * stride_bn + kk[:, None] * stride_bk,
                         None, k_mask[:, None], EVEN_K)  # [BK, BN] e4m3
-            acc = tl.dot(a, b, acc)
+            # Hopper's fp8 MMA keeps a narrower accumulator: fold it into the fp32 acc every K tile
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
         else:
             b = _load_k(b_base + offs_bn64[None, :] * stride_bn + kk[:, None] * stride_bk,
                         None, k_mask[:, None], EVEN_K)

@@ -27,9 +27,12 @@ ON_GPU = torch.cuda.is_available()
 # Largest ||out - emulation|| / ||emulation|| per hidden dtype: the emulation takes the kernels'
 # steps (per-token e4m3 hidden, gate/up and silu output rounded to the act dtype, per-token e4m3
 # intermediate), so what is left is fp32 summation order and the rare rounding step it flips.
-# Measured under the interpreter (fp16 / fp32, 3 shapes, seed 0): <= 4.5e-7. bf16 and e4m3
-# hidden (whose act dtype is bf16) only on the GPU: the interpreter's fp32 -> bf16 cast truncates.
-EMULATION_REL_ERR = {torch.float32: 1e-5, torch.float16: 1e-5, torch.bfloat16: 5e-3, E4M3: 5e-3}
+# Measured under the interpreter (fp16 / fp32, 3 shapes, seed 0): <= 4.5e-7. On the GPU the
+# tensor cores' fp8 partial sums (narrower than fp32 within a K tile) flip a few more steps.
+# bf16 and e4m3 hidden (whose act dtype is bf16) only on the GPU: the interpreter's fp32 -> bf16
+# cast truncates.
+EMULATION_REL_ERR = ({torch.float32: 2e-3, torch.float16: 2e-3, torch.bfloat16: 2e-3, E4M3: 2e-3} if ON_GPU
+                     else {torch.float32: 1e-5, torch.float16: 1e-5})
 # Smallest SQNR (dB) against the fp32 reference (weights dequantized, activations exact):
 # float hidden is quantized twice (input, intermediate), e4m3 hidden once more only in the
 # intermediate. Measured (interpreter, seed 0): float >= 25.1 dB, e4m3 >= 31.5 dB.
@@ -133,7 +136,7 @@ def test_a_broken_scale_fails_the_checks(broken, hdtype):
     activation scale doubled, lands far outside both limits (measured: 0.45 / 0.35 from the
     emulation, 6.8 / 9.2 dB; e4m3 hidden under the interpreter is ~2 % from its emulation at best)."""
     out, emu, ref = run(SHAPES[0], hdtype, break_scale=broken)
-    assert rel_err(out, emu) > 0.1 > EMULATION_REL_ERR[hdtype], rel_err(out, emu)
+    assert rel_err(out, emu) > 0.1 > EMULATION_REL_ERR.get(hdtype, 0.05), rel_err(out, emu)
     assert sqnr_db(out, ref) < SQNR_MIN_DB[hdtype], sqnr_db(out, ref)
 
 
