@@ -1,7 +1,9 @@
 """Outputs that are byte ranges of the input: the plan ``moetool.convert.byte_executor`` executes (pure values).
 
-When nothing is quantized and the experts of an unquantized checkpoint are stored per expert
-or stacked, every output tensor of ``repack`` and ``shard`` is a concatenation of input bytes:
+When nothing is quantized and the experts of an unquantized checkpoint are stored per expert,
+stacked, or fused as transformers v5 saves them (``experts.gate_up_proj`` [E, 2N, H], gate rows
+then up rows, ``experts.down_proj`` [E, H, N]: the stacked layout under other names), every
+output tensor of ``repack`` and ``shard`` is a concatenation of input bytes:
 
     Copy                         the tensor's bytes
     Stacked w13 [E', 2N, H]      for each expert: gate [N, H] then up [N, H] (or its slot of a stacked w13)
@@ -12,7 +14,8 @@ so an output file is its safetensors header followed by a list of :class:`Span` 
 offset, length). The groups, names and files are the same as the torch executor's
 (``moetool.convert.plan`` builds both); only the tensor specs come from the input headers here instead of
 probing converted experts. A checkpoint this module does not fully understand (quantized, fp8,
-fused experts, experts with other tensors than ``weight``, mismatched shapes...) is not
+input-first or interleaved fused experts, experts with biases or other tensors than ``weight``,
+mismatched shapes...) is not
 planned here: :func:`why_not_byte_copy` says why, and the torch executor takes it (and raises the
 error, where there is one).
 """
@@ -73,7 +76,8 @@ class ByteFile:
 
 def why_not_byte_copy(ckpt: Checkpoint, spec: ModelSpec) -> str | None:
     """None when every expert and non-expert tensor of ``ckpt`` can be written as input bytes
-    (dense weights, experts per expert or stacked, each expert like expert 0), else the reason."""
+    (dense weights, experts per expert, stacked or fused output-first, each expert like expert 0),
+    else the reason."""
     if ckpt.config.get("quantization_config") is not None:
         return "quantized checkpoint"
     for name, info in ckpt.tensors.items():
@@ -82,7 +86,9 @@ def why_not_byte_copy(ckpt: Checkpoint, spec: ModelSpec) -> str | None:
         if name.rpartition(".")[2] in QUANTIZED_ONLY_SUFFIXES:
             return f"{name}: part of a quantized linear"
     for layer in spec.moe_layers:
-        reason = _per_expert_reason(ckpt, layer) if layer.storage.kind == "per-expert" else _stacked_reason(ckpt, layer)
+        kind = layer.storage.kind
+        reason = (_per_expert_reason(ckpt, layer) if kind == "per-expert" else
+                  _fused_reason(ckpt, layer) if kind == "fused" else _stacked_reason(ckpt, layer))
         if reason:
             return f"{layer.prefix}: {reason}"
     return None
@@ -118,6 +124,28 @@ def _stacked_reason(ckpt: Checkpoint, layer: MoELayerSpec) -> str | None:
         if info.dtype_name not in FLOAT_DTYPES or info.shape != shape:
             return f"{base}_weight is {info.dtype_name}{list(info.shape)}, not float{list(shape)}"
     return None
+
+
+def _fused_reason(ckpt: Checkpoint, layer: MoELayerSpec) -> str | None:
+    st = layer.storage
+    if st.gate_up_input_first or st.down_input_first:
+        return "fused experts stored input-first"
+    if st.interleaved:
+        return "fused experts with gate/up rows interleaved"
+    if st.gate_up_bias or st.down_bias:
+        return "fused experts with biases"
+    n, h, e = layer.intermediate, layer.hidden, layer.n_stored
+    for name, shape in ((st.gate_up, (e, 2 * n, h)), (st.down, (e, h, n))):
+        info = ckpt.tensors[name]
+        if info.dtype_name not in FLOAT_DTYPES or info.shape != shape:
+            return f"{name} is {info.dtype_name}{list(info.shape)}, not float{list(shape)}"
+    return None
+
+
+def _experts_tensor(st, gate_up: bool) -> str:
+    """The stacked (``w13_weight``) or fused (``gate_up_proj``) tensor holding every expert."""
+    base = st.gate_up if gate_up else st.down
+    return base if st.kind == "fused" else f"{base}_weight"
 
 
 # ---------------------------------------------------------------------------------- groups as bytes
@@ -162,8 +190,8 @@ class ByteSource:
         """dtype and shape of one expert's linear: gate / up [N, H], down or w2 [H, N], w13 [2N, H]."""
         n, h = layer.intermediate, layer.hidden
         st = layer.storage
-        if st.kind == "stacked":
-            dtype = self.ckpt.tensors[f"{st.gate_up if which in ('w13', 'gate', 'up') else st.down}_weight"].dtype_name
+        if st.kind != "per-expert":
+            dtype = self.ckpt.tensors[_experts_tensor(st, which in ("w13", "gate", "up"))].dtype_name
         else:
             dtype = self.ckpt.tensors[f"{st.per_expert_bases(0)[0]}.weight"].dtype_name
         return dtype, {"w13": (2 * n, h), "gate": (n, h), "up": (n, h), "down": (h, n), "w2": (h, n)}[which]
@@ -172,7 +200,7 @@ class ByteSource:
         st = layer.storage
         if st.kind == "per-expert":
             return [_whole(self.ckpt.tensors[f"{st.per_expert_bases(e)[ROLES.index(role)]}.weight"])]
-        info = self.ckpt.tensors[f"{st.down if role == 'down' else st.gate_up}_weight"]
+        info = self.ckpt.tensors[_experts_tensor(st, role != "down")]
         slot = info.nbytes // info.shape[0]
         begin = info.begin + e * slot
         if role == "down":

@@ -120,12 +120,25 @@ def test_expert_unlike_expert_0_keeps_the_torch_error(tiny, copy_ckpt, cli, tmp_
     assert not (tmp_path / "o").exists()
 
 
-def test_fused_experts_go_to_torch(tiny, tmp_path):
-    src = tiny("qwen3_moe", layout="v5")
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_transformers_v5_fused_same_bytes(tiny, tmp_path, monkeypatch, family):
+    """transformers v5's fused experts are the stacked layout under other names: a byte copy."""
+    src = tiny(family, layout="v5")
+    for layout in ("stacked", "per-expert"):
+        got, want = run_both("repack", src, tmp_path / f"r-{layout}", monkeypatch, layout=layout)
+        assert got == want
+        got, want = run_both("shard", src, tmp_path / f"s-{layout}", monkeypatch, ep=3, layout=layout)
+        assert got == want
+
+
+@pytest.mark.parametrize("family, reason", [("llama4", "fused experts stored input-first"),
+                                            ("gpt_oss", "fused experts stored input-first")])
+def test_input_first_fused_experts_go_to_torch(tiny, tmp_path, family, reason):
+    src = tiny(family)
     with open_checkpoint(src) as ck:
-        assert "fused experts" in why_not_byte_copy(ck, describe(ck.config, ck.tensors))
-    got = repack(src, tmp_path / "a", "stacked", progress=False)
-    assert got.files_written
+        assert why_not_byte_copy(ck, describe(ck.config, ck.tensors)).endswith(reason)
+    if family == "llama4":
+        assert repack(src, tmp_path / "a", "stacked", progress=False).files_written
 
 
 # ------------------------------------------------------------------------------ resume, errors
