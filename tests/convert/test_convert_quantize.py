@@ -311,7 +311,7 @@ def test_transformers_loads_quantized_moe(hf_model, cli, tmp_path, args, fmt):
                 g, u, d = reader.expert_fp32(layer, e)
                 assert torch.equal(gu[e], torch.cat([g, u]).to(torch.bfloat16)), (layer.index, e)
                 assert torch.equal(dn[e], d.to(torch.bfloat16)), (layer.index, e)
-        for name in ("model.layers.0.self_attn.q_a_proj.weight", "model.layers.1.mlp.gate.weight", "lm_head.weight"):
+        for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.gate.weight", "lm_head.weight"):
             assert torch.equal(state[name], ck.get(name)), name
 
 
