@@ -15,6 +15,7 @@ from moetool.model.spec import ExpertPlacement  # noqa: E402
 from moetool.verify.topology import RouteTable, check_local_experts  # noqa: E402
 from moetool.verify.wire import RowLayout  # noqa: E402
 from moetool.verify.experts import TorchExperts, TritonExperts, weight_and_reduce  # noqa: E402
+from moetool.verify.numerics import numerics_for  # noqa: E402
 from moetool.verify.reference import swiglu  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -99,13 +100,15 @@ def test_triton_experts_match_torch_experts(fmt):
     ids = torch.randint(-1, 4, (64, 2), generator=gen).to(dev)
     w = torch.rand(64, 2, generator=gen).to(dev)
     counts = torch.bincount(ids[ids >= 0], minlength=4)
-    ref, tri = TorchExperts(), TritonExperts()
+    served = numerics_for("served", local.fmt, torch.bfloat16)
+    ref, tri = TorchExperts(numerics=served), TritonExperts(served)
     ref.bind(local, dev)
     tri.bind(local, dev)
     want = ref.apply(x, None, ids, w, counts)
     got = tri.apply(x, None, ids, w, counts)
-    # same weights; fp8-block also quantizes the activations inside the kernel
-    assert float((got - want).norm() / want.norm()) < (0.05 if fmt == "fp8-block" else 1e-2)
+    # the same served math (bf16, fp8 activations for the W8A8 formats) in another order: a few
+    # bf16 roundings apart (measured on an H100: <= 2.3e-3)
+    assert float((got - want).norm() / want.norm()) < 1e-2
 
 
 def test_row_layout_round_trip_including_fp8_and_empty():
