@@ -19,9 +19,9 @@ Quantization, w32 = w.float(), amax = max |w32| over a group:
 This is llm-compressor's formula (``generate_gparam``, then ``calculate_qparams`` with the global
 scale, then ``quantize``), computed in float32 throughout: llm-compressor rounds the tensor
 maximum's quotient and amax / 6 to the weights' dtype (bf16) first, so on bf16 weights its codes
-differ from these in a few groups, with the same error (0.09513 against 0.09513 relative on the
-tiny Mixtral of bench/fp4_fidelity.py). An all-zero group gets the smallest e4m3 scale and zero
-codes (llm-compressor gives it 0.125: the same zeros).
+differ from these in a few groups, with the same error (bench/fp4_fidelity.py, 48 expert linears
+of 2048 x 768: mean relative error 0.09510 here, 0.09509 llm-compressor). An all-zero group gets
+the smallest e4m3 scale and zero codes (llm-compressor gives it 0.125: the same zeros).
 
 One global scale per fused linear. vLLM reads a single global scale for an expert's fused gate
 and up (``w13_weight_global_scale[:, 0]``, with a warning when gate's and up's differ) and for
