@@ -1,13 +1,16 @@
 """``moetool demo``: the whole chain on a built-in tiny model, no download.
 
-tiny DeepSeek-V3-style model (bf16, 16 experts, top-4, grouped sigmoid routing with
-correction bias, a shared expert) -> inspect -> quantize --fp8-block -> shard --ep 4 ->
-verify --dp 2 --ep 4 (CPU, gloo) with a final verdict, then the four commands with their real
-paths and options, to re-run by hand. The files go to ``workdir`` (kept) or to a temporary
-folder removed at the end.
+tiny DeepSeek-V3-style model (bf16, MLA attention, 16 experts, top-4, grouped sigmoid routing
+with correction bias, a shared expert) -> inspect -> quantize --fp8-block -> shard --ep 4 ->
+verify --dp 2 --ep 4 (CPU, gloo: every MoE block) -> verify --whole-model (the converted model
+end to end against transformers running the original; skipped, saying what to install, when
+transformers is missing) with a final verdict, then the commands with their real paths and
+options, to re-run by hand. The files go to ``workdir`` (kept) or to a temporary folder
+removed at the end.
 """
 from __future__ import annotations
 
+import importlib.util
 import shlex
 import tempfile
 import time
@@ -50,6 +53,10 @@ def resolve_format(name: str) -> str:
     return name
 
 
+#: the whole-model check's tokens per dp group and their sequence length (seeded random ids)
+WHOLE_MODEL_TOKENS = 128
+WHOLE_MODEL_SEQ_LEN = 32
+
 #: the names the demo writes in its folder (a previous demo's, rewritten by the next one)
 DEMO_PREFIX = "tiny-moe"
 
@@ -84,28 +91,48 @@ def _run(root: Path, echo: Callable[[str], None], *, ep: int, dp: int, fmt: str,
         ["moetool", "quantize", model, quant, *format_options(fmt)[0]],
         ["moetool", "shard", quant, shards, "--ep", ep],
         ["moetool", "verify", shards, "--ref", model, "--dp", dp, "--ep", ep, "--all2all", dispatch],
+        ["moetool", "verify", shards, "--ref", model, "--dp", dp, "--ep", ep, "--all2all", dispatch, "--whole-model",
+         "--tokens", WHOLE_MODEL_TOKENS, "--seq-len", WHOLE_MODEL_SEQ_LEN],
     ]
-    inspect_cmd, quantize_cmd, shard_cmd, verify_cmd = (_shell(c) for c in commands)
+    inspect_cmd, quantize_cmd, shard_cmd, verify_cmd, whole_cmd = (_shell(c) for c in commands)
 
-    echo(f"[1/4] writing a tiny DeepSeek-V3-style MoE checkpoint to {model}; {inspect_cmd}")
+    echo(f"[1/5] writing a tiny DeepSeek-V3-style MoE checkpoint to {model}; {inspect_cmd}")
     make_tiny_checkpoint(model, "deepseek_v3")
     with open_checkpoint(model) as ckpt:
         echo(_indent(render(inspect_checkpoint(ckpt))))
-    echo(f"[2/4] {quantize_cmd}")
+    echo(f"[2/5] {quantize_cmd}")
     echo(_indent(quantize(model, quant, fmt, progress=False, force=True, **format_options(fmt)[1]).render()))
-    echo(f"[3/4] {shard_cmd}")
+    echo(f"[3/5] {shard_cmd}")
     echo(_indent(shard(quant, shards, ep, progress=False, force=True).render()))
-    echo(f"[4/4] {verify_cmd}  (one process per rank; gloo on CPU)")
+    echo(f"[4/5] {verify_cmd}  (one process per rank; gloo on CPU)")
     report = verify(shards, model, VerifyOptions(dp=dp, ep=ep, dispatch=dispatch))
     echo(_indent(report.render()))
+    ran = [inspect_cmd, quantize_cmd, shard_cmd, verify_cmd]
+    passed, whole = report.passed, None
+    if importlib.util.find_spec("transformers") is None:
+        echo("[5/5] skipped: the whole-model check runs transformers' modules as the reference; "
+             "pip install 'moetool[model]' and run the demo again")
+    else:
+        from moetool.verify.whole_model import WholeModelOptions, verify_whole_model
 
-    verdict = "PASSED" if report.passed else "FAILED"
-    echo(f"demo {verdict}: quantized to {fmt}, split over {ep} EP ranks, and the distributed forward matches the "
-         f"unquantized model on every MoE layer ({time.perf_counter() - t0:.1f} s)" if report.passed else
-         f"demo {verdict}: see the table above")
+        echo(f"[5/5] {whole_cmd}")
+        whole = verify_whole_model(shards, model, WholeModelOptions(
+            dp=dp, ep=ep, dispatch=dispatch, tokens=WHOLE_MODEL_TOKENS, seq_len=WHOLE_MODEL_SEQ_LEN))
+        echo(_indent(whole.render()))
+        ran.append(whole_cmd)
+        passed = passed and whole.passed
+
+    took = f"({time.perf_counter() - t0:.1f} s)"
+    if passed:
+        echo(f"demo PASSED: quantized to {fmt}, split over {ep} EP ranks; the distributed forward matches the "
+             f"unquantized model on every MoE layer" + (", and the whole converted model runs within the "
+                                                        f"thresholds of {fmt} against transformers {took}"
+                                                        if whole is not None else f" {took}"))
+    else:
+        echo("demo FAILED: see the tables above")
     echo("the commands it ran, to re-run by hand (quantize and shard need --force to write over their output):")
-    echo(_indent("\n".join([inspect_cmd, quantize_cmd, shard_cmd, verify_cmd]), 2))
-    return report.passed
+    echo(_indent("\n".join(ran), 2))
+    return passed
 
 
 def _check_workdir(workdir: Path) -> None:

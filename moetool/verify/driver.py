@@ -215,6 +215,7 @@ def verify_many(jobs: list[tuple], *, revision: str | None = None) -> list[Verif
         shards = EPShards(Path(shards_dir), check=False)
         check_options(opts, shards)
         check_files_present(shards)
+        shards.open_rank(0, check=False)[0].close()  # its config is described here, not first in a rank
         prepared.append((shards, ref, opts, resolve_backend(opts)))
     eps = {o.ep for _, _, o, _ in prepared}
     backends = {b for *_, b in prepared}

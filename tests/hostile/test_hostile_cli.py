@@ -28,9 +28,10 @@ def src(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 def test_demo_prints_commands_that_rerun_by_hand(tmp_path):
-    """`demo --workdir W --format int4` keeps its files in W and ends with the four commands
-    it ran, with their real paths and the group size it really used (quantize's default 128
-    does not divide the tiny model's K = 192): run again by hand, they work."""
+    """`demo --workdir W --format int4` keeps its files in W and ends with the five commands
+    it ran (the last the whole-model check), with their real paths and the group size it
+    really used (quantize's default 128 does not divide the tiny model's K = 192): run again by
+    hand, they work."""
     work = tmp_path / "demo work"  # a space: the printed paths must be quoted for a shell
     # as a user runs it on a CPU machine, without the Triton interpreter this suite sets for
     # tests/kernels and tests/verify: interpreted, the all2all kernels took 12 of its 19 CPU-s
@@ -41,21 +42,23 @@ def test_demo_prints_commands_that_rerun_by_hand(tmp_path):
     assert sorted(p.name for p in work.iterdir()) == ["tiny-moe", "tiny-moe-int4-group", "tiny-moe-int4-group-ep4"]
     lines = r.out.splitlines()
     at = next(i for i, line in enumerate(lines) if "to re-run by hand" in line)
-    commands = [shlex.split(line) for line in lines[at + 1:at + 5]]
+    commands = [shlex.split(line) for line in lines[at + 1:at + 6]]
     assert [c[:2] for c in commands] == [["moetool", "inspect"], ["moetool", "quantize"], ["moetool", "shard"],
-                                         ["moetool", "verify"]]
-    inspect_, quantize, shard, verify = commands
+                                         ["moetool", "verify"], ["moetool", "verify"]]
+    inspect_, quantize, shard, verify, whole = commands
     assert inspect_[2] == str(work / "tiny-moe")
     assert quantize[2:] == [str(work / "tiny-moe"), str(work / "tiny-moe-int4-group"), "--format", "int4-group",
                             "--group-size", "64"]
     assert shard[2:] == [str(work / "tiny-moe-int4-group"), str(work / "tiny-moe-int4-group-ep4"), "--ep", "4"]
     assert verify[2:] == [str(work / "tiny-moe-int4-group-ep4"), "--ref", str(work / "tiny-moe"), "--dp", "2",
                           "--ep", "4", "--all2all", "all2all"]
+    assert whole[2:] == verify[2:] + ["--whole-model", "--tokens", "128", "--seq-len", "32"]
+    assert "PASSED: every layer and the logits within the thresholds of int4-group" in r.out
     assert_complete(work / "tiny-moe-int4-group")
     assert_complete(work / "tiny-moe-int4-group-ep4")
 
     for step, command in enumerate(commands, 1):  # the step lines run the same commands
-        assert any(line.startswith(f"[{step}/4] ") and shlex.join(command) in line for line in lines), command
+        assert any(line.startswith(f"[{step}/5] ") and shlex.join(command) in line for line in lines), command
     assert moetool(*inspect_[1:]).code == 0
     again = tmp_path / "again"
     r2 = moetool("quantize", quantize[2], again, *quantize[4:], "--quiet")
@@ -98,8 +101,12 @@ def test_demo_refuses_a_workdir_of_other_files(tmp_path):
 
 
 def test_demo_refuses_an_unknown_format(tmp_path):
+    from moetool.formats.registry import quantize_targets
+
     r = moetool("demo", "--workdir", tmp_path / "w", "--format", "int8")
-    assert r.code == 2 and r.error_line == "--format 'int8': expected one of fp8-block, fp8-channel, int4-group"
+    names = ", ".join(cls.name for cls in quantize_targets())  # every format quantize writes
+    assert names.startswith("fp8-block, fp8-channel, int4-group")
+    assert r.code == 2 and r.error_line == f"--format 'int8': expected one of {names}"
     assert not (tmp_path / "w").exists()
 
 
