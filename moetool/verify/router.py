@@ -26,8 +26,11 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, spec: RouterSpec,
     """x [T, H] (any float dtype), gate_weight [E, H], correction_bias float [E] or None
     -> (topk_ids int64 [T, k], topk_weights float32 [T, k]), ordered by selection score.
 
-    Scores are softmax or sigmoid of the logits. Selection ranks ``scores + bias``
-    (DeepSeek-V3 ``e_score_correction_bias``); with ``n_group`` it first keeps the
+    Scores are softmax or sigmoid of the logits. Selection ranks the logits themselves (both
+    scorings are monotonic, and in float32 sigmoid saturates: logits 18 and 25 both give 1.0,
+    so ranking scores would break that tie by index; transformers and vLLM rank the logits),
+    or ``scores + bias`` with a correction bias (DeepSeek-V3 ``e_score_correction_bias``,
+    added to the sigmoid scores); with ``n_group`` it first keeps the
     ``topk_group`` best groups by group score ("max" of the group, DeepSeek-V2; "top2-sum"
     of the two best biased scores, DeepSeek-V3). Weights are the *unbiased* scores of the
     chosen experts, renormalized to sum 1 if ``renormalize``, times ``routed_scaling_factor``.
@@ -50,7 +53,7 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, spec: RouterSpec,
         scores = torch.sigmoid(logits)  # [T, E]
     else:
         raise MoetoolError(f"router: unknown scoring {spec.scoring!r}")
-    choice = scores if correction_bias is None else scores + correction_bias.float()[None, :]  # [T, E]
+    choice = logits if correction_bias is None else scores + correction_bias.float()[None, :]  # [T, E]
     if spec.n_group:
         choice = _mask_groups(choice, spec)
     topk_ids = torch.topk(choice, spec.top_k, dim=-1, sorted=True).indices  # [T, k]

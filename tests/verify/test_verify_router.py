@@ -123,6 +123,26 @@ def test_sigmoid_top1_matches_llama4():
     torch.testing.assert_close(w[:, 0], ref_scores.max(dim=-1).values, **TOL)
 
 
+def test_saturated_sigmoid_ranks_the_logits_as_llama4_does():
+    """Logits 18 and 25 both give sigmoid 1.0 in float32: ranking the scores would pick the
+    first index (expert 1); transformers' Llama-4 router and vLLM rank the logits (expert 3)."""
+    from transformers import Llama4TextConfig
+    from transformers.models.llama4.modeling_llama4 import Llama4Router
+
+    ref = Llama4Router(Llama4TextConfig(hidden_size=4, num_local_experts=4, num_experts_per_tok=1))
+    with torch.no_grad():
+        ref.weight.copy_(torch.tensor([[1.0, 0, 0, 0], [0, 18.0, 0, 0], [0, 0, 2.0, 0], [0, 0, 0, 25.0]]))
+    x = torch.ones(1, 4)
+    assert torch.sigmoid(torch.tensor([18.0, 25.0])).tolist() == [1.0, 1.0]
+    ref_scores, _ = ref(x)
+    ids, w = route(x, ref.weight, RouterSpec(top_k=1, scoring="sigmoid", renormalize=False,
+                                             apply_weight_on_input=True))
+    assert ids.tolist() == [[3]] and int(ref_scores.argmax(dim=-1)) == 3
+    # two of four: logits order 25 > 18 > 2 > 1
+    ids2, _ = route(x, ref.weight, RouterSpec(top_k=2, scoring="sigmoid", renormalize=False))
+    assert ids2.tolist() == [[3, 1]]
+
+
 def test_routing_of_a_token_does_not_depend_on_its_batch():
     gen = torch.Generator().manual_seed(7)
     x, gate = torch.randn(300, 96, generator=gen), torch.randn(64, 96, generator=gen)
