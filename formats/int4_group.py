@@ -8,7 +8,9 @@ Tensors of one linear (g = group size, G = ceil(K/g)):
   ``weight_zero_point``  (asymmetric only) int32 [ceil(N/8), G]: zero points z+8 packed the same
                          way but along N (element 8w+i of a column in word w of that column)
 
-w ~= (q - z) * s with q, z in [-8, 7] (z = 0 when symmetric).
+w ~= (q - z) * s with q, z in [-8, 7] (z = 0 when symmetric). Scales as compressed-tensors
+computes them (symmetric: max |w| / 7.5), or clipped per group where that lowers the squared
+error (``clip="mse"``, ``mse_clip_ratios``).
 """
 from __future__ import annotations
 
@@ -339,7 +341,9 @@ def expand_groups(per_group: torch.Tensor, group_size: int, k: int) -> torch.Ten
 @register
 @dataclass(frozen=True)
 class Int4Group(CompressedTensors, WeightFormat):
-    """``group_size``: columns per scale; ``symmetric``: False adds packed zero points.
+    """``group_size``: columns per scale; ``symmetric``: False adds packed zero points;
+    ``clip``: "none", scales of the whole group range, or "mse", each group's clip ratio of
+    least squared error (``mse_clip_ratios``; the same tensors format, observer "mse").
 
     ``suffixes`` is per instance: the class attribute is the symmetric set."""
 
