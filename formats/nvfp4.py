@@ -101,6 +101,9 @@ class Nvfp4(CompressedTensors, WeightFormat):
     # experts dequantize the weights, as vLLM's emulation and Marlin FP4 paths do)
     activation_quant: ClassVar[str | None] = None
     kernel_scheme: ClassVar[str | None] = None
+    # an expert's gate and up are quantized as one w13, for one global scale (module docstring);
+    # read by the converter once formats/base.py declares it (False for every other format)
+    joint_gate_up: ClassVar[bool] = True
     config_label: ClassVar[str] = "nvfp4"
     ct_weights: ClassVar[tuple[str, int, str]] = ("float", 4, "tensor_group")
     ct_storage: ClassVar[tuple[str, ...]] = ("nvfp4-pack-quantized",)
