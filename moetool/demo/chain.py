@@ -25,6 +25,7 @@ from moetool.formats.registry import FORMATS, quantize_targets
 from moetool.read.checkpoint import open_checkpoint
 from moetool.read.inspect import inspect_checkpoint, render
 from moetool.verify.driver import VerifyOptions, verify
+from moetool.verify.whole_model import WholeModelOptions, verify_whole_model
 
 #: the parameters the demo gives a format that takes them: int4's group size must divide the
 #: tiny model's K of every linear (hidden 256, expert intermediate 192), and quantize's default
@@ -113,8 +114,6 @@ def _run(root: Path, echo: Callable[[str], None], *, ep: int, dp: int, fmt: str,
         echo("[5/5] skipped: the whole-model check runs transformers' modules as the reference; "
              "pip install 'moetool[model]' and run the demo again")
     else:
-        from moetool.verify.whole_model import WholeModelOptions, verify_whole_model
-
         echo(f"[5/5] {whole_cmd}")
         whole = verify_whole_model(shards, model, WholeModelOptions(
             dp=dp, ep=ep, dispatch=dispatch, tokens=WHOLE_MODEL_TOKENS, seq_len=WHOLE_MODEL_SEQ_LEN))

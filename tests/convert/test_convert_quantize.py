@@ -30,6 +30,7 @@ FORMATS = {
     "fp8-channel": (["--fp8-channel"], Fp8Channel()),
     "int4-g128-sym": (["--int4"], Int4Group(128, True)),
     "int4-g64-asym": (["--int4", "--group-size", "64", "--asymmetric"], Int4Group(64, False)),
+    "int4-g128-mse": (["--int4", "--int4-clip", "mse"], Int4Group(128, True, "mse")),
 }
 ROLES = ("gate", "up", "down")
 
@@ -461,8 +462,8 @@ def test_format_option_writes_what_the_flag_writes(tiny, cli, tmp_path, flags, s
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--fp8-block", "--int4"], "choose exactly one of --fp8-block, --fp8-channel, --int4"),
-    ([], "choose exactly one of --fp8-block, --fp8-channel, --int4"),
+    (["--fp8-block", "--int4"], "choose exactly one of --fp8-block, --fp8-channel, --int4, --mxfp4, --nvfp4"),
+    ([], "choose exactly one of --fp8-block, --fp8-channel, --int4, --mxfp4, --nvfp4"),
     (["--format", "fp8-block", "--int4"], "--format fp8-block and --int4 choose different formats"),
     (["--format", "int4-group", "--group-size", "0"], "--group-size 0 must be positive"),
     (["--int4", "--group-size", "0"], "--group-size 0 must be positive"),

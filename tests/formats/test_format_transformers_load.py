@@ -26,6 +26,7 @@ FORMATS = [
     pytest.param(Fp8Channel(), id="fp8-channel"),
     pytest.param(Int4Group(), id="int4-sym"),
     pytest.param(Int4Group(group_size=64, symmetric=False), id="int4-asym"),
+    pytest.param(Int4Group(clip="mse"), id="int4-sym-mse"),
 ]
 
 
