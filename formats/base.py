@@ -124,6 +124,9 @@ class WeightFormat:
     #: from the bf16 activations, before each expert GEMM (what verify's dispatchers send and
     #: the kernels compute with); None = they stay in the served dtype (weight-only formats)
     activation_quant: ClassVar[str | None] = None
+    #: True when an expert's gate and up must be quantized together, as one w13 [2N, K] cut in
+    #: two with ``split_rows`` (nvfp4: vLLM reads one global scale for the fused w13)
+    joint_gate_up: ClassVar[bool] = False
     #: the scheme of the fused-MoE kernels (``moetool.kernels.moe_gemm.SCHEMES``) that reads
     #: the stacked tensors of this format; None: no kernel (verify uses the torch experts)
     kernel_scheme: ClassVar[str | None] = None

@@ -68,6 +68,8 @@ class Source:
         self.dtype = model_dtype(ckpt.config)
         self.stats = stats
         self._layers = {m.index: m for m in spec.moe_layers}
+        self._joint: dict[tuple[int, int], dict] = {}  # (layer, expert) -> gate and up quantized together
+        self._joint_lock = threading.Lock()
 
     def layer(self, index: int) -> MoELayerSpec:
         return self._layers[index]
@@ -109,6 +111,8 @@ class Source:
         return out
 
     def expert_role(self, layer: MoELayerSpec, e: int, role: str) -> Linear:
+        if role != "down" and self.out_fmt.joint_gate_up and not self.passthrough:
+            return self._joint_gate_up(layer, e, role)
         where = f"{layer.prefix} expert {e} {role}"
         st = layer.storage
         if st.kind == "per-expert":
@@ -120,6 +124,41 @@ class Source:
         if role == "down":
             return self.convert(self.reader.down(layer, e), where)
         return self.convert(self.reader.gate_up_down(layer, e)[ROLES.index(role)], where)
+
+    def _joint_gate_up(self, layer: MoELayerSpec, e: int, role: str) -> Linear:
+        """Expert e's gate or up in a format whose gate and up share a scale (``joint_gate_up``):
+        both quantized once, as one w13 [2N, H], then cut in two; the half not asked for waits
+        here for its own request (another thread's, maybe)."""
+        key = (layer.index, e)
+        with self._joint_lock:
+            entry = self._joint.setdefault(key, {"lock": threading.Lock(), "pair": None, "left": {"gate", "up"}})
+        with entry["lock"]:
+            if entry["pair"] is None:
+                entry["pair"] = self._quantize_gate_up(layer, e)
+        with self._joint_lock:
+            entry["left"].discard(role)
+            if not entry["left"]:
+                del self._joint[key]
+        return entry["pair"][ROLES.index(role)]
+
+    def _quantize_gate_up(self, layer: MoELayerSpec, e: int) -> tuple[Linear, Linear]:
+        where = f"{layer.prefix} expert {e} gate+up"
+        gate, up, _ = self.reader.gate_up_down(layer, e)
+        try:
+            w13 = torch.cat([self.in_fmt.dequantize(gate) if self.in_fmt.quantized else gate["weight"].float(),
+                             self.in_fmt.dequantize(up) if self.in_fmt.quantized else up["weight"].float()])
+            if self.device.type == "cuda":
+                w13 = w13.to(self.device)
+                q = gpu_quantize(self.out_fmt, w13, self.dtype) or self.out_fmt.quantize(w13, self.dtype)
+                q = {k: v.cpu() for k, v in q.items()}
+            else:
+                q = self.out_fmt.quantize(w13, self.dtype)
+            halves = self.out_fmt.split_rows(q, [layer.intermediate, layer.intermediate])
+        except MoetoolError as err:
+            raise MoetoolError(f"{where}: {err}") from None
+        for w, half in zip(w13.split(layer.intermediate), halves):
+            self.stats.add(w.cpu(), self.out_fmt.dequantize(half))
+        return halves[0], halves[1]
 
     def expert_w13(self, layer: MoELayerSpec, e: int) -> Linear:
         if self.passthrough:

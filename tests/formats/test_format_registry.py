@@ -88,7 +88,7 @@ def test_a_registered_format_needs_no_other_edit(tiny, cli, tmp_path):
         assert cli("quantize", src, tmp_path / "zero", "--row-int", "--row-bits", "0").error_line == \
             "--row-bits 0 must be positive"
         assert cli("quantize", src, tmp_path / "none", "--quiet").error_line == \
-            "choose exactly one of --fp8-block, --fp8-channel, --int4, --row-int"
+            "choose exactly one of " + ", ".join(flag for cls in FORMATS.values() for flag in cls.cli_flags)
         assert TOLERANCES["test-row-int"] == RowInt.tolerance
     finally:
         del FORMATS[RowInt.name]
@@ -105,7 +105,7 @@ def test_every_format_defines_the_contract():
         assert set(cls.tolerance) == {"rel_err", "sqnr_db"}, cls.name
         assert set(cls.verify_tolerances) == {"rel_err", "expert_rel_err"}, cls.name
         assert cls.kernel_scheme is None or cls.kernel_scheme in SCHEMES, cls.name
-        assert cls.activation_quant in (None, "fp8-1x128"), cls.name
+        assert cls.activation_quant in (None, "fp8-1x128", "fp8-token"), cls.name
         fmt = cls()
         if not cls.quantized:
             assert fmt.quantization_config([]) is None
