@@ -94,8 +94,10 @@ def test_inspect_v5_fused(tiny, cli):
 @pytest.mark.parametrize("args, fmt, params, dtypes", [
     (["--fp8-block"], "fp8-block", {}, {"float8_e4m3fn", "float32", "bfloat16"}),
     (["--fp8-channel"], "fp8-channel", {}, {"float8_e4m3fn", "bfloat16"}),
-    (["--int4"], "int4-group", {"group_size": 128, "symmetric": True}, {"int32", "bfloat16"}),
-    (["--int4", "--asymmetric", "--group-size", "64"], "int4-group", {"group_size": 64, "symmetric": False},
+    (["--int4"], "int4-group", {"group_size": 128, "symmetric": True, "clip": "none"}, {"int32", "bfloat16"}),
+    (["--int4", "--asymmetric", "--group-size", "64"], "int4-group",
+     {"group_size": 64, "symmetric": False, "clip": "none"}, {"int32", "bfloat16"}),
+    (["--int4", "--int4-clip", "mse"], "int4-group", {"group_size": 128, "symmetric": True, "clip": "mse"},
      {"int32", "bfloat16"}),
 ])
 def test_inspect_reports_quantized_formats(tiny, cli, tmp_path, args, fmt, params, dtypes):
