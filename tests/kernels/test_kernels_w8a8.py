@@ -27,15 +27,17 @@ ON_GPU = torch.cuda.is_available()
 # Largest ||out - emulation|| / ||emulation|| per hidden dtype: the emulation takes the kernels'
 # steps (per-token e4m3 hidden, gate/up and silu output rounded to the act dtype, per-token e4m3
 # intermediate), so what is left is fp32 summation order and the rare rounding step it flips.
-# Measured under the interpreter (fp16 / fp32, 3 shapes, seed 0): <= 4.5e-7. On the GPU the
-# tensor cores' fp8 partial sums (narrower than fp32 within a K tile) flip a few more steps.
-# bf16 and e4m3 hidden (whose act dtype is bf16) only on the GPU: the interpreter's fp32 -> bf16
-# cast truncates.
-EMULATION_REL_ERR = ({torch.float32: 2e-3, torch.float16: 2e-3, torch.bfloat16: 2e-3, E4M3: 2e-3} if ON_GPU
+# Measured under the interpreter (fp16 / fp32, 3 shapes, seed 0): <= 4.5e-7. On an H100 the same
+# with 16-row tiles (<= 1.1e-6), but 2.4e-3 to 4.2e-3 at T 256 (64-row tiles, wgmma): the tensor
+# cores sum fp8 products in a narrower accumulator within each K tile, and the e4m3 steps of the
+# intermediate amplify that. bf16 and e4m3 hidden (whose act dtype is bf16) only on the GPU: the
+# interpreter's fp32 -> bf16 cast truncates.
+EMULATION_REL_ERR = ({torch.float32: 1e-2, torch.float16: 1e-2, torch.bfloat16: 1e-2, E4M3: 1e-2} if ON_GPU
                      else {torch.float32: 1e-5, torch.float16: 1e-5})
 # Smallest SQNR (dB) against the fp32 reference (weights dequantized, activations exact):
 # float hidden is quantized twice (input, intermediate), e4m3 hidden once more only in the
-# intermediate. Measured (interpreter, seed 0): float >= 25.1 dB, e4m3 >= 31.5 dB.
+# intermediate. Measured (seed 0): interpreter float >= 25.1 dB, e4m3 >= 31.5 dB; H100 float
+# >= 24.9 dB, e4m3 >= 32.1 dB.
 SQNR_MIN_DB = {torch.float32: 20.0, torch.float16: 20.0, torch.bfloat16: 20.0, E4M3: 26.0}
 
 # (T, E, H, N, k): H and N no powers of two / not multiples of the tiles, one token, N < 16
