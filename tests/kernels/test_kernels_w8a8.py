@@ -28,11 +28,12 @@ ON_GPU = torch.cuda.is_available()
 # steps (per-token e4m3 hidden, gate/up and silu output rounded to the act dtype, per-token e4m3
 # intermediate), so what is left is fp32 summation order and the rare rounding step it flips.
 # Measured under the interpreter (fp16 / fp32, 3 shapes, seed 0): <= 4.5e-7. On an H100 the same
-# with 16-row tiles (<= 1.1e-6), but 2.4e-3 to 4.2e-3 at T 256 (64-row tiles, wgmma): the tensor
+# with 16-row tiles (<= 1.1e-6), but 2.1e-3 to 5.2e-3 at T 256 (64-row tiles, wgmma): the tensor
 # cores sum fp8 products in a narrower accumulator within each K tile, and the e4m3 steps of the
-# intermediate amplify that. bf16 and e4m3 hidden (whose act dtype is bf16) only on the GPU: the
-# interpreter's fp32 -> bf16 cast truncates.
-EMULATION_REL_ERR = ({torch.float32: 1e-2, torch.float16: 1e-2, torch.bfloat16: 1e-2, E4M3: 1e-2} if ON_GPU
+# intermediate amplify that (a row whose amax moves gets a new scale for all its codes). bf16
+# and e4m3 hidden (whose act dtype is bf16) only on the GPU: the interpreter's fp32 -> bf16 cast
+# truncates.
+EMULATION_REL_ERR = ({torch.float32: 2e-2, torch.float16: 2e-2, torch.bfloat16: 2e-2, E4M3: 2e-2} if ON_GPU
                      else {torch.float32: 1e-5, torch.float16: 1e-5})
 # Smallest SQNR (dB) against the fp32 reference (weights dequantized, activations exact):
 # float hidden is quantized twice (input, intermediate), e4m3 hidden once more only in the
@@ -138,7 +139,7 @@ def test_a_broken_scale_fails_the_checks(broken, hdtype):
     activation scale doubled, lands far outside both limits (measured: 0.45 / 0.35 from the
     emulation, 6.8 / 9.2 dB; e4m3 hidden under the interpreter is ~2 % from its emulation at best)."""
     out, emu, ref = run(SHAPES[0], hdtype, break_scale=broken)
-    assert rel_err(out, emu) > 0.1 > EMULATION_REL_ERR.get(hdtype, 0.05), rel_err(out, emu)
+    assert rel_err(out, emu) > 0.2 > EMULATION_REL_ERR.get(hdtype, 0.05), rel_err(out, emu)
     assert sqnr_db(out, ref) < SQNR_MIN_DB[hdtype], sqnr_db(out, ref)
 
 
