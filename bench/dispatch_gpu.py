@@ -123,7 +123,12 @@ def _expert_output(prep, fake_out: dict) -> torch.Tensor:
     return prep.out_buffer.copy_(rows)
 
 
-def mapped_host_costs(disp, x, ids, w, token_index, info, table, num_slots, act_quant: bool, fake_out,
+def act_group(opts: dict) -> int | None:
+    """The rows' fp8 group (fp8-block's 1x128) or None for bf16 rows."""
+    return 128 if opts["act_quant"] else None
+
+
+def mapped_host_costs(disp, x, ids, w, token_index, info, table, num_slots, act_group: int | None, fake_out,
                       reps: int = 50) -> dict[str, float]:
     """Host microseconds per call of the mapped prepare and finalize once their CUDA graphs
     replay, and of the pieces of a replay (key, one staged copy, the graph launch); each loop
@@ -132,17 +137,17 @@ def mapped_host_costs(disp, x, ids, w, token_index, info, table, num_slots, act_
     from moetool.verify.wire import token_rows
 
     stats = CommStats(expert_tokens=[0] * num_slots)
-    prep = disp.prepare(x, ids, w, token_index, info, table, num_slots, act_quant, stats)
+    prep = disp.prepare(x, ids, w, token_index, info, table, num_slots, act_group, stats)
     out = _expert_output(prep, fake_out)
     disp.finalize(out, prep, True, stats)
     torch.cuda.synchronize()
     cache = disp.transport.dispatch_graphs
-    args = (x, ids, w, token_index, table, num_slots, act_quant,
-            token_rows(x.shape[1], ids.shape[1], act_quant, disp.comm_dtype),
+    args = (x, ids, w, token_index, table, num_slots, act_group,
+            token_rows(x.shape[1], ids.shape[1], act_group, disp.comm_dtype),
             disp.transport.buffers)  # as MappedTransport.dispatch passes them
     graph, buffers, _ = next(iter(cache._graphs.values()))
     steps = {
-        "prepare": lambda: disp.prepare(x, ids, w, token_index, info, table, num_slots, act_quant, stats),
+        "prepare": lambda: disp.prepare(x, ids, w, token_index, info, table, num_slots, act_group, stats),
         "finalize": lambda: disp.finalize(out, prep, True, stats),
         "graph key": lambda: cache._key(args),
         "one staged copy": lambda: buffers[0].copy_(ids),
@@ -197,7 +202,7 @@ def worker(rank: int, world: int, opts: dict) -> dict:
         for it in range(opts["warmup"] + opts["iters"]):
             stats = CommStats(expert_tokens=[0] * num_slots)
             prep, d, dw = _timed(lambda: disp.prepare(x, ids, w, token_index, info, table, num_slots,
-                                                      opts["act_quant"], stats), cuda)
+                                                      act_group(opts), stats), cuda)
             out = _expert_output(prep, fake_out)
             _, c, cw = _timed(lambda: disp.finalize(out, prep, True, stats), cuda)
             if it >= opts["warmup"]:
@@ -209,7 +214,7 @@ def worker(rank: int, world: int, opts: dict) -> dict:
             dist.barrier()
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
-                prep = disp.prepare(x, ids, w, token_index, info, table, num_slots, opts["act_quant"],
+                prep = disp.prepare(x, ids, w, token_index, info, table, num_slots, act_group(opts),
                                     CommStats(expert_tokens=[0] * num_slots))
                 disp.finalize(_expert_output(prep, fake_out), prep, True, CommStats(expert_tokens=[0] * num_slots))
                 torch.cuda.synchronize()
@@ -258,7 +263,7 @@ def worker(rank: int, world: int, opts: dict) -> dict:
             res.setdefault("raw_tp_exchange_as_a2a_ms", statistics.median(times))
         if name == "all2all-mapped" and cuda:
             res["mapped_host_us"] = mapped_host_costs(disp, x, ids, w, token_index, info, table, num_slots,
-                                                      opts["act_quant"], fake_out)
+                                                      act_group(opts), fake_out)
         if name == "all2all" and (cuda or os.environ.get("TRITON_INTERPRET") == "1"):
             res["host_us"] = host_costs(disp, x, ids, w, token_index, table, num_slots, world, 50 if cuda else 1)
         res[name] = {"raw_exact_dispatch_ms": exact.get("dispatch_split_bytes", float("nan")),
