@@ -30,7 +30,7 @@ from .moe_align import moe_align_block_size
 from .moe_gemm import _moe_gemm_kernel, moe_gemm
 from .moe_silu import silu_and_mul
 from .moe_sum import OUT_DTYPES, check_out, moe_sum
-from .moe_tiles import MoeConfig, default_config
+from .moe_tiles import MoeConfig, select_config
 from .moe_weights import SCHEMES, dequantize_stacked, parse_weights
 from .quant import fp8_act_quant, fp8_act_quant_ref, fp8_dequant_act_ref
 
@@ -102,7 +102,8 @@ def fused_experts(
     topk_weights [T, k] fp32.
         out[t] = sum_{j: id >= 0} (topk_weights[t, j] if apply_router_weight else 1)
                  * w2[e] @ (silu(g) * u),  [g; u] = w13[e] @ hidden[t],  e = topk_ids[t, j]
-    group_size: the int4 group g. config: tile sizes (default: :func:`default_config`).
+    group_size: the int4 group g. config: tile sizes (default: :func:`moetool.kernels.moe_tiles.select_config`:
+    the GPU's tuned table for this shape, else rules).
     check_ids: raise if an id >= E (one host synchronisation).
     """
     E, N = _check_common(hidden, w13, w2, scheme, topk_ids, topk_weights, hidden_scale, activation,
@@ -130,7 +131,7 @@ def fused_experts(
     P = T * k
     interpreted = is_interpreted(_moe_gemm_kernel)
     act_dtype = hidden.dtype if hidden.dtype in FLOAT_ACTS else torch.bfloat16
-    cfg = config or default_config(scheme, P / E, act_dtype, interpreted, group_size)
+    cfg = config or select_config(scheme, E, N, H, k, T, act_dtype, interpreted, group_size)
     check(all(b >= 16 and b & (b - 1) == 0 for b in (cfg.block_m, cfg.block_n, cfg.block_k)),
           f"tile sizes must be powers of two >= 16: {cfg}")
     act_group = SCHEMES[scheme].act_group
