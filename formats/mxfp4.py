@@ -13,13 +13,20 @@ Readers. vLLM's compressed-tensors loader reads this layout for linears
 (``CompressedTensorsW4A16Mxfp4``, Marlin FP4) and for fused-MoE experts
 (``CompressedTensorsW4A4Mxfp4MoEMethod``: ``w13_weight_packed`` / ``w13_weight_scale`` from each
 expert's gate/up/down); transformers reads it through compressed-tensors
-(``CompressedTensorsConfig``, whose MXFP4 compressor dequantizes it). The other MXFP4 layout,
-gpt-oss's ``quant_method: mxfp4`` with ``*_blocks`` uint8 [E, N, K/32, 16] and ``*_scales`` uint8
-[E, N, K/32], holds the same bytes (a blocks row is a ``weight_packed`` row viewed as [K/32, 16],
-the scales are ``weight_scale``), but its readers take gpt-oss experts only: transformers'
-``Mxfp4Config`` converts ``gate_up_proj_blocks`` / ``down_proj_blocks`` of GptOss experts, and
-vLLM's ``Mxfp4Config`` quantizes FusedMoE layers only, with gpt-oss's SwiGLU in most backends. So
-per-linear weights of the other families are written in the compressed-tensors layout.
+(``CompressedTensorsConfig``, whose MXFP4 compressor dequantizes it).
+
+The fused layout (``fused_names``): gpt-oss's release, ``quant_method: mxfp4``, stores a layer's
+experts as ``experts.gate_up_proj_blocks`` uint8 [E, 2N, K/32, 16] with ``gate_up_proj_scales``
+uint8 [E, 2N, K/32] and ``down_proj_blocks`` [E, H, N/32, 16] with ``down_proj_scales``: the
+same bytes (a blocks row is a ``weight_packed`` row viewed as [K/32, 16], the scales are
+``weight_scale``), output rows first, gate and up rows interleaved (transformers'
+``integrations/mxfp4.py`` ``convert_moe_packed_tensors`` decodes a row's byte j into its
+elements 2j (low nibble) and 2j+1 and multiplies by 2^(scale - 127); vLLM's gpt-oss loader
+reads the blocks as ``w13_weight`` [E, 2N, K/2] as they are). Its readers take gpt-oss experts
+only: transformers' ``Mxfp4Config`` converts ``gate_up_proj_blocks`` / ``down_proj_blocks`` of
+GptOss experts (on a CPU it dequantizes them), and vLLM's ``Mxfp4Config`` quantizes FusedMoE
+layers only. So gpt-oss's experts are written fused in this layout (``moetool quantize --layout
+fused``), and per-linear weights (other families, or per-expert) in the compressed-tensors one.
 
 The scale exponent (the readers take any e8m0 code; quantizers differ):
   * OCP MX v1.0: floor(log2 amax) - 2, so amax / scale lies in [4, 8) and values above 6 saturate;
@@ -292,6 +299,11 @@ class Mxfp4(CompressedTensors, WeightFormat):
     ct_storage: ClassVar[tuple[str, ...]] = ("mxfp4-pack-quantized",)
     cli_flags: ClassVar[tuple[str, ...]] = ("--mxfp4",)
     cli_help: ClassVar[str] = "fp4 e2m1, e8m0 scale per 32 (OCP MXFP4, compressed-tensors)"
+    #: the fused expert layout (gpt-oss's release): a layer's experts as
+    #: ``experts.{gate_up_proj,down_proj}_{name}`` [E, rows, ...], by the format's tensor
+    fused_names: ClassVar[dict[str, str]] = {"weight_packed": "blocks", "weight_scale": "scales"}
+    #: the ``quant_method`` of a checkpoint stored in the fused layout
+    fused_config_method: ClassVar[str] = "mxfp4"
 
     def quantize(self, w: torch.Tensor, orig_dtype: torch.dtype) -> Tensors:
         """w [N, K] -> {weight_packed: uint8 [N, K/2], weight_scale: uint8 [N, K/32]}.
@@ -349,3 +361,24 @@ class Mxfp4(CompressedTensors, WeightFormat):
         if params is not None:
             fp4_weights_only(cls.name, config, GROUP)
         return params
+
+    # -- the fused layout (gpt-oss's release) -------------------------------------------------
+    def to_fused(self, suffix: str, t: torch.Tensor) -> torch.Tensor:
+        """One tensor of a linear (or of a stack of them, [..., R, C]) -> its rows in the fused
+        layout: ``weight_packed`` [R, K/2] -> blocks [R, K/32, 16] (a view); scales as they are."""
+        if suffix == "weight_packed":
+            return t.reshape(*t.shape[:-1], t.shape[-1] * 2 // GROUP, GROUP // 2)
+        return t
+
+    def from_fused(self, suffix: str, t: torch.Tensor) -> torch.Tensor:
+        """Inverse of :meth:`to_fused`: blocks [..., R, K/32, 16] -> ``weight_packed`` [..., R, K/2]."""
+        if suffix == "weight_packed":
+            if t.dim() < 3 or t.shape[-1] != GROUP // 2:
+                raise MoetoolError(f"blocks of shape {list(t.shape)}, expected [..., rows, K/{GROUP}, {GROUP // 2}]")
+            return t.reshape(*t.shape[:-2], t.shape[-2] * (GROUP // 2))
+        return t
+
+    def fused_quantization_config(self, ignore: list[str]) -> dict:
+        """gpt-oss's ``quantization_config``: its experts mxfp4, every linear of ``ignore`` not
+        (the release lists them as patterns; transformers and vLLM take plain names too)."""
+        return {"quant_method": self.fused_config_method, "modules_to_not_convert": list(ignore)}

@@ -207,6 +207,40 @@ def hf_expert(model: HFModel, prefix: str, e: int, n: int) -> tuple[torch.Tensor
     return gu[:n], gu[n:], dn
 
 
+#: gpt-oss's release ``quantization_config`` (openai/gpt-oss-20b and -120b config.json)
+GPT_OSS_MXFP4_CONFIG = {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                   "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"}
+
+
+def save_gpt_oss_mxfp4(model: HFModel, path: Path) -> Path:
+    """``model`` (a transformers-made gpt-oss) in gpt-oss's MXFP4 release layout at ``path``:
+    every ``experts.gate_up_proj`` [E, H, 2N] / ``experts.down_proj`` [E, N, H] becomes
+    ``*_blocks`` uint8 [E, rows, K/32, 16] and ``*_scales`` uint8 [E, rows, K/32], output rows
+    first (gate and up rows interleaved, as the dense tensor's columns are), each row's e2m1
+    codes from moetool's mxfp4 quantizer packed two a byte, element 2j in the low nibble; the
+    rest (biases included) as saved, and the release's ``quantization_config``. (transformers
+    cannot write it: its quantizer needs the Hub's triton kernels.)"""
+    from moetool.formats import get_format
+
+    mxfp4 = get_format("mxfp4")
+    path = Path(path)
+    path.mkdir(parents=True)
+    out = {}
+    for name, t in read_tensors(model.path).items():
+        if not name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            out[name] = t
+            continue
+        rows = t.transpose(1, 2)  # [E, R, K]: output rows
+        E, R, K = rows.shape
+        q = [mxfp4.quantize(rows[e].float(), t.dtype) for e in range(E)]
+        out[f"{name}_blocks"] = torch.stack([x["weight_packed"] for x in q]).reshape(E, R, K // 32, 16)
+        out[f"{name}_scales"] = torch.stack([x["weight_scale"] for x in q])
+    save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = dict(model.config, quantization_config=GPT_OSS_MXFP4_CONFIG)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
 def hf_param(model: HFModel, disk_name: str) -> torch.Tensor:
     """A non-expert parameter by its on-disk name (Mixtral's block_sparse_moe is mlp in memory)."""
     if disk_name in model.state:

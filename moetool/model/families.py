@@ -10,7 +10,12 @@ Both layouts transformers saves are read: its default, the family's original on-
 and ``save_pretrained(..., save_original_format=False)``, its own v5 layout, which fuses the
 routed experts into ``experts.gate_up_proj`` [E, 2N, H] (gate rows, then up) and
 ``experts.down_proj`` [E, H, N], and renames Mixtral's ``block_sparse_moe`` to ``mlp``.
-Llama-4 and gpt-oss are fused input-first ([E, H, 2N], [E, N, H]) in both.
+Llama-4 and gpt-oss are fused input-first ([E, H, 2N], [E, N, H]) in both. gpt-oss's release
+stores its experts fused and quantized (``quant_method: mxfp4``): ``experts.gate_up_proj_blocks``
+[E, 2N, H/32, 16] and ``gate_up_proj_scales`` [E, 2N, H/32], ``down_proj_blocks`` [E, H, N/32, 16]
+and ``down_proj_scales`` [E, H, N/32], output rows first (the blocks of a row are its packed
+values, formats/mxfp4.py), gate and up rows interleaved as in the dense tensor; and biases
+``experts.gate_up_proj_bias`` [E, 2N] (interleaved) and ``experts.down_proj_bias`` [E, H].
 """
 from __future__ import annotations
 
@@ -213,9 +218,9 @@ def _llama4_router(config: ConfigReader) -> RouterSpec:
 
 
 def _gpt_oss_router(config: ConfigReader) -> RouterSpec:
-    # top-k on logits then softmax over the k = softmax, top-k, renormalize
+    # softmax over the k largest biased logits = softmax, top-k, renormalize
     key = "num_experts_per_tok" if config.get("num_experts_per_tok") else "experts_per_token"
-    return RouterSpec(top_k=config.int(key), scoring="softmax", renormalize=True)
+    return RouterSpec(top_k=config.int(key), scoring="softmax", renormalize=True, has_router_bias=True)
 
 
 FAMILIES: list[Family] = [
@@ -245,7 +250,7 @@ FAMILIES: list[Family] = [
     Family("gpt-oss", ("gpt_oss",), "mlp", "router", ("gate_proj", "up_proj", "down_proj"),
            ("num_local_experts", "num_experts"), ("intermediate_size",), _gpt_oss_router, _all_layers,
            fused_interleaved=True, fused_input_first=True, router_has_bias=True, activation=_gpt_oss_act,
-           notes="clamped SwiGLU with expert biases: inspect only (conversion and verify not yet supported)"),
+           notes="clamped SwiGLU, expert biases, router bias; --experts torch only"),
 ]
 FAMILY_BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 
@@ -259,12 +264,17 @@ class ExpertStorage:
     """How one layer's routed experts sit on disk.
 
     per-expert: ``gate``/``up``/``down`` are base-name templates with ``{e}``; tensors are
-      ``f"{base}.{suffix}"`` (suffix from the weight format: weight, weight_scale_inv...).
+      ``f"{base}.{suffix}"`` (suffix from the weight format: weight, weight_scale_inv...);
+      ``has_bias``: each linear also has ``f"{base}.bias"``.
     fused: ``gate_up`` [E, 2N, H] (or input-first [E, H, 2N]) and ``down`` [E, H, N] (or
-      [E, N, H]) are whole tensor names (dense only); ``interleaved`` = gate/up rows alternate
-      (gpt-oss), else gate half then up half. Optional ``gate_up_bias``/``down_bias``.
+      [E, N, H]) are whole tensor names; ``interleaved`` = gate/up rows alternate (gpt-oss),
+      else gate half then up half. Quantized (``fused_suffixes``, gpt-oss's mxfp4 release):
+      the tensors are ``f"{gate_up}_{s}"`` for each s ("blocks", "scales"), output rows first,
+      [E, rows, ...] (the format maps them to its own tensors). Optional
+      ``gate_up_bias`` [E, 2N] (interleaved as the rows) / ``down_bias`` [E, H].
     stacked: our vLLM FusedMoE layout; ``gate_up``/``down`` are bases ``P.experts.w13``/
-      ``P.experts.w2`` and tensors are ``f"{base}_{suffix}"`` with a leading E dim.
+      ``P.experts.w2`` and tensors are ``f"{base}_{suffix}"`` with a leading E dim;
+      ``has_bias``: ``w13_bias`` [E, 2N] (gate then up) and ``w2_bias`` [E, H] (vLLM's names).
     """
 
     kind: StorageKind
@@ -277,9 +287,23 @@ class ExpertStorage:
     down_input_first: bool = False
     gate_up_bias: str | None = None
     down_bias: str | None = None
+    fused_suffixes: tuple[str, ...] = ()
+    has_bias: bool = False
 
     def per_expert_bases(self, e: int) -> tuple[str, str, str]:
         return self.gate.format(e=e), self.up.format(e=e), self.down.format(e=e)
+
+    @property
+    def biased(self) -> bool:
+        """The experts' linears have biases (gpt-oss)."""
+        return self.has_bias or self.gate_up_bias is not None
+
+    def describe(self) -> str:
+        """'fused (interleaved gate/up) (input-first)', 'per-expert (biases)'..."""
+        return (self.kind + (" (interleaved gate/up)" if self.interleaved else "")
+                + (" (input-first)" if self.gate_up_input_first else "")
+                + (f" ({', '.join(self.fused_suffixes)})" if self.fused_suffixes else "")
+                + (" (biases)" if self.biased else ""))
 
 
 @dataclass(frozen=True)
@@ -439,7 +463,13 @@ def describe(config: dict, tensors: dict, stored_experts: dict[int, int] | None 
                         raise
                     raise MoetoolError(f"{e} (layer {i} has a shared expert)") from None
                 shared = SharedExpertSpec(intermediate=shared_intermediate, has_gate=shared_gate is not None)
-        router_bias = f"{prefix}.{family.router_module}.bias" if family.router_has_bias else None
+        router_bias = None
+        if router.has_router_bias:
+            router_bias = f"{prefix}.{family.router_module}.bias"
+            if router_bias not in names:
+                raise MoetoolError(f"layer {i}: router bias {router_bias} not found")
+            if tuple(tensors[router_bias].shape) != (num_experts,):
+                raise MoetoolError(f"{router_bias}: shape {list(tensors[router_bias].shape)}, expected [{num_experts}]")
         layers.append(MoELayerSpec(i, prefix, num_experts, hidden, intermediate, router, router_weight, bias, storage,
                                    shared, shared_bases, shared_gate, router_bias,
                                    stored_experts=-1 if stored_experts is None else n_stored, activation=activation))
@@ -461,30 +491,62 @@ def _moe_prefix(family: Family, layer_prefix: str, names: set[str]) -> str:
 def _detect_storage(family: Family, prefix: str, names: set[str], tensors: dict, E: int, H: int, N: int) -> ExpertStorage:
     """E: experts stored on disk."""
     if any(n.startswith(f"{prefix}.experts.w13_") for n in names):
-        st = ExpertStorage("stacked", gate_up=f"{prefix}.experts.w13", down=f"{prefix}.experts.w2")
+        st = ExpertStorage("stacked", gate_up=f"{prefix}.experts.w13", down=f"{prefix}.experts.w2",
+                           has_bias=f"{prefix}.experts.w13_bias" in names)
         for base in (st.gate_up, st.down):
-            if not any(n.startswith(base + "_") for n in names):
+            if not any(n.startswith(base + "_") and n != f"{base}_bias" for n in names):
                 raise MoetoolError(f"{prefix}: stacked experts tensor {base}_weight not found")
+        if st.has_bias:
+            _check_biases(names, tensors, f"{st.gate_up}_bias", f"{st.down}_bias", E, H, N)
         return st
-    fused = f"{prefix}.experts.gate_up_proj"
-    if fused in names:
-        down = f"{prefix}.experts.down_proj"
-        if down not in names:
-            raise MoetoolError(f"{prefix}: fused experts tensor {down} not found")
+    fused, down = f"{prefix}.experts.gate_up_proj", f"{prefix}.experts.down_proj"
+    gb, db = f"{fused}_bias", f"{down}_bias"
+    quantized = tuple(sorted(n[len(fused) + 1:] for n in names if n.startswith(fused + "_") and n != gb))
+    if fused in names or quantized:
+        if fused in names and quantized:
+            raise MoetoolError(f"{prefix}: fused experts stored twice: {fused} and {fused}_{quantized[0]}")
+        for name in (down,) if fused in names else (f"{down}_{s}" for s in quantized):
+            if name not in names:
+                raise MoetoolError(f"{prefix}: fused experts tensor {name} not found")
+        biases = gb in names or db in names
+        if biases:
+            _check_biases(names, tensors, gb, db, E, H, N)
+        if quantized:  # output rows first: [E, 2N, ...] and [E, H, ...], the rest the format's
+            for name, rows in ((f"{fused}_{quantized[0]}", 2 * N), (f"{down}_{quantized[0]}", H)):
+                shape = list(tensors[name].shape)
+                if shape[:2] != [E, rows]:
+                    raise MoetoolError(f"{name}: shape {shape}, expected [{E}, {rows}, ...] (experts, output rows)")
+            return ExpertStorage("fused", gate_up=fused, down=down, interleaved=family.fused_interleaved,
+                                 gate_up_bias=gb if biases else None, down_bias=db if biases else None,
+                                 fused_suffixes=quantized)
         gu, dn = tuple(tensors[fused].shape), tuple(tensors[down].shape)
         gate_up_input_first = _input_first(fused, gu, (E, 2 * N, H), (E, H, 2 * N), family.fused_input_first)
         down_input_first = _input_first(down, dn, (E, H, N), (E, N, H), family.fused_input_first)
-        gb, db = f"{fused}_bias", f"{down}_bias"
         return ExpertStorage("fused", gate_up=fused, down=down, interleaved=family.fused_interleaved,
                              gate_up_input_first=gate_up_input_first, down_input_first=down_input_first,
-                             gate_up_bias=gb if gb in names else None, down_bias=db if db in names else None)
+                             gate_up_bias=gb if biases else None, down_bias=db if biases else None)
     g, u, d = (f"{prefix}.experts.{{e}}.{lin}" for lin in family.expert_linears)
-    st = ExpertStorage("per-expert", gate=g, up=u, down=d)
+    st = ExpertStorage("per-expert", gate=g, up=u, down=d, has_bias=f"{g.format(e=0)}.bias" in names)
     for e in range(E):
-        for base in st.per_expert_bases(e):
+        for base, rows in zip(st.per_expert_bases(e), (N, N, H)):
             if not _has_linear(names, base):
                 raise MoetoolError(f"{prefix}: expert {e} tensor {base}.weight not found ({E} experts expected)")
+            bias = f"{base}.bias"
+            if (bias in names) != st.has_bias:
+                raise MoetoolError(f"{prefix}: expert {e} tensor {bias} " + ("not found (expert 0 has biases)"
+                                   if st.has_bias else "found, but expert 0 has no biases"))
+            if st.has_bias and tuple(tensors[bias].shape) != (rows,):
+                raise MoetoolError(f"{bias}: shape {list(tensors[bias].shape)}, expected [{rows}]")
     return st
+
+
+def _check_biases(names: set[str], tensors: dict, gate_up: str, down: str, E: int, H: int, N: int) -> None:
+    """Both expert bias tensors of a fused or stacked layer, [E, 2N] and [E, H]."""
+    for name, shape in ((gate_up, (E, 2 * N)), (down, (E, H))):
+        if name not in names:
+            raise MoetoolError(f"{name}: not found (the experts' other linear has biases)")
+        if tuple(tensors[name].shape) != shape:
+            raise MoetoolError(f"{name}: shape {list(tensors[name].shape)}, expected {list(shape)}")
 
 
 def _input_first(name: str, shape: tuple, out_first: tuple, in_first: tuple, default: bool) -> bool:

@@ -22,7 +22,9 @@ class RouterSpec:
     correction bias (DeepSeek-V3 ``e_score_correction_bias``) is added for selection only;
     weights are taken from the unbiased scores, renormalized to sum 1 when ``renormalize``,
     then multiplied by ``routed_scaling_factor``. ``apply_weight_on_input`` (Llama-4) scales
-    the token before the expert instead of the expert's output.
+    the token before the expert instead of the expert's output. ``has_router_bias`` (gpt-oss
+    ``router.bias`` [E]): a bias added to the logits themselves, so it counts for both the
+    selection and the weights (gpt-oss: softmax over the k largest biased logits).
     """
 
     top_k: int
@@ -34,6 +36,7 @@ class RouterSpec:
     routed_scaling_factor: float = 1.0
     has_correction_bias: bool = False
     apply_weight_on_input: bool = False
+    has_router_bias: bool = False
 
 
 #: config.json ``hidden_act`` values naming the SiLU of a SwiGLU expert (transformers' ACT2FN
@@ -122,6 +125,8 @@ class LocalExperts:
     ``w13``: {suffix: tensor} with leading dim E_local; the logical weight is [E_local, 2N, H]
     (gate rows first, then up). ``w2``: logical [E_local, H, N]. ``fmt`` is a
     ``moetool.formats.base.WeightFormat``. ``slot_to_global[i]`` is the global id of slot i.
+    ``bias13`` [E_local, 2N] (gate then up) and ``bias2`` [E_local, H]: the experts' biases
+    (gpt-oss), never quantized, or None; ``activation``: act(gate, up) of every expert.
     """
 
     fmt: object
@@ -131,7 +136,17 @@ class LocalExperts:
     intermediate: int
     hidden: int
     extra: dict = field(default_factory=dict)
+    bias13: torch.Tensor | None = None
+    bias2: torch.Tensor | None = None
+    activation: ExpertActivation = field(default_factory=ExpertActivation)
 
     def slot(self, i: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """(w13 tensors, w2 tensors) of local slot i, each 2-D as the format stores one linear."""
         return ({k: v[i] for k, v in self.w13.items()}, {k: v[i] for k, v in self.w2.items()})
+
+    def slot_biases(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(gate [N], up [N], down [H]) biases of local slot i, or None."""
+        if self.bias13 is None or self.bias2 is None:
+            return None
+        n = self.intermediate
+        return self.bias13[i, :n], self.bias13[i, n:], self.bias2[i]

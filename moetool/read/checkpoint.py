@@ -299,6 +299,9 @@ def expert_tensor_names(ckpt: Checkpoint, layer: MoELayerSpec) -> set[str]:
                 names |= {f"{base}.{s}" for s in ckpt.suffixes(base)}
     elif st.kind == "stacked":
         names |= {n for n in ckpt.tensors if n.startswith(st.gate_up + "_") or n.startswith(st.down + "_")}
+    elif st.fused_suffixes:
+        names |= {f"{base}_{s}" for base in (st.gate_up, st.down) for s in st.fused_suffixes}
+        names |= {b for b in (st.gate_up_bias, st.down_bias) if b}
     else:
         names |= {st.gate_up, st.down}
         names |= {b for b in (st.gate_up_bias, st.down_bias) if b}

@@ -1,8 +1,10 @@
 """Read one expert's linears from any on-disk storage, as format tensors or fp32.
 
 A *linear* is ``{suffix: tensor}`` in the checkpoint's weight format (see formats/base.py).
-Per-expert, fused (dense only) and stacked storages all come out the same way, so the
-converters and the verifier never branch on how a checkpoint was laid out.
+Per-expert, fused (dense, or a format's fused layout: gpt-oss's mxfp4 release) and stacked
+storages all come out the same way, so the converters and the verifier never branch on how a
+checkpoint was laid out. Experts with biases (gpt-oss) have them read apart from the linears
+(:meth:`ExpertReader.biases`), in the stored dtype: a bias is never quantized.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import torch
 from moetool.model.families import ExpertStorage, ModelSpec, MoELayerSpec, describe
 from moetool.read.checkpoint import Checkpoint
 from moetool.errors import MoetoolError
-from moetool.formats import detect_format, linear_format
+from moetool.formats import FORMATS, detect_format, get_format, linear_format
 from moetool.formats.base import WeightFormat
 
 Linear = dict[str, torch.Tensor]
@@ -48,6 +50,8 @@ class ExpertReader:
         if st.kind == "stacked":
             gate, up = self.fmt.split_rows(self._stacked_slot(st.gate_up, e), [layer.intermediate, layer.intermediate])
             return gate, up, self._stacked_slot(st.down, e)
+        if st.fused_suffixes:
+            return self._fused_quantized(layer, st, e)
         gate, up, down = self._fused_dense(layer, st, e)
         return {"weight": gate}, {"weight": up}, {"weight": down}
 
@@ -75,6 +79,22 @@ class ExpertReader:
             raise MoetoolError(f"{base}_{self.fmt.suffixes[0]}: not found ({self.fmt.name} weights expected)")
         return t
 
+    def _fused_quantized(self, layer: MoELayerSpec, st: ExpertStorage, e: int) -> tuple[Linear, Linear, Linear]:
+        """Expert e of a format's fused layout: each fused tensor's rows [2N, ...] / [H, ...]
+        back in the format's own tensors, gate and up rows apart."""
+        names = getattr(self.fmt, "fused_names", {})
+        n = layer.intermediate
+        gate, up, down = {}, {}, {}
+        for suffix, fused in names.items():
+            try:
+                gu = self.fmt.from_fused(suffix, self.ckpt.get_rows(f"{st.gate_up}_{fused}", e))  # [2N, ...]
+                down[suffix] = self.fmt.from_fused(suffix, self.ckpt.get_rows(f"{st.down}_{fused}", e))  # [H, ...]
+            except MoetoolError as err:
+                raise MoetoolError(f"{st.gate_up}_{fused}: {err}") from None
+            gate[suffix], up[suffix] = ((gu[0::2], gu[1::2]) if st.interleaved else (gu[:n], gu[n:]))
+            gate[suffix], up[suffix] = gate[suffix].contiguous(), up[suffix].contiguous()
+        return gate, up, down
+
     def _fused_dense(self, layer: MoELayerSpec, st: ExpertStorage, e: int):
         if self.fmt.quantized:
             raise MoetoolError(f"{st.gate_up}: fused expert tensors are only read unquantized, found {self.fmt.name}")
@@ -87,6 +107,31 @@ class ExpertReader:
         if st.down_input_first:
             down = down.t()
         return gate.contiguous(), up.contiguous(), down.contiguous()
+
+    # -- biases ----------------------------------------------------------------------------
+    def biases(self, layer: MoELayerSpec, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Expert e's (gate [N], up [N], down [H]) biases in the stored dtype, or None."""
+        st = layer.storage
+        if not st.biased:
+            return None
+        _check_expert(layer, e)
+        n = layer.intermediate
+        if st.kind == "per-expert":
+            return tuple(self.ckpt.get(f"{b}.bias") for b in st.per_expert_bases(e))  # type: ignore[return-value]
+        if st.kind == "stacked":
+            gu, down = self.ckpt.get_rows(f"{st.gate_up}_bias", e), self.ckpt.get_rows(f"{st.down}_bias", e)
+        else:
+            gu, down = self.ckpt.get_rows(st.gate_up_bias, e), self.ckpt.get_rows(st.down_bias, e)
+        interleaved = st.kind == "fused" and st.interleaved
+        gate, up = (gu[0::2], gu[1::2]) if interleaved else (gu[:n], gu[n:])
+        return gate.contiguous(), up.contiguous(), down
+
+    def stacked_biases(self, layer: MoELayerSpec) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Every stored expert's biases, stacked: (w13 [E, 2N] gate then up, w2 [E, H]), or None."""
+        if not layer.storage.biased:
+            return None
+        per = [self.biases(layer, e) for e in range(layer.n_stored)]
+        return (torch.stack([torch.cat([g, u]) for g, u, _ in per]), torch.stack([d for _, _, d in per]))
 
     # -- fp32 -------------------------------------------------------------------------------
     def expert_fp32(self, layer: MoELayerSpec, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -143,13 +188,42 @@ def detect_expert_format(ckpt: Checkpoint, spec: ModelSpec) -> WeightFormat:
         base = st.per_expert_bases(0)[0]
         sufs, main = ckpt.suffixes(base), f"{base}.weight"
     elif st.kind == "stacked":
-        sufs, main = ckpt.suffixes(st.gate_up, sep="_"), f"{st.gate_up}_weight"
+        sufs, main = ckpt.suffixes(st.gate_up, sep="_") - {"bias"}, f"{st.gate_up}_weight"
+    elif st.fused_suffixes:
+        return _fused_format(ckpt, layer)
     else:
         sufs, main = {"weight"}, st.gate_up
+    method = (ckpt.config.get("quantization_config") or {}).get("quant_method")
+    fused_config = next((c for c in FORMATS.values() if method and getattr(c, "fused_config_method", None) == method),
+                        None)
+    if fused_config is not None:  # a fused layout's config on experts stored otherwise: EP rank folders of it
+        fmt = get_format(fused_config.name)
+        missing = [s for s in fmt.suffixes if s not in sufs]
+        if missing:
+            raise MoetoolError(f"{ckpt.root}: experts of {layer.prefix}: config.json declares quant_method "
+                               f"{method!r} ({fmt.name}) but no tensor ends in {', '.join(missing)}")
+        return fmt
     info = ckpt.tensors.get(main)
     try:
         return detect_format(ckpt.config, sufs, info.dtype if info else None)
     except MoetoolError as err:
         raise MoetoolError(f"{ckpt.root}: experts of {layer.prefix}: {err}") from None
+
+
+def _fused_format(ckpt: Checkpoint, layer: MoELayerSpec) -> WeightFormat:
+    """The format whose fused layout (``fused_names``) stores the layer's quantized fused
+    experts, as config.json's ``quant_method`` declares it."""
+    st = layer.storage
+    stored = set(st.fused_suffixes)
+    method = (ckpt.config.get("quantization_config") or {}).get("quant_method")
+    for cls in FORMATS.values():
+        if set(getattr(cls, "fused_names", {}).values()) == stored:
+            if method != cls.fused_config_method:
+                raise MoetoolError(f"{ckpt.root}: experts of {layer.prefix} are stored as {st.gate_up}_"
+                                   f"{'/'.join(st.fused_suffixes)} ({cls.name}'s fused layout) but config.json "
+                                   f"declares quant_method {method!r}, not {cls.fused_config_method!r}")
+            return get_format(cls.name)
+    raise MoetoolError(f"{ckpt.root}: experts of {layer.prefix}: no weight format stores fused experts as "
+                       f"{st.gate_up}_{'/'.join(st.fused_suffixes)}")
 
 

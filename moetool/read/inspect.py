@@ -23,6 +23,8 @@ def _router_text(r) -> str:
         parts.append(f"scale {r.routed_scaling_factor:g}")
     if r.apply_weight_on_input:
         parts.append("weight on input")
+    if r.has_router_bias:
+        parts.append("logit bias")
     return ", ".join(parts)
 
 
@@ -52,8 +54,7 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict:
         "shared_experts": (
             {"intermediate_size": first.shared.intermediate, "gated": first.shared.has_gate} if first.shared else None
         ),
-        "expert_storage": first.storage.kind + (" (interleaved gate/up)" if first.storage.interleaved else "")
-        + (" (input-first)" if first.storage.gate_up_input_first else ""),
+        "expert_storage": first.storage.describe(),
         "weight_format": fmt.name,
         "format_params": {k: v for k, v in vars(fmt).items() if k != "suffixes"},
         "files": len(ckpt.files),

@@ -46,7 +46,7 @@ STORAGE = {
     **{f: {"original": ("mlp", "per-expert"), "v5": ("mlp", "fused")}
        for f in ("qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3")},
     "llama4": {layout: ("feed_forward", "fused (input-first)") for layout in HF_LAYOUTS},
-    "gpt_oss": {layout: ("mlp", "fused (interleaved gate/up) (input-first)") for layout in HF_LAYOUTS},
+    "gpt_oss": {layout: ("mlp", "fused (interleaved gate/up) (input-first) (biases)") for layout in HF_LAYOUTS},
 }
 
 

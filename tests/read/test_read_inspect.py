@@ -16,7 +16,7 @@ ROUTERS = {
     "deepseek_v3": "sigmoid, top-2, grouped 1/2 (top2-sum), correction bias, renormalize, scale 2.5",
     "olmoe": "softmax, top-2, no renormalize",
     "llama4": "sigmoid, top-1, no renormalize, weight on input",
-    "gpt_oss": "softmax, top-2, renormalize",
+    "gpt_oss": "softmax, top-2, renormalize, logit bias",
 }
 EXPECTED = {  # architecture, layers, moe layers, dense layers, experts, top-k, shared, storage
     "mixtral": ("mixtral", 2, [0, 1], [], 4, 2, None, "per-expert"),
@@ -26,7 +26,7 @@ EXPECTED = {  # architecture, layers, moe layers, dense layers, experts, top-k, 
     "deepseek_v3": ("deepseek-v3", 3, [1, 2], [0], 8, 2, {"intermediate_size": N, "gated": False}, "per-expert"),
     "olmoe": ("olmoe", 2, [0, 1], [], 4, 2, None, "per-expert"),
     "llama4": ("llama4", 2, [0, 1], [], 4, 1, {"intermediate_size": N, "gated": False}, "fused (input-first)"),
-    "gpt_oss": ("gpt-oss", 2, [0, 1], [], 4, 2, None, "fused (interleaved gate/up) (input-first)"),
+    "gpt_oss": ("gpt-oss", 2, [0, 1], [], 4, 2, None, "fused (interleaved gate/up) (input-first) (biases)"),
 }
 
 
@@ -69,13 +69,13 @@ def test_inspect_transformers_model(hf_model, cli, family):
     assert lines["expert storage"].strip() == storage
 
 
-def test_inspect_gpt_oss_says_inspect_only(hf_model, cli):
+def test_inspect_gpt_oss_notes(hf_model, cli):
     r = cli("inspect", hf_model("gpt_oss").path)
-    assert "notes" in r.out and "inspect only" in r.out
+    assert "notes" in r.out and "--experts torch only" in r.out
 
 
 @pytest.mark.parametrize("family, storage", [("deepseek_v3", "per-expert"), ("llama4", "fused (input-first)"),
-                                             ("gpt_oss", "fused (interleaved gate/up) (input-first)")])
+                                             ("gpt_oss", "fused (interleaved gate/up) (input-first) (biases)")])
 def test_inspect_our_writer(tiny, cli, family, storage):
     r = cli("inspect", tiny(family), "--json")
     assert r.code == 0, r.err
