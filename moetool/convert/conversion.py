@@ -57,16 +57,19 @@ def non_expert_groups(src: Source, *, include_shared: bool) -> tuple[list[Group]
     return groups, homes
 
 
-def output_config(config: dict, out_fmt: WeightFormat, changed: bool, specs: list[TensorSpec]) -> dict:
+def output_config(config: dict, out_fmt: WeightFormat, changed: bool, specs: list[TensorSpec],
+                  layout: Layout = "per-expert") -> dict:
     """config.json of the output: the input's, with the output format's quantization_config and
-    an ignore list of every linear left unquantized."""
+    an ignore list of every linear left unquantized (in the fused layout, the config of the
+    format's fused layout: gpt-oss's ``quant_method: mxfp4``)."""
     cfg = dict(config)
     if not changed:
         return cfg
     ignore = sorted({s.name[: -len(".weight")] for s in specs
                      if s.name.endswith(".weight") and len(s.shape) == 2 and s.dtype.is_floating_point
                      and s.dtype.itemsize > 1})
-    qc = out_fmt.quantization_config(ignore)
+    fused = layout == "fused" and out_fmt.quantized
+    qc = out_fmt.fused_quantization_config(ignore) if fused else out_fmt.quantization_config(ignore)
     if qc is None:
         cfg.pop("quantization_config", None)
     else:
@@ -80,8 +83,16 @@ def build_plan(src: Source, *, layout: Layout, include_shared: bool, max_shard_s
     planner.validate_experts(src)
     files = checkpoint_files(src.ckpt, src.spec, layout, non_expert_groups(src, include_shared=include_shared),
                              planner.specs, max_shard_size)
-    config = output_config(src.ckpt.config, src.out_fmt, changed_format, [s for f in files for s in f.specs])
+    config = output_config(src.ckpt.config, src.out_fmt, changed_format or _layout_config_changes(src, layout),
+                           [s for f in files for s in f.specs], layout)
     return checkpoint_plan(src.ckpt, files, config, src.out_fmt.name, layout)
+
+
+def _layout_config_changes(src: Source, layout: Layout) -> bool:
+    """A quantized checkpoint whose layout changes between a format's fused layout and another
+    (gpt-oss's release repacked stacked, or back): its quantization_config is the layout's."""
+    fused_in = src.spec.moe_layers[0].storage.kind == "fused"
+    return src.out_fmt.quantized and fused_in != (layout == "fused")
 
 
 def convert_checkpoint(

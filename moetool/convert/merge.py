@@ -42,14 +42,14 @@ def merge(shards_dir, out, *, layout: MergeLayout | None = None, max_shard_size:
             p = shards.placements[layer.index]
             primary = [p.replicas[e][0] for e in range(layer.num_experts)]
             fused = _fused_record(man, layer, src0.spec.family)
-            fused_home = tensor_files.get(fused["gate_up"], "")
+            fused_home = _fused_file(tensor_files, fused["gate_up"], fused, "")
             if out_layout == "fused":
                 for which in ("gate_up", "down"):
                     dst = fused[which]
                     groups.append(Fused(layer.index, which, tuple(s for _, s in primary), dst,
                                         input_first=fused[f"{which}_input_first"], interleaved=fused["interleaved"],
                                         sources=tuple(r for r, _ in primary)))
-                    homes.append(tensor_files.get(dst, "model.safetensors"))
+                    homes.append(_fused_file(tensor_files, dst, fused, "model.safetensors"))
                 continue
             if out_layout == "stacked":
                 for which in ("w13", "w2"):
@@ -83,6 +83,12 @@ def merge(shards_dir, out, *, layout: MergeLayout | None = None, max_shard_size:
     finally:
         for ck, _ in opened:
             ck.close()
+
+
+def _fused_file(tensor_files: dict, base: str, record: dict, default: str) -> str:
+    """The source file of a fused tensor ``base`` (or of its first quantized part, ``base_blocks``)."""
+    names = [base, *(f"{base}_{s}" for s in record.get("suffixes", ()))]
+    return next((tensor_files[n] for n in names if n in tensor_files), default)
 
 
 def _fused_record(manifest: dict, layer, family) -> dict:

@@ -9,7 +9,8 @@ output tensors it produces before any data is read:
 - :class:`SharedLinear`  a shared-expert linear requantized (``--include-shared-experts``),
 - :class:`Stacked`       a layer's ``w13_*`` or ``w2_*`` tensors for a list of experts (stacked layout),
 - :class:`Fused`         a layer's transformers ``experts.gate_up_proj`` or ``experts.down_proj`` (fused
-                         layout, unquantized: what ``shard --merge`` gives back for a fused input).
+                         layout: unquantized, or a format's fused layout such as gpt-oss's mxfp4
+                         ``_blocks`` / ``_scales``; with the experts' biases).
 
 Which groups a conversion has and how they are put into files is decided here, once, for
 both executors: ``moetool.convert.torch_executor`` (read, convert and write tensors with torch) and
@@ -25,10 +26,10 @@ from moetool.formats.cards import quantized_suffixes
 from moetool.read.manifest import JOURNAL_NAME, MANIFEST_NAME
 from moetool.read.safetensors import SAFETENSORS_METADATA, TensorSpec, safetensors_header
 
-Layout = Literal["per-expert", "stacked"]
-#: how ``shard --merge`` may write experts: the layouts above, or transformers' fused tensors
-#: as the sharded input had them
-MergeLayout = Literal["per-expert", "stacked", "fused"]
+#: how experts are written: per expert (HF names), stacked (vLLM's FusedMoE w13 / w2), or fused
+#: as transformers stores the family (``experts.gate_up_proj`` / ``down_proj``: gpt-oss's layout)
+Layout = Literal["per-expert", "stacked", "fused"]
+MergeLayout = Layout
 #: the files of an EP rank folder holding the non-expert tensors (the same in every rank)
 COMMON_STEM = "model-common"
 ROLES = ("gate", "up", "down")
@@ -82,9 +83,12 @@ class Stacked:
 
 @dataclass(frozen=True)
 class Fused:
-    """One transformers fused experts tensor, written expert by expert along its first dim:
-    ``gate_up`` [E', 2N, H] (or input-first [E', H, 2N]; gate and up rows interleaved when
-    ``interleaved``, else gate half then up half) or ``down`` [E', H, N] (input-first [E', N, H])."""
+    """One transformers fused experts tensor and its partners, written expert by expert along
+    their first dim: ``gate_up`` [E', 2N, H] (or input-first [E', H, 2N]; gate and up rows
+    interleaved when ``interleaved``, else gate half then up half) or ``down`` [E', H, N]
+    (input-first [E', N, H]), named ``dst``; in a quantized format its fused layout's tensors
+    ``{dst}_{name}`` instead (mxfp4: ``_blocks``, ``_scales``, output rows first); the experts'
+    biases ``{dst}_bias`` [E', 2N] (interleaved as the rows) / [E', H]."""
 
     layer: int
     which: str  # gate_up | down

@@ -8,8 +8,8 @@ import hashlib
 import json
 from pathlib import Path
 
-from moetool.convert.plan import (COMMON_STEM, OTHER_FILE_SUFFIXES, ROLES, SKIP_FILES, ExpertLinear, Group, Layout,
-                                  Plan, PlannedFile, SpecsOf, Stacked)
+from moetool.convert.plan import (COMMON_STEM, OTHER_FILE_SUFFIXES, ROLES, SKIP_FILES, ExpertLinear, Fused, Group,
+                                  Layout, Plan, PlannedFile, SpecsOf, Stacked)
 from moetool.errors import MoetoolError
 from moetool.model.families import ModelSpec, MoELayerSpec
 from moetool.model.placement import add_redundant, make_placement, placement_to_json, read_expert_load
@@ -46,6 +46,13 @@ def expert_groups(ckpt: Checkpoint, spec: ModelSpec, layout: Layout, *, slots: d
                 groups.append(Stacked(layer.index, which, tuple(experts), f"{layer.prefix}.experts.{which}"))
                 homes.append(home(experts[0]) if experts else home(0))
             continue
+        if layout == "fused":  # transformers' names, orientation and row order of the family
+            fam = spec.family
+            for which in ("gate_up", "down"):
+                groups.append(Fused(layer.index, which, tuple(experts), f"{layer.prefix}.experts.{which}_proj",
+                                    input_first=fam.fused_input_first, interleaved=fam.fused_interleaved))
+                homes.append(home(experts[0]) if experts else home(0))
+            continue
         for slot, e in enumerate(experts):
             for r, role in enumerate(ROLES):
                 name_index = slot if slot_names else e
@@ -64,7 +71,7 @@ def home_of_layer(ckpt: Checkpoint, layer: MoELayerSpec):
             info = ckpt.tensors.get(f"{base}.weight") or ckpt.tensors.get(f"{base}.weight_packed")
             return info.file
         return home
-    first = next(n for n in ckpt.tensors if n.startswith(st.gate_up))
+    first = next(n for n in ckpt.tensors if n.startswith(st.gate_up) and n != st.gate_up_bias)
     return lambda e: ckpt.tensors[first].file
 
 
@@ -168,7 +175,8 @@ def _fused_source(layer: MoELayerSpec) -> dict:
     if st.kind != "fused":
         return {}
     return {"fused": {"gate_up": st.gate_up, "down": st.down, "gate_up_input_first": st.gate_up_input_first,
-                      "down_input_first": st.down_input_first, "interleaved": st.interleaved}}
+                      "down_input_first": st.down_input_first, "interleaved": st.interleaved,
+                      "suffixes": list(st.fused_suffixes), "biases": st.biased}}
 
 
 def shard_plan(ckpt: Checkpoint, spec: ModelSpec, ep: int, placements: dict[int, ExpertPlacement], layout: Layout,

@@ -22,8 +22,9 @@ TORCH_PATH = "moetool.convert.conversion"
 def repack(source, out, layout: Layout, *, max_shard_size: int | None = None, dry_run: bool = False,
            force: bool = False, progress: bool = True, revision: str | None = None, device: str = "cpu",
            byte_copy: bool = True) -> Summary | Plan:
-    """``byte_copy=False`` forces the torch executor (same output bytes)."""
-    if byte_copy and not dry_run and device == "cpu":
+    """``byte_copy=False`` forces the torch executor (same output bytes). ``layout`` "fused":
+    transformers' fused tensors of the family (gpt-oss's own layout), through the torch executor."""
+    if byte_copy and not dry_run and device == "cpu" and layout != "fused":
         ckpt = open_checkpoint(source, revision)
         try:
             spec = describe(ckpt.config, ckpt.tensors)

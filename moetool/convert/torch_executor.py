@@ -29,6 +29,7 @@ from moetool.read.experts import ExpertReader, Linear
 from moetool.formats.base import WeightFormat
 from moetool.formats.common import error_sums
 from moetool.formats.dense import Dense
+from moetool.formats.registry import FORMATS
 from moetool.memory import trim_in_background
 from moetool.convert.plan import (ROLES, Copy, Dequant, ExpertLinear, Fused, Group, Plan, PlannedFile, SharedLinear,
                                   Stacked, Summary)
@@ -111,6 +112,13 @@ class Source:
         return out
 
     def expert_role(self, layer: MoELayerSpec, e: int, role: str) -> Linear:
+        """Expert e's gate, up or down in the output format, and its ``bias`` (stored dtype,
+        never quantized) where the experts have biases (gpt-oss)."""
+        lin = self._expert_linear(layer, e, role)
+        biases = self.reader.biases(layer, e)
+        return lin if biases is None else {**lin, "bias": biases[ROLES.index(role)]}
+
+    def _expert_linear(self, layer: MoELayerSpec, e: int, role: str) -> Linear:
         if role != "down" and self.out_fmt.joint_gate_up and not self.passthrough:
             return self._joint_gate_up(layer, e, role)
         where = f"{layer.prefix} expert {e} {role}"
@@ -161,10 +169,13 @@ class Source:
         return halves[0], halves[1]
 
     def expert_w13(self, layer: MoELayerSpec, e: int) -> Linear:
+        """Expert e's w13 [2N, H] (gate rows, then up) and its ``bias`` [2N] where it has one."""
         if self.passthrough:
-            return self.reader.w13(layer, e)
-        gate, up = (self.expert_role(layer, e, r) for r in ("gate", "up"))
-        return self.out_fmt.cat_rows([gate, up])
+            w13 = self.reader.w13(layer, e)
+        else:
+            w13 = self.out_fmt.cat_rows([self._expert_linear(layer, e, r) for r in ("gate", "up")])
+        biases = self.reader.biases(layer, e)
+        return w13 if biases is None else {**w13, "bias": torch.cat(biases[:2])}
 
     def plain_linear(self, base: str) -> Linear:
         fmt, lin = self.reader.plain_linear(base)
@@ -243,8 +254,6 @@ class Planner:
         ckpt = src.ckpt
         for layer in src.spec.moe_layers:
             st = layer.storage
-            if st.gate_up_bias or st.down_bias:
-                raise MoetoolError(f"{st.gate_up}: experts with biases (gpt-oss) cannot be converted yet; inspect only")
             if st.kind == "stacked":  # every stacked tensor of the format, one slice per stored expert
                 for base in (st.gate_up, st.down):
                     for s in src.in_fmt.suffixes:
@@ -311,13 +320,42 @@ class Planner:
         if isinstance(group, Fused):
             sig = self._probe(group.sources[0] if group.sources else 0, layer,
                               "w13" if group.which == "gate_up" else "w2")
-            if set(sig) != {"weight"}:
-                raise MoetoolError(f"{group.dst}: fused expert tensors are written unquantized only, "
-                                   f"found {', '.join(sorted(sig))}")
-            dtype, (rows, cols) = sig["weight"]
-            return [TensorSpec(group.dst, dtype, (n, cols, rows) if group.input_first else (n, rows, cols))]
+            fmt = src.out_fmt
+            return [TensorSpec(fused_name(group.dst, fmt, s), d, (n, *fused_shape(fmt, s, shp, group.input_first)))
+                    for s, (d, shp) in sig.items()]
         sig = self._probe(group.sources[0] if group.sources else 0, layer, group.which)
         return [TensorSpec(f"{group.dst_base}_{s}", d, (n, *shp)) for s, (d, shp) in sig.items()]
+
+
+def fused_name(base: str, fmt: WeightFormat, suffix: str) -> str:
+    """The name of one tensor of a fused group (``base``: ``P.experts.gate_up_proj``): the dense
+    weight is ``base`` itself, a bias ``base_bias``, a quantized tensor ``base_{fused name}``
+    in the format's fused layout (mxfp4: ``_blocks``, ``_scales``)."""
+    if suffix == "bias":
+        return f"{base}_bias"
+    if not fmt.quantized:
+        return base
+    names = getattr(fmt, "fused_names", None)
+    if not names:
+        raise MoetoolError(f"{base}: fused expert tensors are written unquantized or in a format with a fused "
+                           f"layout ({', '.join(fused_formats())}), not {fmt.name}")
+    return f"{base}_{names[suffix]}"
+
+
+def fused_formats() -> list[str]:
+    """The formats that have a fused expert layout (``fused_names``)."""
+    return [name for name, cls in FORMATS.items() if getattr(cls, "fused_names", None)]
+
+
+def fused_shape(fmt: WeightFormat, suffix: str, shape: tuple[int, ...], input_first: bool) -> tuple[int, ...]:
+    """One expert's slice of a fused tensor, from its tensor of one linear (w13 or w2): a
+    bias as it is, the dense weight transposed when ``input_first``, a quantized tensor in the
+    format's fused layout (always output rows first)."""
+    if suffix == "bias":
+        return shape
+    if not fmt.quantized:
+        return (shape[1], shape[0]) if input_first else shape
+    return tuple(fmt.to_fused(suffix, torch.empty(shape, device="meta")).shape)
 
 
 def _fmt_sig(sig: dict) -> str:
@@ -329,7 +367,10 @@ def _storage_sig(ckpt: Checkpoint, layer: MoELayerSpec) -> tuple:
     expert and their dtypes (the same for every layer of a model, so one probe serves all)."""
     st = layer.storage
     if st.kind == "fused":
-        return (str(ckpt.tensors[st.gate_up].dtype),)
+        biases = (str(ckpt.tensors[st.gate_up_bias].dtype),) if st.gate_up_bias else ()
+        if st.fused_suffixes:
+            return (*((s, str(ckpt.tensors[f"{st.gate_up}_{s}"].dtype)) for s in st.fused_suffixes), *biases)
+        return (str(ckpt.tensors[st.gate_up].dtype), *biases)
     base, sep = (st.per_expert_bases(0)[0], ".") if st.kind == "per-expert" else (st.gate_up, "_")
     return tuple(sorted((s, str(ckpt.tensors[f"{base}{sep}{s}"].dtype)) for s in ckpt.suffixes(base, sep)))
 
@@ -457,16 +498,24 @@ class Executor:
         return src.expert_w13(layer, e) if g.which == "w13" else src.expert_role(layer, e, "down")
 
     def _fused_slice(self, g: Fused, i: int, e: int) -> Linear:
-        """Expert e's slice of a fused tensor: [2N, H] / [H, N], or input-first, transposed."""
+        """Expert e's slice of each tensor of a fused group: the weight [2N, H] / [H, N] (dense:
+        transposed when input-first; quantized: in the format's fused layout), its bias; gate
+        and up rows interleaved where the group says so."""
         src = self.sources[g.sources[i] if g.sources else 0]
         layer = src.layer(g.layer)
-        if g.which == "down":
-            w = src.expert_role(layer, e, "down")["weight"]  # [H, N]
-        else:
-            w = src.expert_w13(layer, e)["weight"]  # [2N, H], gate rows then up rows
-            if g.interleaved:
-                w = w.view(2, layer.intermediate, -1).transpose(0, 1).reshape(2 * layer.intermediate, -1)
-        return {"weight": w.t().contiguous() if g.input_first else w}
+        fmt, n = src.out_fmt, layer.intermediate
+        lin = src.expert_role(layer, e, "down") if g.which == "down" else src.expert_w13(layer, e)
+        out = {}
+        for s, t in lin.items():
+            if g.which == "gate_up" and g.interleaved:  # gate rows [0, N) and up rows [N, 2N) alternate
+                t = t.reshape(2, n, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+            if s == "bias":
+                out[s] = t
+            elif not fmt.quantized:
+                out[s] = t.t().contiguous() if g.input_first else t.contiguous()
+            else:
+                out[s] = fmt.to_fused(s, t.contiguous())
+        return out
 
 
 # ---------------------------------------------------------------------------------- running

@@ -194,14 +194,6 @@ def test_include_shared_experts(tiny, cli, tmp_path, family):
     check_summary(r.out, Int4Group(), sum(3 * m.num_experts + 3 for m in spec.moe_layers))
 
 
-def test_gpt_oss_is_inspect_only(hf_model, cli, tmp_path):
-    r = cli("quantize", hf_model("gpt_oss").path, tmp_path / "o", "--fp8-block", "--quiet")
-    assert r.code == 2
-    assert r.error_line == ("model.layers.0.mlp.experts.gate_up_proj: experts with biases (gpt-oss) cannot be "
-                            "converted yet; inspect only")
-    assert not (tmp_path / "o").exists()
-
-
 # ------------------------------------------------------------------------------ requantize
 
 

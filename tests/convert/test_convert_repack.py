@@ -240,11 +240,6 @@ def test_stacked_wrong_expert_count(inputs, cli, tmp_path):
     assert r.error_line == f"{name}: shape [7, 320, 192], expected 8 experts in its first dimension"
 
 
-def test_repack_gpt_oss_refused(hf_model, cli, tmp_path):
-    r = cli("repack", hf_model("gpt_oss").path, tmp_path / "o", "--quiet")
-    assert r.code == 2 and "gpt-oss" in r.error_line and "inspect only" in r.error_line
-
-
 def test_repack_options(inputs, cli, tmp_path):
     r = cli("repack", inputs["bf16"], tmp_path / "o", "--layout", "blocked")
     assert r.code == 2 and r.error_line == "--layout 'blocked': expected per-expert or stacked"
