@@ -97,10 +97,10 @@ class Nvfp4(CompressedTensors, WeightFormat):
     # (the tests' tiny Mixtral, 32 tokens: 0.169 / 0.179); the limits add margin, an injected
     # fault gives 0.5 - 1.5 and fails
     verify_tolerances: ClassVar[dict[str, float]] = {"rel_err": 0.25, "expert_rel_err": 0.31}
-    # W4A16 (NVFP4A16): activations stay in the model's dtype; no fused GEMM yet (the torch
-    # experts dequantize the weights, as vLLM's emulation and Marlin FP4 paths do)
+    # W4A16 (NVFP4A16): activations stay in the model's dtype; the fused GEMM dequantizes the
+    # weight tiles in registers (as vLLM's emulation and Marlin FP4 paths do without FP4 MMA)
     activation_quant: ClassVar[str | None] = None
-    kernel_scheme: ClassVar[str | None] = None
+    kernel_scheme: ClassVar[str | None] = "nvfp4"
     # an expert's gate and up are quantized as one w13, for one global scale (module docstring);
     # read by the converter once formats/base.py declares it (False for every other format)
     joint_gate_up: ClassVar[bool] = True

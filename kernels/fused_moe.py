@@ -137,6 +137,9 @@ def fused_experts(
     act_group = SCHEMES[scheme].act_group
     fp8 = act_group is not None
     check(act_group != FP8_BLOCK or FP8_BLOCK % cfg.block_k == 0, f"fp8-block needs block_k dividing 128: {cfg}")
+    fp4_group = SCHEMES[scheme].fp4_group
+    check(fp4_group is None or cfg.block_k % fp4_group == 0,
+          f"{scheme} needs block_k of whole groups of {fp4_group}: {cfg}")
     sorted_ids, expert_ids, num_post_pad = moe_align_block_size(topk_ids, cfg.block_m, E)
     weights = topk_weights if apply_router_weight else hidden
 

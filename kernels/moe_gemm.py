@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from .common import FP8_BLOCK, TOKEN_GROUP, act_scale_cols, check, is_interpreted
+from .fp4_quant import _e4m3_decode, _e8m0_decode
 from .moe_tiles import MoeConfig
 from .moe_weights import StackedWeights
 from .quant import fp8_dequant_act_ref
@@ -37,16 +38,27 @@ def _load_k(ptrs, even_mask, mask, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _e2m1_times_2_14(codes):
+    """int32 e2m1 codes 0..15 -> float32 values / 2^14: sign, exponent and mantissa moved to an
+    fp16's bits 15 and 9-11, whose value is exactly the code's over 2^14 (code 1, 0.5, becomes
+    the fp16 subnormal 2^-15); the caller multiplies 2^14 into the group scale."""
+    bits = ((codes & 0x8) << 12) | ((codes & 0x7) << 9)
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
 def _moe_gemm_kernel(
-    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, b_zp_ptr, c_ptr, topk_weights_ptr,
+    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, b_zp_ptr, b_gs_ptr, c_ptr, topk_weights_ptr,
     sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr,
-    N, K, EM, num_valid, a_row_div, split_n, split_nb, group_k,
+    N, K, EM, num_valid, a_row_div, split_n, split_nb, group_k, gs_rows,
     stride_am, stride_ak, stride_asm, stride_ask,
     stride_be, stride_bn, stride_bk,
     stride_se, stride_sn, stride_sk,
     stride_ze, stride_zn, stride_zk,
+    stride_gse,
     stride_cm, stride_cn,
     FMT: tl.constexpr, HAS_ZP: tl.constexpr, GROUP_TILE: tl.constexpr, EVEN_K: tl.constexpr,
+    FP4_GROUP: tl.constexpr, HAS_GS: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -64,6 +76,10 @@ def _moe_gemm_kernel(
     FMT 3 int4-group (W4A16): B int32 [E, N, ceil(K/8)] nibbles, scale [E, N, ceil(K/g)],
           zero points [E, ceil(N/8), ceil(K/g)] (HAS_ZP); tile dequantized as (q - z) * s.
           GROUP_TILE: g % BLOCK_K == 0, so scales / zero points are loaded once per K tile.
+    FMT 4 fp4 (W4A16): B uint8 [E, N, K/2], e2m1 codes, k = 2j in the low nibble of byte j,
+          2j + 1 in the high one; scale [E, N, K/FP4_GROUP] as uint8 bits: e4m3 divided by the
+          global scale gs [E, P] of the row (HAS_GS, nvfp4: row n takes gs[n // gs_rows]), or
+          e8m0 (mxfp4). Tile dequantized in fp32 as e2m1 * scale (BLOCK_K % FP4_GROUP == 0).
     EVEN_K: K % BLOCK_K == 0, no K masks. Weight rows are read modulo N (always in bounds, no
     N masks on weight loads); the extra columns are dropped by the masked store.
     """
@@ -97,6 +113,10 @@ def _moe_gemm_kernel(
     if FMT == 1:  # fp8-block weight scale row of each output row (gate / up blocks apart)
         s_rows = tl.where(offs_bn < split_n, offs_bn // 128, split_nb + (offs_bn - split_n) // 128)
         bs_base = b_scale_ptr + expert * stride_se + s_rows.to(tl.int64) * stride_sn  # [BN]
+    if FMT == 4:
+        bs_base = b_scale_ptr + expert * stride_se + offs_bn64 * stride_sn  # [BN]
+        if HAS_GS:  # the global scale of each output row's part (w13: gate or up)
+            gs = tl.load(b_gs_ptr + expert * stride_gse + offs_bn // gs_rows)  # [BN] fp32
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -137,6 +157,22 @@ def _moe_gemm_kernel(
                 else:
                     q = q - 8
             b = (q.to(tl.float32) * s).to(DOT_DTYPE)
+            acc += tl.dot(a.to(DOT_DTYPE), b, input_precision=PREC)
+        elif FMT == 4:
+            kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # [BK/2] bytes
+            packed = _load_k(b_base + offs_bn64[None, :] * stride_bn + kb[:, None] * stride_bk,
+                             None, (kb < K // 2)[:, None], EVEN_K)  # [BK/2, BN] uint8
+            codes = (packed.to(tl.int32)[:, None, :] >> (tl.arange(0, 2) * 4)[None, :, None]) & 0xF
+            v = tl.reshape(_e2m1_times_2_14(codes), [BLOCK_K // FP4_GROUP, FP4_GROUP, BLOCK_N])  # k = 2j + i
+            kg = k0 // FP4_GROUP + tl.arange(0, BLOCK_K // FP4_GROUP)  # [BK/g] groups
+            sb = _load_k(bs_base[None, :] + kg[:, None] * stride_sk, None,
+                         (kg < K // FP4_GROUP)[:, None], EVEN_K).to(tl.int32)  # [BK/g, BN] bits
+            if HAS_GS:
+                s = tl.math.div_rn(_e4m3_decode(sb), gs[None, :]) * 16384.0  # as the format: s / gs
+                b = v * s[:, None, :]
+            else:  # 2^(e - 127) * 2^14 may pass the float32 range: two exact products instead
+                b = (v * 16384.0) * _e8m0_decode(sb)[:, None, :]
+            b = tl.reshape(b, [BLOCK_K, BLOCK_N]).to(DOT_DTYPE)
             acc += tl.dot(a.to(DOT_DTYPE), b, input_precision=PREC)
         elif FMT == 1:
             b = _load_k(b_base + offs_bn64[None, :] * stride_bn + kk[:, None] * stride_bk,
@@ -182,7 +218,7 @@ def moe_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, wts: StackedWeights,
     :func:`moetool.kernels.moe_weights.parse_weights`; c [P, R]; topk_weights fp32 [P] (read
     only when mul_weight); sorted_ids / expert_ids / num_post_pad: ``moe_align_block_size`` with
     BM = cfg.block_m; split_n: the gate rows of an fp8-block w13 (R for any other linear);
-    group_size: int4's g.
+    group_size: int4's g (fp4 schemes: their own group, which cfg.block_k must be a multiple of).
     """
     check(a.dim() == 2 and a.stride(1) == 1 and c.dim() == 2, "moe_gemm: a and c must be 2-D, a's rows contiguous")
     check(c.shape[1] == wts.main.shape[1],
@@ -202,6 +238,11 @@ def moe_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, wts: StackedWeights,
     main, scale = wts.main, wts.scale
     scale_ = scale if scale is not None else main
     zp_ = wts.zp if wts.zp is not None else main
+    gs_ = wts.global_scale if wts.global_scale is not None else main
+    if wts.fp4_group is not None:
+        check(cfg.block_k % wts.fp4_group == 0, f"moe_gemm: block_k {cfg.block_k} is not whole fp4 groups of "
+                                                 f"{wts.fp4_group}")
+        scale_ = scale_.view(torch.uint8)  # e4m3 bits (nvfp4), decoded in the kernel
     a_scale_ = a_scale if a_scale is not None else a
     if wts.act_group is not None:  # e4m3 x e4m3 dots
         dot_dtype, prec = tl.float8e4nv, "ieee"
@@ -212,16 +253,18 @@ def moe_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, wts: StackedWeights,
         prec = "ieee" if dot_dtype == tl.float32 else "tf32"
     grid = (triton.cdiv(EM, cfg.block_m) * triton.cdiv(R, cfg.block_n),)
     _moe_gemm_kernel[grid](
-        a, a_scale_, main, scale_, zp_, c, topk_weights,
+        a, a_scale_, main, scale_, zp_, gs_, c, topk_weights,
         sorted_ids, expert_ids, num_post_pad,
         R, K, EM, num_valid, a_row_div, split_n, triton.cdiv(split_n, FP8_BLOCK), group_size,
+        R // gs_.shape[1] if wts.global_scale is not None else R,
         a.stride(0), a.stride(1), a_scale_.stride(0), a_scale_.stride(-1),
         main.stride(0), main.stride(1), main.stride(2),
         scale_.stride(0), scale_.stride(1), scale_.stride(-1),
         zp_.stride(0), zp_.stride(1), zp_.stride(-1),
+        gs_.stride(0),
         c.stride(0), c.stride(1),
         FMT=wts.fmt, HAS_ZP=wts.zp is not None, GROUP_TILE=group_size % cfg.block_k == 0,
-        EVEN_K=K % cfg.block_k == 0,
+        EVEN_K=K % cfg.block_k == 0, FP4_GROUP=wts.fp4_group or 16, HAS_GS=wts.global_scale is not None,
         MUL_WEIGHT=bool(mul_weight),
         DOT_DTYPE=dot_dtype, PREC=prec,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,

@@ -63,18 +63,23 @@ _TILES = {
     "fp8-block": ((16, 64, 128, 1, 4, 3), (64, 128, 128, 8, 8, 3), (64, 128, 128, 8, 8, 3)),
     "fp8-channel": ((16, 64, 128, 1, 4, 4), (64, 64, 64, 8, 4, 4), (128, 128, 64, 16, 8, 3)),
     "int4-group": ((16, 64, 64, 1, 4, 3), (64, 64, 64, 8, 4, 4), (64, 128, 64, 8, 4, 3)),
+    # fp4 weights are as many bytes a K tile as int4's: int4's tiles until tuned
+    "nvfp4": ((16, 64, 64, 1, 4, 3), (64, 64, 64, 8, 4, 4), (64, 128, 64, 8, 4, 3)),
+    "mxfp4": ((16, 64, 64, 1, 4, 3), (64, 64, 64, 8, 4, 4), (64, 128, 64, 8, 4, 3)),
 }
 
 
 def _fit(sch, cfg: MoeConfig, act_dtype: torch.dtype, group_size: int) -> MoeConfig:
     """fp32 activations: 2 stages and M/N tiles <= 64 (shared memory). int4: block_k <= g when
-    g is a power of two, so a K tile never straddles two groups."""
+    g is a power of two, so a K tile never straddles two groups. fp4: block_k whole groups."""
     bm, bn, bk, gm, warps, stages = (getattr(cfg, f.name) for f in fields(MoeConfig))
     if act_dtype == torch.float32:
         stages = 2
         bm, bn = min(bm, 64), min(bn, 64)
     if sch.groups and group_size >= 16 and group_size & (group_size - 1) == 0:
         bk = min(bk, group_size)
+    if sch.fp4_group is not None:
+        bk = max(bk, sch.fp4_group)
     return MoeConfig(bm, bn, bk, gm, warps, stages)
 
 
@@ -111,6 +116,9 @@ def config_problem(scheme: str, cfg: MoeConfig, group_size: int = 128) -> str | 
         return f"block_k = {cfg.block_k} does not divide the fp8 block of {FP8_BLOCK}"
     if SCHEMES[scheme].groups and group_size & (group_size - 1) == 0 and cfg.block_k > max(group_size, 16):
         return f"block_k = {cfg.block_k} straddles int4 groups of {group_size}"
+    fp4_group = SCHEMES[scheme].fp4_group
+    if fp4_group is not None and cfg.block_k % fp4_group:
+        return f"block_k = {cfg.block_k} is not whole {scheme} groups of {fp4_group}"
     return None
 
 
@@ -141,7 +149,7 @@ def rule_config(scheme: str, E: int, N: int, H: int, top_k: int, T: int, act_dty
     """
     sch = SCHEMES[scheme]
     ppe = T * top_k / max(E, 1)
-    kind = "int4" if sch.groups else scheme if sch.fp8_acts else "dense"
+    kind = "int4" if sch.groups or sch.fp4_group else scheme if sch.fp8_acts else "dense"  # fp4: int4's bytes
     if T <= DECODE_T:
         if kind == "int4":
             cfg = MoeConfig(16, 128, 64, 1, 4, 4)

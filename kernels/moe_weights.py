@@ -3,7 +3,7 @@ the host-side checks (:func:`parse_weights`) and the torch reference's reading
 (:func:`dequantize_stacked`).
 
 Letters: E = local experts, N = expert intermediate size, H = hidden size, g = int4 group
-size. Stacked tensors have a leading dim E; "logical" [R, C] is [2N, H] for w13 (gate rows,
+size, P = global scales of one nvfp4 linear (rows R / P each). Stacked tensors have a leading dim E; "logical" [R, C] is [2N, H] for w13 (gate rows,
 then up rows), [H, N] for w2. The schemes (a weight format names its scheme as
 ``kernel_scheme``; the kernels never import the formats):
 
@@ -14,6 +14,12 @@ then up rows), [H, N] for w2. The schemes (a weight format names its scheme as
   int4-group   weight_packed int32 [E, R, ceil(C/8)]; weight_scale [E, R, ceil(C/g)];
                weight_shape [E, 2] (not read); optional weight_zero_point int32
                [E, ceil(R/8), ceil(C/g)] packed along R (w13: over all 2N rows)       (W4A16)
+  nvfp4        weight_packed uint8 [E, R, C/2] (e2m1 codes, element 2j of a row in the low
+               nibble of byte j); weight_scale float8_e4m3fn [E, R, C/16]; weight_global_scale
+               fp32 [E, P], the divisor of the group scales of rows [p*R/P, (p+1)*R/P) (a w13
+               stacked from gate and up: P = 2, gate then up; w2: P = 1)             (W4A16)
+  mxfp4        weight_packed uint8 [E, R, C/2] (as nvfp4); weight_scale uint8 [E, R, C/32], e8m0
+               exponents: w = e2m1 * 2^(scale - 127)                                 (W4A16)
 """
 from __future__ import annotations
 
@@ -36,7 +42,9 @@ class Scheme:
     #: and ``act_group`` columns (TOKEN_GROUP: per token, the whole row); None: weight-only
     #: (activations stay in their float dtype)
     act_group: int | None = None
-    groups: bool = False  # weights scaled per group of g columns along K
+    groups: bool = False  # weights scaled per group of g columns along K (g a parameter: int4)
+    #: fp4: the scheme's own group of columns per scale (fixed); BLOCK_K must be a multiple of it
+    fp4_group: int | None = None
     shape_key: str | None = None  # a tensor of logical shapes [E, 2], never read by the GEMM
 
     @property
@@ -50,6 +58,8 @@ SCHEMES = {
     "fp8-block": Scheme(1, "weight", act_group=FP8_BLOCK),
     "fp8-channel": Scheme(2, "weight", act_group=TOKEN_GROUP),
     "int4-group": Scheme(3, "weight_packed", groups=True, shape_key="weight_shape"),
+    "nvfp4": Scheme(4, "weight_packed", fp4_group=16),
+    "mxfp4": Scheme(4, "weight_packed", fp4_group=32),
 }
 
 
@@ -62,6 +72,9 @@ class StackedWeights:
     scale: torch.Tensor | None
     zp: torch.Tensor | None
     act_group: int | None = None  # the scheme's ``Scheme.act_group``: what the GEMM's A must be
+    #: fp4: the scheme's group (``Scheme.fp4_group``); nvfp4 also its global scales fp32 [E, P]
+    fp4_group: int | None = None
+    global_scale: torch.Tensor | None = None
 
 
 def parse_weights(scheme: str, t: dict, name: str, E: int, R: int, C: int, group_size: int,
@@ -94,6 +107,20 @@ def parse_weights(scheme: str, t: dict, name: str, E: int, R: int, C: int, group
     if scheme == "fp8-channel":
         w = need("weight", (E, R, C), [torch.float8_e4m3fn])
         return StackedWeights(code, w, need("weight_scale", (E, R, 1), floating=True), None, act_group)
+    if SCHEMES[scheme].fp4_group is not None:
+        g = SCHEMES[scheme].fp4_group
+        check(C % g == 0, f"{name} ({scheme}) has {C} columns, not whole groups of {g}")
+        w = need("weight_packed", (E, R, C // 2), [torch.uint8])
+        if scheme == "mxfp4":
+            return StackedWeights(code, w, need("weight_scale", (E, R, C // g), [torch.uint8]), None, fp4_group=g)
+        s = need("weight_scale", (E, R, C // g), [torch.float8_e4m3fn])
+        check("weight_global_scale" in t, f"{name} ({scheme}) is missing 'weight_global_scale'")
+        gs = t["weight_global_scale"]
+        P = gs.shape[1] if gs.dim() == 2 and gs.shape[0] == E else 0
+        check(P > 0 and R % P == 0 and gs.dtype == torch.float32,
+              f"{name}['weight_global_scale'] has {gs.dtype} {list(gs.shape)}, expected float32 [{E}, P] "
+              f"with P dividing its {R} rows")
+        return StackedWeights(code, w, s, None, fp4_group=g, global_scale=gs)
     # int4-group
     G = triton.cdiv(C, group_size)
     w = need("weight_packed", (E, R, triton.cdiv(C, 8)), [torch.int32])

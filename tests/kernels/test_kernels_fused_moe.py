@@ -37,14 +37,27 @@ CASES = {
     "int4-sym-fp16": ("int4-group", torch.float16, True, 1.5e-3),
     "int4-asym-fp16": ("int4-group", torch.float16, False, 1.5e-3),
     "int4-asym-fp32": ("int4-group", torch.float32, False, 2e-6),
+    # fp4 (W4A16): the dequantized tile is exact in fp32 (the format's own e2m1 * s / gs); in fp16
+    # it is rounded, as int4's (third field: for nvfp4, gate and up quantized apart, so the w13
+    # has two different global scales)
+    "nvfp4-fp16": ("nvfp4", torch.float16, True, 1.5e-3),
+    "nvfp4-fp32": ("nvfp4", torch.float32, True, 2e-6),
+    "nvfp4-joint-fp16": ("nvfp4", torch.float16, False, 1.5e-3),
+    "mxfp4-fp16": ("mxfp4", torch.float16, None, 1.5e-3),
+    "mxfp4-fp32": ("mxfp4", torch.float32, None, 2e-6),
 }
+FP4_CASES = [c for c, (fmt, *_) in CASES.items() if fmt in ("nvfp4", "mxfp4")]
 # measured under the interpreter (3 shapes, seed 0): fp32 <= 4e-7, fp16 <= 5.5e-4,
 # bf16 <= 9.7e-3, fp8-block w8a8 <= 2.3e-2, fp8-block with fp16 hidden <= 4.4e-2,
-# fp8-channel w8a8 <= 2.6e-2, fp8-channel with fp16 / fp32 hidden <= 5.6e-2
+# fp8-channel w8a8 <= 2.6e-2, fp8-channel with fp16 / fp32 hidden <= 5.6e-2; fp4 (FP4_SHAPES):
+# fp32 <= 4.4e-7, fp16 <= 6.2e-4
 # (T, E, H, N, k, int4 group): N not a multiple of 128 (fp8-block gate/up scale split), H and N
 # not multiples of the tiles, partial int4 groups (200 % 40, 96 % 40); g = 32 / 64 take the
 # one-scale-per-K-tile path (g % BLOCK_K == 0), g = 40 / 8 the per-element one
 SHAPES = [(33, 4, 200, 96, 2, 40), (1, 4, 64, 32, 2, 32), (9, 3, 136, 160, 3, 8), (12, 2, 128, 48, 2, 64)]
+# fp4 needs whole groups (16 / 32) along H and N: H, N multiples of 32 but not of the K tile (64
+# and 96 % 128, 160 % 64), one shape whose K is whole tiles
+FP4_SHAPES = [(33, 4, 160, 96, 2, None), (1, 4, 64, 32, 2, None), (9, 3, 96, 64, 3, None)]
 
 
 def _stack(per_expert: list[dict]) -> dict:
@@ -65,6 +78,13 @@ def make_weights(fmt, E, H, N, group=128, symmetric=True, dtype=torch.bfloat16, 
             q2, s2 = kq.fp8_block_quant_ref(w2)
             per13.append({"weight": torch.cat([qg, qu]), "weight_scale_inv": torch.cat([sg, su])})
             per2.append({"weight": q2, "weight_scale_inv": s2})
+        elif fmt in ("nvfp4", "mxfp4"):
+            f = get_format(fmt)
+            if fmt == "nvfp4" and symmetric:  # gate and up with their own global scales: [2]
+                per13.append(f.cat_rows([f.quantize(w13[:N], dtype), f.quantize(w13[N:], dtype)]))
+            else:  # one global scale for the w13 (nvfp4 [1])
+                per13.append(f.quantize(w13, dtype))
+            per2.append(f.quantize(w2, dtype))
         elif fmt == "fp8-channel":
             for w, lst in ((w13, per13), (w2, per2)):
                 s = (w.float().abs().amax(1, keepdim=True).clamp(min=1e-12) / 448).to(dtype)
@@ -78,6 +98,8 @@ def make_weights(fmt, E, H, N, group=128, symmetric=True, dtype=torch.bfloat16, 
 
 def weight_format(fmt, group=128, symmetric=True):
     """The weight format ``fmt`` names, with int4's group size and symmetry where it takes them."""
+    if fmt in ("nvfp4", "mxfp4"):
+        return get_format(fmt)
     params, _ = format_params(fmt, {"group_size": group, "symmetric": symmetric})
     return get_format(fmt, **params)
 
@@ -85,7 +107,8 @@ def weight_format(fmt, group=128, symmetric=True):
 def fused_ref(x, w13, w2, fmt, ids, tw, group=128, symmetric=True, **kwargs):
     """fused_experts_ref with the weights read by the format's own dequantize / split_rows."""
     f = weight_format(fmt, group, symmetric)
-    return fm.fused_experts_ref(x, w13, w2, f.kernel_scheme, ids, tw, dequantize=f.dequantize,
+    assert f.kernel_scheme in (fmt, None)  # None: mxfp4 until formats/mxfp4.py names its scheme
+    return fm.fused_experts_ref(x, w13, w2, fmt, ids, tw, dequantize=f.dequantize,
                                 split_rows=f.split_rows, **kwargs)
 
 
@@ -126,7 +149,8 @@ def run_case(case, shape, device, apply_router_weight=True):
     kwargs = {"hidden_scale": xs, "apply_router_weight": apply_router_weight}
     ref = fused_ref(x, w13, w2, fmt, ids, tw, group, bool(symmetric), **kwargs)
     kwargs["hidden_scale"] = xs.to(device) if xs is not None else None
-    kwargs["group_size"] = group
+    if group is not None:
+        kwargs["group_size"] = group
     out = fm.fused_experts(x.to(device), _to(w13, device), _to(w2, device), fmt, ids.to(device), tw.to(device),
                            **kwargs)
     assert out.dtype == torch.float32 and out.shape == (T, H)
@@ -134,13 +158,66 @@ def run_case(case, shape, device, apply_router_weight=True):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}-E{}-H{}-N{}-k{}-g{}".format(*s))
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [c for c in CASES if c not in FP4_CASES])
 def test_fused_experts_matches_ref(case, shape, device):
     out, ref, tol, ids = run_case(case, shape, device)
     assert rel_err(out, ref) < tol, (case, rel_err(out, ref))
     # tokens whose experts are all on other ranks get exactly 0
     remote = (ids < 0).all(dim=1)
     assert (out[remote] == 0).all()
+
+
+@pytest.mark.parametrize("shape", FP4_SHAPES, ids=lambda s: "T{}-E{}-H{}-N{}-k{}".format(*s))
+@pytest.mark.parametrize("case", FP4_CASES)
+def test_fp4_fused_experts_matches_ref(case, shape, device):
+    out, ref, tol, ids = run_case(case, shape, device)
+    assert rel_err(out, ref) < tol, (case, rel_err(out, ref))
+    assert (out[(ids < 0).all(dim=1)] == 0).all()
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_fp4_broken_scale_fails(fmt, device):
+    """A wrong scale changes the kernels' output as much as the reference's: the up half's global
+    scale doubled (nvfp4; a kernel reading gate's for every row misses it), or one e8m0 group
+    exponent raised by one (mxfp4). Against the reference on the intact weights that is far
+    outside the tolerance, against the reference on the broken ones within it."""
+    T, E, H, N, k, _ = FP4_SHAPES[0]
+    tol = CASES[f"{fmt}-fp16"][3]
+    w13, w2 = make_weights(fmt, E, H, N, symmetric=True)
+    ids, tw = make_routing(T, E, k)
+    ids[:, 0] = torch.arange(T) % E  # every expert has tokens
+    x = torch.randn(T, H).half()
+    bad13 = dict(w13)
+    if fmt == "nvfp4":
+        assert tuple(w13["weight_global_scale"].shape) == (E, 2)
+        bad13["weight_global_scale"] = w13["weight_global_scale"] * torch.tensor([1.0, 0.5])
+    else:
+        bad13["weight_scale"] = w13["weight_scale"].clone()
+        bad13["weight_scale"][:, :, 1] += 1
+    good = fused_ref(x, w13, w2, fmt, ids, tw)
+    broken = fused_ref(x, bad13, w2, fmt, ids, tw)
+    out = fm.fused_experts(x.to(device), _to(bad13, device), _to(w2, device), fmt, ids.to(device), tw.to(device))
+    assert rel_err(out, broken) < tol
+    assert rel_err(out, good) > 20 * tol, rel_err(out, good)
+
+
+def test_fp4_bad_tensors_raise(device):
+    E, H, N = 2, 64, 32
+    w13, w2 = (_to(w, device) for w in make_weights("nvfp4", E, H, N))
+    x = torch.randn(3, H, dtype=torch.float16, device=device)
+    ids = torch.tensor([[0, 1], [1, 0], [0, 1]], device=device)
+    tw = torch.ones(3, 2, device=device)
+    for bad, match in (({"weight_global_scale": w13["weight_global_scale"][:, :1].double()}, "float32"),
+                       ({"weight_global_scale": w13["weight_global_scale"][:1].contiguous()}, r"\[2, P\]"),
+                       ({"weight_scale": w13["weight_scale"].view(torch.uint8)}, "weight_scale"),
+                       ({"weight_packed": w13["weight_packed"][:, :, :-1].contiguous()}, "weight_packed")):
+        with pytest.raises(MoetoolError, match=match):
+            fm.fused_experts(x, dict(w13, **bad), w2, "nvfp4", ids, tw)
+    m13, m2 = (_to(w, device) for w in make_weights("mxfp4", E, H, N))
+    with pytest.raises(MoetoolError, match="weight_scale"):
+        fm.fused_experts(x, dict(m13, weight_scale=m13["weight_scale"].float()), m2, "mxfp4", ids, tw)
+    with pytest.raises(MoetoolError, match="mxfp4 needs block_k of whole groups of 32"):
+        fm.fused_experts(x, m13, m2, "mxfp4", ids, tw, config=MoeConfig(16, 32, 16, 1, 4, 1))
 
 
 @pytest.mark.parametrize("case", ["dense-fp16", "fp8-block-w8a8", "fp8-channel-fp16", "int4-asym-fp16"])
@@ -381,6 +458,9 @@ GPU_CASES = {
     "fp8-channel-bf16": ("fp8-channel", torch.bfloat16, None, 0.06),
     "int4-sym-bf16": ("int4-group", torch.bfloat16, True, 1e-2),
     "int4-asym-bf16": ("int4-group", torch.bfloat16, False, 1e-2),
+    "nvfp4-bf16": ("nvfp4", torch.bfloat16, True, 1e-2),
+    "nvfp4-joint-bf16": ("nvfp4", torch.bfloat16, False, 1e-2),
+    "mxfp4-bf16": ("mxfp4", torch.bfloat16, None, 1e-2),
     "dense-fp32": ("dense", torch.float32, None, 1e-5),
 }
 
