@@ -165,6 +165,13 @@ class WeightFormat:
         t = self.quantize(w, orig_dtype)
         return (t, *error_sums(w, self.dequantize(t)))
 
+    def stores_like(self, other: WeightFormat) -> bool:
+        """True when a linear stored in this format is stored the same way in ``other``, so a
+        conversion from one to the other copies its tensors (requantizing would only add error).
+        Default: the same format with the same parameters; a format whose parameter only says
+        how scales were chosen (int4's clip) compares without it."""
+        return type(self) is type(other) and vars(self) == vars(other)
+
     def quantize_cuda(self, w: torch.Tensor, orig_dtype: torch.dtype) -> Tensors | None:
         """``quantize(w, orig_dtype)`` bit for bit for a CUDA weight w [N, K], with the
         format's Triton kernel; None where no kernel applies (this default) or the result is

@@ -452,6 +452,12 @@ class Int4Group(CompressedTensors, WeightFormat):
             q = q - expand_groups(zero_point, self.group_size, k)
         return q * expand_groups(t["weight_scale"].float(), self.group_size, k)
 
+    def stores_like(self, other: WeightFormat) -> bool:
+        """The clip only chose the scales: int4 of the same group size and symmetry is copied
+        (an mse-clipped input requantized without clip, or the other way, only adds error)."""
+        return (type(other) is type(self) and other.group_size == self.group_size
+                and other.symmetric == self.symmetric)
+
     def logical_shape(self, t: Tensors) -> tuple[int, int]:
         """[N, K] from ``weight_shape``; also checks every tensor against it."""
         check_suffixes(self.name, t, self.suffixes)

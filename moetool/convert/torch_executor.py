@@ -47,7 +47,8 @@ def model_dtype(config: dict) -> torch.dtype:
 
 
 def same_format(a: WeightFormat, b: WeightFormat) -> bool:
-    return type(a) is type(b) and vars(a) == vars(b)
+    """A linear stored in ``a`` is what ``b`` stores: converting copies it (``stores_like``)."""
+    return a.stores_like(b)
 
 
 # ---------------------------------------------------------------------------------- sources
@@ -66,11 +67,11 @@ class Source:
         self.in_fmt = self.reader.fmt
         self.out_fmt = out_fmt or self.in_fmt
         self.passthrough = same_format(self.in_fmt, self.out_fmt)
+        if self.passthrough:  # copied as stored: the output keeps the input's parameters (int4's clip)
+            self.out_fmt = self.in_fmt
         self.dtype = model_dtype(ckpt.config)
         self.stats = stats
         self._layers = {m.index: m for m in spec.moe_layers}
-        self._joint: dict[tuple[int, int], dict] = {}  # (layer, expert) -> gate and up quantized together
-        self._joint_lock = threading.Lock()
 
     def layer(self, index: int) -> MoELayerSpec:
         return self._layers[index]
@@ -135,22 +136,11 @@ class Source:
 
     def _joint_gate_up(self, layer: MoELayerSpec, e: int, role: str) -> Linear:
         """Expert e's gate or up in a format whose gate and up share a scale (``joint_gate_up``):
-        both quantized once, as one w13 [2N, H], then cut in two; the half not asked for waits
-        here for its own request (another thread's, maybe)."""
-        key = (layer.index, e)
-        with self._joint_lock:
-            entry = self._joint.setdefault(key, {"lock": threading.Lock(), "pair": None, "left": {"gate", "up"}})
-        with entry["lock"]:
-            if entry["pair"] is None:
-                entry["pair"] = self._quantize_gate_up(layer, e)
-        with self._joint_lock:
-            entry["left"].discard(role)
-            if not entry["left"]:
-                del self._joint[key]
-        return entry["pair"][ROLES.index(role)]
-
-    def _quantize_gate_up(self, layer: MoELayerSpec, e: int) -> tuple[Linear, Linear]:
-        where = f"{layer.prefix} expert {e} gate+up"
+        both quantized as one w13 [2N, H], cut in two, the asked half kept. Each half's request
+        quantizes the pair again (deterministic: the same bytes): nothing is held between the two
+        requests, which may come from two threads, or one of them never (a resumed run whose
+        other file is finished)."""
+        where = f"{layer.prefix} expert {e} {role} (quantized with its {'up' if role == 'gate' else 'gate'})"
         gate, up, _ = self.reader.gate_up_down(layer, e)
         try:
             w13 = torch.cat([self.in_fmt.dequantize(gate) if self.in_fmt.quantized else gate["weight"].float(),
@@ -161,12 +151,11 @@ class Source:
                 q = {k: v.cpu() for k, v in q.items()}
             else:
                 q = self.out_fmt.quantize(w13, self.dtype)
-            halves = self.out_fmt.split_rows(q, [layer.intermediate, layer.intermediate])
+            half = self.out_fmt.split_rows(q, [layer.intermediate, layer.intermediate])[ROLES.index(role)]
         except MoetoolError as err:
             raise MoetoolError(f"{where}: {err}") from None
-        for w, half in zip(w13.split(layer.intermediate), halves):
-            self.stats.add(w.cpu(), self.out_fmt.dequantize(half))
-        return halves[0], halves[1]
+        self.stats.add(w13.split(layer.intermediate)[ROLES.index(role)].cpu(), self.out_fmt.dequantize(half))
+        return half
 
     def expert_w13(self, layer: MoELayerSpec, e: int) -> Linear:
         """Expert e's w13 [2N, H] (gate rows, then up) and its ``bias`` [2N] where it has one."""

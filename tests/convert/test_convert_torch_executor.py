@@ -60,16 +60,41 @@ def test_nvfp4_gate_and_up_share_their_global_scale(tiny, tmp_path):
     per = quantize(src, tmp_path / "per", "nvfp4", progress=False)
     stacked = quantize(src, tmp_path / "stacked", "nvfp4", layout="stacked", progress=False)
     assert per and stacked
-    t, s = read_tensors(tmp_path / "per"), read_tensors(tmp_path / "stacked")
+    t, s, src_t = read_tensors(tmp_path / "per"), read_tensors(tmp_path / "stacked"), read_tensors(src)
     fmt = get_format("nvfp4")
     for name in [n for n in t if n.endswith(".w1.weight_global_scale")]:
         up = name.replace(".w1.", ".w3.")
         assert torch.equal(t[name], t[up]), name
-        # the pair is what quantizing the concatenation gives
+        # the pair is, byte for byte, what quantizing the source's concatenated gate and up gives
         expert = name.rsplit(".w1.", 1)[0]
-        gate = {k.rsplit(".", 1)[1]: v for k, v in t.items() if k.startswith(expert + ".w1.")}
-        upt = {k.rsplit(".", 1)[1]: v for k, v in t.items() if k.startswith(expert + ".w3.")}
-        assert torch.equal(torch.cat([fmt.dequantize(gate), fmt.dequantize(upt)]),
-                           fmt.dequantize(fmt.cat_rows([gate, upt])))
+        joint = fmt.split_rows(fmt.quantize(torch.cat([src_t[f"{expert}.w1.weight"], src_t[f"{expert}.w3.weight"]]),
+                                            torch.bfloat16), [32, 32])
+        for half, w in zip(joint, ("w1", "w3")):
+            assert all(torch.equal(half[k], t[f"{expert}.{w}.{k}"]) for k in half), (expert, w)
     w13 = [n for n in s if n.endswith("w13_weight_global_scale")]
     assert w13 and all(bool((s[n][..., 0] == s[n][..., 1]).all()) for n in w13)
+
+
+def test_int4_to_int4_copies_whatever_the_clip(tiny, tmp_path):
+    """int4's clip only chose the scales: an mse-clipped input quantized to int4 without clip
+    (or the other way) is copied, bytes and observer, not requantized (which added 0.067 mean
+    rel error): the summary reports no new error."""
+    import json
+
+    from moetool.convert.quantize import quantize
+    from moeutil import read_tensors
+
+    src = tiny("mixtral", hidden=64, intermediate=32, experts=4)
+    mse = tmp_path / "mse"
+    quantize(src, mse, "int4-group", group_size=32, clip="mse", progress=False)
+    for clip in ("none", "mse"):
+        out = tmp_path / f"again-{clip}"
+        summary = quantize(mse, out, "int4-group", group_size=32, clip=clip, progress=False)
+        a, b = read_tensors(mse), read_tensors(out)
+        assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a), clip
+        cfg = json.loads((out / "config.json").read_text())["quantization_config"]
+        assert json.dumps(cfg).count('"observer": "mse"') >= 1, cfg
+        assert "error over" not in summary.render(), summary.render()  # nothing requantized
+    # a different group size is another storage: requantized, and the summary gives its error
+    other = quantize(mse, tmp_path / "g16", "int4-group", group_size=16, progress=False)
+    assert "int4-group error over " in other.render(), other.render()
