@@ -14,7 +14,10 @@ Each step is a kernel module with its torch reference beside it:
    (W8A8: rounded to the act dtype, then quantized to e4m3 + fp32 scales per the scheme's
    ``act_group``: fp8-block per 1x128 group, DeepSeek style; fp8-channel per token)
 4. :mod:`moe_gemm`    cache3[p] = w2[e] @ cache2[p] (* topk_weight[p])          [P, H] fp32
+   (bf16 when the output is: each pair's row rounded once, as vLLM's cache3 and the served
+   numerics of ``verify`` have it, and half the bytes written and read back)
 5. :mod:`moe_sum`     out[t] = sum over slots j with id >= 0 of cache3[t*k + j]  [T, H] fp32
+   (then rounded once to bf16 for a bf16 output)
 
 The weights' layout per scheme is in :mod:`moe_weights`, the tile sizes in :mod:`moe_tiles`.
 """
@@ -85,10 +88,12 @@ def fused_experts(
     soft_fp8: bool | None = None,
     out_dtype: torch.dtype = torch.float32,
     out: torch.Tensor | None = None,
+    cache3_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """One rank's routed experts with Triton kernels -> out [T, H] out_dtype (float32, or
-    bfloat16 rounded once from the fp32 sum, e.g. for a bf16 combine); written into ``out``
-    when given (out_dtype [T, H], rows may be strided), e.g. a buffer other ranks read.
+    bfloat16, e.g. for a bf16 combine: each pair's weighted row rounded to bf16, the k of a
+    token summed in fp32 and rounded once more); written into ``out`` when given (out_dtype
+    [T, H], rows may be strided), e.g. a buffer other ranks read.
 
     hidden [T, H] fp16/bf16/fp32, or float8_e4m3fn with hidden_scale fp32 [T, G] (rows of
     hidden and hidden_scale may be strided, e.g. views into a received buffer) for the W8A8
@@ -105,6 +110,8 @@ def fused_experts(
     group_size: the int4 group g. config: tile sizes (default: :func:`moetool.kernels.moe_tiles.select_config`:
     the GPU's tuned table for this shape, else rules).
     check_ids: raise if an id >= E (one host synchronisation).
+    cache3_dtype: the per-pair rows before the sum (default out_dtype); float32 with a bf16
+    output rounds only the sum.
     """
     E, N = _check_common(hidden, w13, w2, scheme, topk_ids, topk_weights, hidden_scale, activation,
                          apply_router_weight)
@@ -114,6 +121,7 @@ def fused_experts(
     w2p = parse_weights(scheme, w2, "w2", E, H, N, group_size, None)
     check(hidden.stride(1) == 1 and topk_ids.is_contiguous(), "hidden needs contiguous rows and topk_ids must be contiguous")
     check(out_dtype in OUT_DTYPES, f"out_dtype must be float32 or bfloat16, got {out_dtype}")
+    check(cache3_dtype in (None, *OUT_DTYPES), f"cache3_dtype must be float32 or bfloat16, got {cache3_dtype}")
     if out is not None:
         check_out(out, T, H, out_dtype, hidden.device)
     tensors = [hidden, topk_ids, w13p.main, w2p.main]
@@ -154,7 +162,7 @@ def fused_experts(
         a2, a2_scale = silu_and_mul(cache1, row_ids, quant_fp8=True, group=act_group, soft_fp8=soft_fp8)
     else:
         a2, a2_scale = silu_and_mul(cache1, row_ids), None
-    cache3 = torch.empty((P, H), dtype=torch.float32, device=dev)
+    cache3 = torch.empty((P, H), dtype=cache3_dtype or out_dtype, device=dev)
     moe_gemm(a2, a2_scale, w2p, cache3, weights, sorted_ids, expert_ids, num_post_pad,
                  P, 1, H, apply_router_weight, group_size, cfg)
     return moe_sum(cache3, topk_ids, out_dtype, out)

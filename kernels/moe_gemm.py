@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import FP8_BLOCK, TOKEN_GROUP, act_scale_cols, check, is_interpreted
+from .common import FP8_BLOCK, TOKEN_GROUP, act_scale_cols, check, is_interpreted, round_to_bf16
 from .fp4_quant import _e4m3_decode, _e8m0_decode
 from .moe_tiles import MoeConfig
 from .moe_weights import StackedWeights
@@ -59,7 +59,7 @@ def _moe_gemm_kernel(
     stride_cm, stride_cn,
     FMT: tl.constexpr, HAS_ZP: tl.constexpr, GROUP_TILE: tl.constexpr, EVEN_K: tl.constexpr,
     FP4_GROUP: tl.constexpr, HAS_GS: tl.constexpr,
-    MUL_WEIGHT: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr, SOFT_BF16: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -80,6 +80,8 @@ def _moe_gemm_kernel(
           2j + 1 in the high one; scale [E, N, K/FP4_GROUP] as uint8 bits: e4m3 divided by the
           global scale gs [E, P] of the row (HAS_GS, nvfp4: row n takes gs[n // gs_rows]), or
           e8m0 (mxfp4). Tile dequantized in fp32 as e2m1 * scale (BLOCK_K % FP4_GROUP == 0).
+    SOFT_BF16: C is bf16 and the kernel interpreted, whose fp32 -> bf16 cast truncates: round
+    to nearest even with integer math instead (the GPU's cast does that itself).
     EVEN_K: K % BLOCK_K == 0, no K masks. Weight rows are read modulo N (always in bounds, no
     N masks on weight loads); the extra columns are dropped by the masked store.
     """
@@ -198,6 +200,8 @@ def _moe_gemm_kernel(
     if MUL_WEIGHT:
         w = tl.load(topk_weights_ptr + pair64, mask=m_mask, other=0.0)
         acc = acc * w[:, None]
+    if SOFT_BF16:
+        acc = round_to_bf16(acc)
     tl.store(
         c_ptr + pair64[:, None] * stride_cm + offs_n.to(tl.int64)[None, :] * stride_cn,
         acc.to(c_ptr.dtype.element_ty),
@@ -265,7 +269,7 @@ def moe_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, wts: StackedWeights,
         c.stride(0), c.stride(1),
         FMT=wts.fmt, HAS_ZP=wts.zp is not None, GROUP_TILE=group_size % cfg.block_k == 0,
         EVEN_K=K % cfg.block_k == 0, FP4_GROUP=wts.fp4_group or 16, HAS_GS=wts.global_scale is not None,
-        MUL_WEIGHT=bool(mul_weight),
+        MUL_WEIGHT=bool(mul_weight), SOFT_BF16=c.dtype == torch.bfloat16 and is_interpreted(_moe_gemm_kernel),
         DOT_DTYPE=dot_dtype, PREC=prec,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
