@@ -94,6 +94,12 @@ class LazyExperts:
     def __iter__(self):
         return (self[e] for e in range(len(self)))
 
+    def biases(self) -> list | None:
+        """Every expert's (gate [N], up [N], down [H]) biases in float32 on ``device``, or None."""
+        if not self.layer.storage.biased:
+            return None
+        return [tuple(b.float().to(self.device) for b in self.reader.biases(self.layer, e)) for e in range(len(self))]
+
 
 def _metrics(y: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float]:
     noise = float((y - ref).pow(2).sum())
@@ -262,14 +268,17 @@ def build_report(shards: EPShards, ref_ckpt, spec, ref_reader: ExpertReader, opt
         nw = ref_ckpt.get(nw_name) if nw_name in ref_ckpt else None
         gate = ref_ckpt.get(layer.router_weight).float().to(dev)
         bias = ref_ckpt.get(layer.correction_bias).float().to(dev) if layer.correction_bias else None
+        rbias = ref_ckpt.get(layer.router_bias).float().to(dev) if layer.router_bias else None
         shared = ref_reader.shared_fp32(layer)
         shared = None if shared is None else tuple(None if w is None else w.to(dev) for w in shared)
         lazy = LazyExperts(ref_reader, layer, dev)
+        biases = lazy.biases()
         ys, refs = [], []
         for g in range(opts.dp):
             rank0 = next(r for r in results if r[i]["group"] == g and r[i]["y"] is not None)
             x = make_tokens(i, g, opts.tokens, layer.hidden, opts.seed, nw, numerics).to(dev)
-            refs.append(reference_moe_forward(x, gate, bias, layer.router, lazy, shared).cpu())
+            refs.append(reference_moe_forward(x, gate, bias, layer.router, lazy, shared, router_bias=rbias,
+                                              biases=biases, act=layer.activation).cpu())
             ys.append(rank0[i]["y"])
         rel, sqnr, mx = _metrics(torch.cat(ys), torch.cat(refs))
         # each expert alone on the probe batch, every copy of it (replicas too)
@@ -279,12 +288,17 @@ def build_report(shards: EPShards, ref_ckpt, spec, ref_reader: ExpertReader, opt
         for rank, r in enumerate(results):
             for s, e in enumerate(r[i]["slots"]):
                 if e not in expert_ref:
-                    expert_ref[e] = swiglu(xp, *lazy[e]).cpu()
+                    expert_ref[e] = swiglu(xp, *lazy[e], biases=None if biases is None else biases[e],
+                                           act=layer.activation).cpu()
                 erel, _, _ = _metrics(r[i]["probe"][s], expert_ref[e])
                 if worst is None or not erel <= worst[2] and not (math.isnan(erel) and math.isnan(worst[2])):
                     worst = (e, rank, erel)
         worst = worst or (-1, -1, 0.0)
         reasons = []
+        served = results[0][i]["stats"].get("activation")
+        if served is not None and served != layer.activation.describe():
+            reasons.append(f"the shards' config.json runs the experts with {served}, --ref with "
+                           f"{layer.activation.describe()}")
         if not rel <= th["rel_err"]:
             reasons.append(f"layer rel err {rel:.3g} > {th['rel_err']:g}")
         if not worst[2] <= th["expert_rel_err"]:

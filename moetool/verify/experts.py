@@ -105,7 +105,10 @@ class TorchExperts(ExpertsBackend):
     did not already), gate and up outputs rounded to the served dtype, silu(gate) * up rounded
     and, W8A8, quantized and dequantized again for the down GEMM, each pair's weighted output
     rounded, the sum over k in float32. Weight-only formats run their dequantized weights
-    rounded to the served dtype (as the W4A16 / bf16 kernels feed the tensor cores)."""
+    rounded to the served dtype (as the W4A16 / bf16 kernels feed the tensor cores). Expert
+    biases (gpt-oss) are held in the served dtype and added to each GEMM's float32 result
+    before it is rounded (as vLLM's fused MoE adds them in its epilogue), the down bias before
+    the top-k weight; the activation is the experts' own (``LocalExperts.activation``)."""
 
     name = "torch"
 
@@ -116,6 +119,7 @@ class TorchExperts(ExpertsBackend):
         self._gate: list[torch.Tensor] = []  # L x [N, H]
         self._up: list[torch.Tensor] = []  # L x [N, H]
         self._down: list[torch.Tensor] = []  # L x [H, N]
+        self._biases: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = []  # L x ([N], [N], [H])
 
     @property
     def applies_weights_and_reduces(self) -> bool:
@@ -128,6 +132,9 @@ class TorchExperts(ExpertsBackend):
         fmt, N, H = local.fmt, local.intermediate, local.hidden
         # weight-only formats: the engine's GEMM reads the dequantized weight in the served dtype
         weights = self.numerics.round if self.numerics.act_group is None else (lambda w: w)
+        for i in range(len(local.slot_to_global)):
+            b = local.slot_biases(i)
+            self._biases.append(None if b is None else tuple(self.numerics.round(t.to(device)) for t in b))
         for i, e in enumerate(local.slot_to_global):
             t13, t2 = local.slot(i)
             try:
@@ -147,7 +154,7 @@ class TorchExperts(ExpertsBackend):
 
     def release(self) -> None:
         self._bound = None
-        self._gate, self._up, self._down = [], [], []
+        self._gate, self._up, self._down, self._biases = [], [], [], []
 
     def _input(self, hidden: torch.Tensor, hidden_scale: torch.Tensor | None) -> torch.Tensor:
         """The GEMM input [M, H] float32: fp8 rows dequantized; float rows in the served dtype,
@@ -165,6 +172,8 @@ class TorchExperts(ExpertsBackend):
         L = len(self._gate)
         _check_ids(local_ids, L)
         nm = self.numerics
+        kind = self._bound.activation
+        act = (lambda g, u: F.silu(g) * u) if kind.kind == "silu" else kind.apply
         x = self._input(hidden, hidden_scale)  # [M, H]
         M, k = local_ids.shape
         H = x.shape[1]
@@ -174,10 +183,16 @@ class TorchExperts(ExpertsBackend):
                 continue
             tok, j = torch.nonzero(local_ids == s, as_tuple=True)  # [n], [n]
             xs = x[tok]
-            h = nm.round(F.silu(nm.round(xs @ self._gate[s].t())) * nm.round(xs @ self._up[s].t()))  # [n, N]
+            b = self._biases[s]
+            g, u = xs @ self._gate[s].t(), xs @ self._up[s].t()  # [n, N] x2
+            if b is not None:
+                g, u = g + b[0], u + b[1]
+            h = nm.round(act(nm.round(g), nm.round(u)))  # [n, N]
             if nm.act_group is not None:
                 h = fp8_round_trip(h, nm.act_group)
             y = h @ self._down[s].t()  # [n, H]
+            if b is not None:
+                y = y + b[2]
             if self._reduce:
                 acc.index_add_(0, tok, nm.round(y * topk_weights[tok, j].float()[:, None]))
             else:
@@ -212,6 +227,9 @@ class TritonExperts(ExpertsBackend):
     def bind(self, local: LocalExperts, device: torch.device) -> None:
         if self._bound is local:
             return
+        if local.bias13 is not None or local.activation.kind != "silu":
+            raise MoetoolError(f"--experts triton: the fused kernels run SwiGLU experts without biases, not "
+                               f"{local.activation.describe()} with expert biases (gpt-oss); use --experts torch")
         if local.fmt.kernel_scheme is None:
             raise MoetoolError(f"--experts triton: no fused kernel reads {local.fmt.name}; use --experts torch")
         if self.numerics.exact and local.fmt.activation_quant is not None:

@@ -10,9 +10,11 @@ afterwards, so a process holds one layer's weights at a time. The per-layer argu
 ``forward``, run once with recording stand-ins in place of the layers.
 
 transformers v5 keeps routed experts fused in memory (``experts.gate_up_proj`` [E, 2N, H] gate
-half first, ``experts.down_proj`` [E, H, N]; input-first [E, H, 2N] / [E, N, H] for Llama-4)
-while checkpoints may hold per-expert tensors: they are read with moetool's ExpertReader
-(dequantized to fp32) and stacked into the module's layout. Every tensor is float32.
+half first, ``experts.down_proj`` [E, H, N]; input-first [E, H, 2N] / [E, N, H] for Llama-4 and
+gpt-oss, gpt-oss with gate/up columns interleaved and the biases ``gate_up_proj_bias`` [E, 2N]
+(interleaved) / ``down_proj_bias`` [E, H]) while checkpoints may hold per-expert tensors, or
+gpt-oss's MXFP4 blocks: they are read with moetool's ExpertReader (dequantized to fp32) and
+stacked into the module's layout. Every tensor is float32.
 Letters: B = sequences, S = sequence length, H = hidden, E = experts, N = expert intermediate.
 """
 from __future__ import annotations
@@ -40,6 +42,10 @@ MOETOOL_KEYS = ("moetool_ep", "quantization_config")
 TRANSFORMERS_MODEL_TYPE = {"kimi_k2": "deepseek_v3"}
 #: the decoder layer's attribute holding its MLP / MoE block, by family (in memory)
 MLP_ATTRS = ("mlp", "feed_forward", "block_sparse_moe")
+#: transformers' fused routed-expert tensors, built from the checkpoint's experts whatever
+#: their storage (per-expert, stacked, fused, a format's fused layout)
+FUSED_EXPERT_TENSORS = (".experts.gate_up_proj", ".experts.down_proj", ".experts.gate_up_proj_bias",
+                        ".experts.down_proj_bias")
 
 
 def require_transformers():
@@ -177,7 +183,7 @@ class Skeleton:
         ("tensor", name) for a stored tensor, ("linear", base) for a quantized linear."""
         layer = _layer_index(mem_name)
         moe = self.moe_index.get(layer) if layer is not None else None
-        if moe is not None and mem_name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+        if moe is not None and mem_name.endswith(FUSED_EXPERT_TENSORS):
             return "experts", ""
         candidates = [disk_name]
         if moe is not None:  # Mixtral: mlp in memory, block_sparse_moe on disk
@@ -202,6 +208,8 @@ class Skeleton:
         kind, name = self._locate(mem_name, disk_name)
         if kind == "experts":
             moe = self.moe_index[_layer_index(mem_name)]
+            if mem_name.endswith("_bias"):
+                return self._fused_biases(moe, mem_name.endswith("gate_up_proj_bias"))
             return self._fused_experts(moe, mem_name.endswith("gate_up_proj"), shape)
         return self.reader.dequantize_any(name) if kind == "linear" else self.ckpt.get(name)
 
@@ -223,12 +231,26 @@ class Skeleton:
         E, H, N = moe.num_experts, moe.hidden, moe.intermediate
         input_first = shape == ((E, H, 2 * N) if gate_up else (E, N, H)) and (
             shape != ((E, 2 * N, H) if gate_up else (E, H, N)) or self.spec.family.fused_input_first)
+        interleaved = self.spec.family.fused_interleaved  # gpt-oss: gate and up alternate
         out = torch.empty(shape, dtype=torch.float32)  # filled one expert at a time: no second copy
         for e in range(E):
             g, u, d = self.reader.expert_fp32(moe, e)  # [N, H], [N, H], [H, N]
-            w = torch.cat([g, u]) if gate_up else d  # [2N, H] or [H, N]
+            w = (torch.stack([g, u], 1).reshape(2 * N, H) if interleaved else torch.cat([g, u])) if gate_up else d
             out[e] = w.t() if input_first else w
         return out
+
+    def _fused_biases(self, moe, gate_up: bool) -> torch.Tensor:
+        """[E, 2N] (gate and up as the weight's columns) or [E, H] from the experts' biases."""
+        interleaved = self.spec.family.fused_interleaved
+        rows = []
+        for e in range(moe.num_experts):
+            biases = self.reader.biases(moe, e)
+            if biases is None:
+                raise MoetoolError(f"{self.ckpt.root}: layer {moe.index}'s experts have no biases; transformers' "
+                                   f"{self.cfg.model_type} experts need them")
+            g, u, d = (b.float() for b in biases)
+            rows.append((torch.stack([g, u], 1).reshape(-1) if interleaved else torch.cat([g, u])) if gate_up else d)
+        return torch.stack(rows)
 
 
 def _bytes(module: nn.Module) -> int:

@@ -66,11 +66,13 @@ def run_moe_layer(x_group: torch.Tensor, gate_weight: torch.Tensor,
                   correction_bias: torch.Tensor | None, router: RouterSpec, local: LocalExperts,
                   placement: ExpertPlacement, shared: SharedWeights | None,
                   dispatcher: Dispatcher, experts: ExpertsBackend,
-                  chunk_size: int = 4096, align_phases: bool = False) -> tuple[torch.Tensor, dict]:
+                  chunk_size: int = 4096, align_phases: bool = False,
+                  router_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """Collective: every rank calls it with its group's tokens.
 
     x_group [T_g, H] float32 (identical on the tp ranks of a dp group); gate_weight [E, H];
-    correction_bias [E] or None; local: this rank's experts (slots as ``placement.slots[rank]``);
+    correction_bias [E] or None; router_bias [E] or None (gpt-oss: added to the logits);
+    local: this rank's experts (slots as ``placement.slots[rank]``);
     shared: dense float32 shared expert, replicated, added once per token after combine.
     Returns (y [T_g, H] float32, replicated in the tp group; stats: a dict of plain values,
     see ``_stats``). The numerics are the experts backend's (``experts.numerics``): served,
@@ -98,6 +100,7 @@ def run_moe_layer(x_group: torch.Tensor, gate_weight: torch.Tensor,
     x_served = nm.round(x_group)
     gate_weight = gate_weight.to(dev)
     correction_bias = None if correction_bias is None else correction_bias.to(dev)
+    router_bias = None if router_bias is None else router_bias.to(dev)
     if shared is not None:
         shared = tuple(None if w is None else nm.round(w.to(dev)) for w in shared)
     experts.bind(local, dev)
@@ -128,7 +131,7 @@ def run_moe_layer(x_group: torch.Tensor, gate_weight: torch.Tensor,
         x_c = x_served[lo + rows.start:lo + rows.stop]  # [m, H]
         with timer.phase("route"):
             topk_ids, topk_weights = route(x_group[lo + rows.start:lo + rows.stop], gate_weight, router,
-                                           correction_bias)  # [m, k] x2
+                                           correction_bias, router_bias)  # [m, k] x2
             if router.apply_weight_on_input:
                 x_c = nm.round(x_c * topk_weights)  # [m, H] * [m, 1]
                 topk_weights = torch.ones_like(topk_weights)
@@ -146,7 +149,8 @@ def run_moe_layer(x_group: torch.Tensor, gate_weight: torch.Tensor,
         if sizes[g]:
             if shared is not None:
                 with timer.phase("shared"):
-                    y_c = y_c.float() + shared_forward(x_served[lo:lo + sizes[g]], shared, nm.round)
+                    y_c = y_c.float() + shared_forward(x_served[lo:lo + sizes[g]], shared, nm.round,
+                                                       local.activation)
             y[lo:lo + sizes[g]] = nm.round(y_c)
     stats.settle()
     stats.pairs_computed = sum(stats.expert_tokens)
@@ -157,7 +161,8 @@ def run_moe_layer(x_group: torch.Tensor, gate_weight: torch.Tensor,
 def _stats(topo, dispatcher, experts, cs: CommStats, timer: PhaseTimer, tokens: int, chunks: int,
            total_s: float, numerics: Numerics, local: LocalExperts) -> dict:
     """Per-rank stats, plain values only:
-    rank, dp_group, tp_index, dispatcher, experts, format, numerics ({mode, act_dtype,
+    rank, dp_group, tp_index, dispatcher, experts, format, activation (the experts', described),
+    numerics ({mode, act_dtype,
     act_quant}), act_quant (the fp8 activation scheme on the wire or None), chunks,
     tokens_in (tokens of this rank's group), tokens_received (token rows reaching its experts),
     pairs_computed ((token, local slot) pairs run), rows_padding, expert_tokens [L],
@@ -171,6 +176,7 @@ def _stats(topo, dispatcher, experts, cs: CommStats, timer: PhaseTimer, tokens: 
         "dispatcher": dispatcher.name,
         "experts": experts.name,
         "format": local.fmt.name,
+        "activation": local.activation.describe(),
         "numerics": numerics.to_json(),
         "act_quant": numerics.act_quant,
         "chunks": chunks,

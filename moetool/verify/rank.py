@@ -67,6 +67,7 @@ def run_job(rank: int, shards_root: str, opts: VerifyOptions, layer_ids: list[in
             local = load_local_experts(reader, layer, placement.slots[rank])
             gate = ckpt.get(layer.router_weight).float()
             bias = ckpt.get(layer.correction_bias).float() if layer.correction_bias else None
+            rbias = ckpt.get(layer.router_bias).float().to(device) if layer.router_bias else None
             shared = reader.shared_fp32(layer)
             nw_name = norm_weight_name(layer)
             nw = ckpt.get(nw_name) if nw_name in ckpt else None
@@ -77,11 +78,11 @@ def run_job(rank: int, shards_root: str, opts: VerifyOptions, layer_ids: list[in
             shared = None if shared is None else tuple(None if w is None else w.float().to(device) for w in shared)
             for _ in range(opts.warmup):
                 run_moe_layer(x, gate, bias, layer.router, local, placement, shared, dispatcher, experts,
-                              opts.chunk_size)
+                              opts.chunk_size, router_bias=rbias)
             timed = []
             for _ in range(opts.repeat):
                 y, stats = run_moe_layer(x, gate, bias, layer.router, local, placement, shared, dispatcher,
-                                         experts, opts.chunk_size, align_phases=opts.warmup > 0)
+                                         experts, opts.chunk_size, align_phases=opts.warmup > 0, router_bias=rbias)
                 timed.append({k: v for k, v in stats.items() if k.startswith(("time_", "cuda_"))})
             stats.update({k: statistics.median(t[k] for t in timed) for k in timed[0]}, transport=transport)
             probe = _probe_slots(experts, local, probe_tokens(i, layer.hidden, opts.seed, nw, numerics), device)
@@ -104,12 +105,17 @@ def load_local_experts(reader: ExpertReader, layer: MoELayerSpec, slot_to_global
         per2 = [reader.down(layer, i) for i in range(layer.n_stored)]
         w13 = {s: torch.stack([p[s] for p in per13]) for s in per13[0]}
         w2 = {s: torch.stack([p[s] for p in per2]) for s in per2[0]}
+    biases = reader.stacked_biases(layer)  # (w13 [L, 2N], w2 [L, H]) or None
+    if biases is not None:
+        w13, w2 = {**w13, "bias": biases[0]}, {**w2, "bias": biases[1]}  # checked with the weights below
     for name, t in (("w13", w13), ("w2", w2)):
         for s, v in t.items():
             if v.shape[0] != len(slot_to_global):
                 raise MoetoolError(f"{layer.prefix}.experts.{name}_{s}: {v.shape[0]} experts stored, "
                                    f"the manifest places {len(slot_to_global)} on this rank")
-    return LocalExperts(reader.fmt, w13, w2, list(slot_to_global), layer.intermediate, layer.hidden)
+    b13, b2 = (w13.pop("bias"), w2.pop("bias")) if biases is not None else (None, None)
+    return LocalExperts(reader.fmt, w13, w2, list(slot_to_global), layer.intermediate, layer.hidden,
+                        bias13=b13, bias2=b2, activation=layer.activation)
 
 
 def _probe_slots(experts: ExpertsBackend, local: LocalExperts, x: torch.Tensor, device: torch.device) -> torch.Tensor:

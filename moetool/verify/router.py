@@ -10,20 +10,23 @@ from moetool.errors import MoetoolError
 from moetool.model.spec import RouterSpec
 
 
-def gate_logits(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
-    """x [T, H], gate_weight [E, H] -> logits float32 [T, E].
+def gate_logits(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, H], gate_weight [E, H], bias [E] or None -> logits float32 [T, E].
 
     Accumulated in float64 and rounded to float32: a float32 GEMM's rounding depends on
     the batch it runs in (BLAS blocking, split-K), so the same token could pick another
     expert in a distributed chunk than in the single-process reference at a near tie.
     Rounding a float64 result makes a token's logits independent of its batch.
     """
-    return (x.double() @ gate_weight.double().t()).float()  # [T, E]
+    logits = x.double() @ gate_weight.double().t()  # [T, E]
+    return (logits if bias is None else logits + bias.double()[None, :]).float()
 
 
 def route(x: torch.Tensor, gate_weight: torch.Tensor, spec: RouterSpec,
-          correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, H] (any float dtype), gate_weight [E, H], correction_bias float [E] or None
+          correction_bias: torch.Tensor | None = None,
+          router_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] (any float dtype), gate_weight [E, H], correction_bias float [E] or None,
+    router_bias [E] or None (added to the logits: gpt-oss)
     -> (topk_ids int64 [T, k], topk_weights float32 [T, k]), ordered by selection score.
 
     Scores are softmax or sigmoid of the logits. Selection ranks the logits themselves (both
@@ -46,7 +49,11 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, spec: RouterSpec,
         raise MoetoolError("router: the spec says has_correction_bias="
                            f"{spec.has_correction_bias} but correction_bias is "
                            f"{'missing' if correction_bias is None else 'given'}")
-    logits = gate_logits(x, gate_weight)  # [T, E]
+    if spec.has_router_bias != (router_bias is not None):
+        raise MoetoolError("router: the spec says has_router_bias="
+                           f"{spec.has_router_bias} but router_bias is "
+                           f"{'missing' if router_bias is None else 'given'}")
+    logits = gate_logits(x, gate_weight, router_bias)  # [T, E]
     if spec.scoring == "softmax":
         scores = torch.softmax(logits, dim=-1)  # [T, E]
     elif spec.scoring == "sigmoid":

@@ -317,11 +317,11 @@ class DistributedMoE(torch.nn.Module):
     Collective (every rank calls it for every MoE layer, in order)."""
 
     def __init__(self, layer, local, placement, gate, bias, shared, dispatcher, experts, chunk_size, returns_tuple,
-                 run_moe_layer):
+                 run_moe_layer, router_bias=None):
         super().__init__()
         self.run_moe_layer = run_moe_layer  # moetool.verify.layer's, handed in by the rank (it loads Triton)
         self.layer, self.local, self.placement = layer, local, placement
-        self.gate, self.bias, self.shared = gate, bias, shared
+        self.gate, self.bias, self.shared, self.router_bias = gate, bias, shared, router_bias
         self.dispatcher, self.experts, self.chunk_size = dispatcher, experts, chunk_size
         self.returns_tuple = returns_tuple
         #: the MoE layer's phase times of its last forward (``moetool.verify.layer.PHASES``)
@@ -331,7 +331,8 @@ class DistributedMoE(torch.nn.Module):
         shape = hidden_states.shape  # [B, S, H]
         x = hidden_states.reshape(-1, shape[-1]).float()  # [T, H]
         y, self.stats = self.run_moe_layer(x, self.gate, self.bias, self.layer.router, self.local, self.placement,
-                                           self.shared, self.dispatcher, self.experts, self.chunk_size)
+                                           self.shared, self.dispatcher, self.experts, self.chunk_size,
+                                           router_bias=self.router_bias)
         y = y.view(shape).to(hidden_states.dtype)
         return (y, None) if self.returns_tuple else y
 
@@ -422,17 +423,22 @@ def _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts
                 local = load_local_experts(reader, moe, placement.slots[rank])
                 gate = ckpt.get(moe.router_weight).float()
                 bias = ckpt.get(moe.correction_bias).float() if moe.correction_bias else None
+                rbias = ckpt.get(moe.router_bias).float() if moe.router_bias else None
                 shared = reader.shared_fp32(moe)
             moe_bytes = sum(t.numel() * t.element_size() for t in [*local.w13.values(), *local.w2.values(), gate,
-                                                                   *([] if bias is None else [bias]),
+                                                                   *(b for b in (bias, rbias, local.bias13, local.bias2)
+                                                                     if b is not None),
                                                                    *(w for w in (shared or ()) if w is not None)])
             conv.held_bytes += moe_bytes  # this rank's experts, router and shared expert of the layer
             setattr(layer, mlp_attr, DistributedMoE(moe, local, placement, gate, bias, shared, dispatcher, experts,
-                                                    opts.chunk_size, bool(getattr(layer, "is_moe_layer", False)),
-                                                    run_moe_layer))
+                                                    opts.chunk_size, _returns_tuple(layer), run_moe_layer, rbias))
             if act not in MOE_ACTS:
                 reasons.setdefault(name, []).append(
                     f"config.json hidden_act {act!r}: the MoE runtime runs SwiGLU ({MOE_ACTS[0]}) experts")
+            if ref is not None and i in ref.moe_index and ref.moe_index[i].activation != moe.activation:
+                reasons.setdefault(name, []).append(
+                    f"the shards' config.json runs the experts with {moe.activation.describe()}, --ref with "
+                    f"{ref.moe_index[i].activation.describe()}")
         with clock("read_shards"):
             conv.fill(layer, f"model.layers.{i}.")
         seen: dict = {}
@@ -473,7 +479,8 @@ def _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts
             sums.add(f"{name}/mlp", _first(seen["mlp"][1]), mlp_ref)
             if moe is not None:
                 sums.token_max(f"{name}/mlp_token", _first(seen["mlp"][1]), mlp_ref)
-                _moe_parts(sums, name, moe, getattr(rlayer, ref.mlp_attr(rlayer)), seen["mlp"][0], gate, bias, shared)
+                _moe_parts(sums, name, moe, getattr(rlayer, ref.mlp_attr(rlayer)), seen["mlp"][0], gate, bias, shared,
+                           rbias)
         ref.empty(rlayer)
 
     # final norm and lm_head
@@ -516,7 +523,7 @@ def _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts
                           if topo.device.type == "cuda" else {})}}
 
 
-def _moe_parts(sums: _Sums, name: str, moe, block, h: torch.Tensor, gate, bias, shared) -> None:
+def _moe_parts(sums: _Sums, name: str, moe, block, h: torch.Tensor, gate, bias, shared, router_bias=None) -> None:
     """The router and the shared expert alone, on the converted block's input ``h``: the
     shards' router through moetool's ``route`` against transformers' router module, as dense
     [T, E] routing weights; the shards' shared expert against transformers' (never quantized
@@ -525,6 +532,7 @@ def _moe_parts(sums: _Sums, name: str, moe, block, h: torch.Tensor, gate, bias, 
     dev = x.device
     gate = gate.to(dev)
     bias = None if bias is None else bias.to(dev)
+    router_bias = None if router_bias is None else router_bias.to(dev)
     shared = None if shared is None else tuple(None if w is None else w.to(dev) for w in shared)
     router = getattr(block, "gate", None) if hasattr(block, "gate") else getattr(block, "router", None)
     out = router(x) if router is not None else None
@@ -539,7 +547,7 @@ def _moe_parts(sums: _Sums, name: str, moe, block, h: torch.Tensor, gate, bias, 
         elif isinstance(out[0], torch.Tensor) and tuple(out[0].shape) == (T, E):  # Llama-4: (scores [T, E], logits)
             ref_w = out[0].double()
     if ref_w is not None:
-        ids, weights = route(x, gate, moe.router, bias)
+        ids, weights = route(x, gate, moe.router, bias, router_bias)
         conv_w = torch.zeros(T, E, dtype=torch.float64, device=dev).scatter(1, ids, weights.double())
         sums.add(f"{name}/router", conv_w, ref_w)
     ref_shared = getattr(block, "shared_experts", None) or getattr(block, "shared_expert", None)
@@ -547,7 +555,13 @@ def _moe_parts(sums: _Sums, name: str, moe, block, h: torch.Tensor, gate, bias, 
         y_ref = ref_shared(x)
         if getattr(block, "shared_expert_gate", None) is not None:
             y_ref = torch.sigmoid(block.shared_expert_gate(x)) * y_ref
-        sums.add(f"{name}/shared", shared_forward(x, shared), y_ref)
+        sums.add(f"{name}/shared", shared_forward(x, shared, act=moe.activation), y_ref)
+
+
+def _returns_tuple(layer: torch.nn.Module) -> bool:
+    """Whether the decoder layer's MoE block returns (hidden, router output): Llama-4's
+    (``is_moe_layer``) and gpt-oss's ``GptOssMLP`` do, and the layer unpacks it."""
+    return bool(getattr(layer, "is_moe_layer", False)) or type(layer).__name__.startswith("GptOss")
 
 
 def _first(out):
