@@ -67,9 +67,12 @@ CELLS = {
     ("mixtral", "fp8-block"): (1, 128, 4096),
     ("dsv3-ep8", "int4-group"): (1, 128, 4096),
     ("dsv3-ep8", "fp8-channel"): (1, 128, 4096),  # not in the issue's table: W8A8 per token x channel
+    ("dsv3-ep8", "nvfp4"): (1, 16, 128, 4096),  # W4A16 fp4 (issue 16): weights dequantized in registers
+    ("dsv3-ep8", "mxfp4"): (1, 16, 128, 4096),
 }
 TUNE_TOKENS = (1, 16, 128, 512, 4096)
-SCHEMES_TUNED = ("dense", "fp8-block", "int4-group", "fp8-channel")
+SCHEMES_TUNED = ("dense", "fp8-block", "int4-group", "fp8-channel", "nvfp4", "mxfp4")
+FP4 = ("nvfp4", "mxfp4")
 INT4_GROUP = 128
 
 
@@ -78,13 +81,15 @@ def make_weights(scheme: str, E: int, H: int, N: int, device, group: int = INT4_
     """Random experts (dtype * 0.02, made chunk experts at a time) stacked in ``scheme``:
     (w13 logical [E, 2N, H], w2 [E, H, N]). fp8-block: 128 x 128 blocks (gate and up rows apart,
     as N % 128 == 0 here); fp8-channel: one scale per row, in dtype; int4: symmetric groups of
-    ``group``, scales in dtype."""
+    ``group``, scales in dtype; nvfp4: each expert's gate, up and down with their own global
+    scale (w13's [E, 2]); mxfp4: e8m0 scales per 32."""
+    from moetool.kernels.fp4_quant import mxfp4_quant, nvfp4_quant
     from moetool.kernels.int4_quant import int4_group_quant_pack
     from moetool.kernels.quant import fp8_block_quant
 
     gen = torch.Generator(device=device).manual_seed(seed)
 
-    def one(R, C):
+    def one(R, C, halves):
         parts = []
         for e0 in range(0, E, chunk):
             n = min(chunk, E - e0)
@@ -102,12 +107,21 @@ def make_weights(scheme: str, E: int, H: int, N: int, device, group: int = INT4_
                 p = int4_group_quant_pack(w, group, True, dtype)
                 parts.append({"weight_packed": p["weight_packed"].view(n, R, -1),
                               "weight_scale": p["weight_scale"].view(n, R, -1)})
+            elif scheme in FP4:  # per expert and, for nvfp4, per half of a w13 (gate, up)
+                quant = nvfp4_quant if scheme == "nvfp4" else mxfp4_quant
+                q = [quant(part.contiguous()) for part in w.view(n * halves, R // halves, C)]
+                one_part = {key: torch.stack([t[key] for t in q]) for key in q[0]}  # [n*halves, R/halves, ...]
+                part = {"weight_packed": one_part["weight_packed"].view(n, R, -1),
+                        "weight_scale": one_part["weight_scale"].view(n, R, -1)}
+                if scheme == "nvfp4":
+                    part["weight_global_scale"] = one_part["weight_global_scale"].view(n, halves)
+                parts.append(part)
             else:
                 raise SystemExit(f"tune.py: no weights for scheme {scheme!r}")
             del w
         return {key: torch.cat([p[key] for p in parts]).contiguous() for key in parts[0]}
 
-    return one(2 * N, H), one(H, N)
+    return one(2 * N, H, 2), one(H, N, 1)
 
 
 def weight_bytes_per_expert(w13: dict, w2: dict) -> int:
@@ -196,7 +210,7 @@ def _smem_ok(scheme: str, bm: int, bn: int, bk: int, stages: int) -> bool:
     """Shared memory of the pipelined A and B tiles under ~200 KB (H100: 227 KB a block)."""
     fp8 = scheme in ("fp8-block", "fp8-channel")
     a = bm * bk * (1 if fp8 else 2)
-    b = bk * bn // 2 if scheme == "int4-group" else bk * bn * (1 if fp8 else 2)
+    b = bk * bn // 2 if scheme in ("int4-group", *FP4) else bk * bn * (1 if fp8 else 2)
     return (a + b) * stages <= 200 * 1024
 
 
@@ -211,7 +225,8 @@ def candidates(scheme: str, layer: Layer, T: int) -> list:
     ppe = T * layer.k / layer.E_global
     out = []
     if T <= DECODE_T:  # bytes in flight: deep K tiles and pipelines; BLOCK_K 64 ran 4-24 % slower here
-        dbks = {"fp8-block": (128,), "int4-group": (64, 128)}.get(scheme, (128, 256))
+        dbks = {"fp8-block": (128,), "int4-group": (64, 128), "nvfp4": (64, 128), "mxfp4": (64, 128)}.get(
+            scheme, (128, 256))
         for bn in (32, 64, 128):
             for bk in dbks:
                 for warps in (4, 8):
@@ -265,11 +280,11 @@ def _problem(scheme, layer: Layer, T, E, device, group=INT4_GROUP):
     return hidden, local, tw
 
 
-def run_ours(hidden, w13, w2, scheme, ids, tw, cfg, out):
+def run_ours(hidden, w13, w2, scheme, ids, tw, cfg, out, cache3_dtype=None):
     from moetool.kernels.fused_moe import fused_experts
 
     return fused_experts(hidden, w13, w2, scheme, ids, tw, group_size=INT4_GROUP, config=cfg, check_ids=False,
-                         out_dtype=torch.bfloat16, out=out)
+                         out_dtype=torch.bfloat16, out=out, cache3_dtype=cache3_dtype)
 
 
 def _compile_worker(jobs):

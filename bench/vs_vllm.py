@@ -18,6 +18,16 @@ choice, the EP expert map, buffer sizes, the zeroing of its output cache. Its in
 pinned to the Triton kernel (``fused_moe_kernel_gptq_awq``): the CUDA ``moe_wna16_gemm`` it picks
 for few tokens per expert is not in a Python module.
 
+The fp4 schemes (nvfp4, mxfp4: W4A16, moetool dequantizes the weight tiles in registers) have
+no Triton GEMM in vLLM: on GPUs without FP4 tensor cores vLLM runs Marlin (CUDA) or its emulation
+experts, which dequantize the weights to bf16 and run the bf16 Triton MoE. vLLM's side of those
+cells is that bf16 MoE on the weights dequantized beforehand (fp4_dequant, outside the timed
+region): a lower bound of its emulation's time.
+
+``--cache3`` also times the table's tiles with GEMM2 writing fp32 rows (``cache3_dtype``, the
+older output path; column ``c3f32``), ``--prev-table`` another tile table's choice (column
+``prev``, e.g. the table before a re-tune): before / after in one run.
+
 Per cell (layer, scheme, T; the layers of bench/tune.py): the same bf16 hidden, weights and
 routing go to both (vLLM: global ids and its expert map; moetool: local ids, -1 elsewhere).
 Outputs must agree first (SQNR of moetool's bf16 output against vLLM's, >= MIN_SQNR_DB), then
@@ -66,7 +76,8 @@ CONFIGS = re.compile(re.escape(FMOE) + r"configs/[^/]*device_name=NVIDIA_H(100|2
 #: datasheet peaks: name substring -> (bf16 FLOP/s, fp8 FLOP/s, bytes/s)
 PEAKS = {"H200": (989e12, 1979e12, 4.8e12), "H100": (989e12, 1979e12, 3.35e12)}
 #: outputs must agree this well before anything is timed (moetool bf16 vs vLLM bf16)
-MIN_SQNR_DB = {"dense": 30.0, "fp8-block": 20.0, "int4-group": 30.0, "fp8-channel": 20.0}
+MIN_SQNR_DB = {"dense": 30.0, "fp8-block": 20.0, "int4-group": 30.0, "fp8-channel": 20.0, "nvfp4": 30.0,
+               "mxfp4": 30.0}
 
 
 # --- getting vLLM's module -------------------------------------------------------------------
@@ -362,10 +373,36 @@ def load_vllm(src: Path = SRC_DIR) -> SimpleNamespace:
 
 # --- one cell --------------------------------------------------------------------------------
 
-def vllm_args(scheme: str, w13: dict, w2: dict, layer: tune.Layer, group: int = tune.INT4_GROUP) -> dict:
+def dequantized_bf16(scheme: str, w13: dict, w2: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp4 stacked weights -> bf16 [E, 2N, H], [E, H, N] through the format's dequantize kernel
+    (per expert and global-scale part): what vLLM's emulation experts multiply."""
+    from moetool.kernels.fp4_quant import fp4_dequant
+
+    def one(t: dict) -> torch.Tensor:
+        E, R = t["weight_packed"].shape[:2]
+        gs = t.get("weight_global_scale")
+        P = 1 if gs is None else gs.shape[1]
+        out = torch.empty((E, R, t["weight_packed"].shape[2] * 2), dtype=torch.bfloat16, device=t["weight_packed"].device)
+        for e in range(E):
+            for p in range(P):
+                rows = slice(p * R // P, (p + 1) * R // P)
+                part = {"weight_packed": t["weight_packed"][e, rows], "weight_scale": t["weight_scale"][e, rows]}
+                if gs is not None:
+                    part["weight_global_scale"] = gs[e, p:p + 1]
+                out[e, rows] = fp4_dequant(part).to(torch.bfloat16)
+        return out
+
+    return one(w13), one(w2)
+
+
+def vllm_args(scheme: str, w13: dict, w2: dict, layer: tune.Layer, group: int = tune.INT4_GROUP,
+              dense: tuple | None = None) -> dict:
     """moetool's stacked tensors as vLLM's fused_experts_impl takes them (no copies: int4's
-    int32 words read as bytes are vLLM's two nibbles per byte, low nibble first, stored q + 8)."""
-    if scheme == "dense":
+    int32 words read as bytes are vLLM's two nibbles per byte, low nibble first, stored q + 8);
+    fp4: ``dense``, the weights dequantized to bf16 (:func:`dequantized_bf16`)."""
+    if scheme in tune.FP4:
+        kw = {"w1": dense[0], "w2": dense[1]}
+    elif scheme == "dense":
         kw = {"w1": w13["weight"], "w2": w2["weight"]}
     elif scheme == "fp8-block":
         kw = {"w1": w13["weight"], "w2": w2["weight"], "use_fp8_w8a8": True, "w1_scale": w13["weight_scale_inv"],
@@ -393,13 +430,17 @@ def sqnr_db(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float("inf") if err == 0 else 10 * math.log10(sig / err) if sig > 0 else float("-inf")
 
 
-def tile_choices(scheme: str, layer: tune.Layer, T: int) -> dict:
-    from moetool.kernels.moe_tiles import default_config, rule_config, select_config
+def tile_choices(scheme: str, layer: tune.Layer, T: int, prev_table: dict | None = None) -> dict:
+    from moetool.kernels.moe_tiles import default_config, entry_key, nearest_tokens, rule_config, select_config
 
     E, N, H, k = layer.E, layer.N, layer.H, layer.k
-    return {"before": default_config(scheme, T * k / E, torch.bfloat16, False, tune.INT4_GROUP),
-            "rules": rule_config(scheme, E, N, H, k, T, torch.bfloat16, tune.INT4_GROUP),
-            "after": select_config(scheme, E, N, H, k, T, torch.bfloat16, False, tune.INT4_GROUP)}
+    out = {"before": default_config(scheme, T * k / E, torch.bfloat16, False, tune.INT4_GROUP),
+           "rules": rule_config(scheme, E, N, H, k, T, torch.bfloat16, tune.INT4_GROUP),
+           "after": select_config(scheme, E, N, H, k, T, torch.bfloat16, False, tune.INT4_GROUP)}
+    per_t = (prev_table or {}).get(entry_key(scheme, E, N, H, k, tune.INT4_GROUP))
+    if per_t:
+        out["prev"] = per_t[nearest_tokens(per_t, T)]
+    return out
 
 
 def problem(layer: tune.Layer, T: int, device, dtype: torch.dtype = torch.bfloat16):
@@ -411,32 +452,34 @@ def problem(layer: tune.Layer, T: int, device, dtype: torch.dtype = torch.bfloat
     return hidden, ids, local, tw
 
 
-def agree(vllm, scheme: str, layer: tune.Layer, inputs, weights, configs: dict) -> tuple[torch.Tensor, dict]:
+def agree(vllm, scheme: str, layer: tune.Layer, inputs, weights, configs: dict, dense=None) -> tuple[torch.Tensor, dict]:
     """vLLM's output [T, H] and the SQNR (dB) of moetool's bf16 output under each config
     against it."""
     hidden, ids, local, tw = inputs
     w13, w2 = weights
     vllm.shims.aligned.clear()  # keyed by data pointers, which a new cell's tensors may reuse
     ref = vllm.module.fused_experts_impl(hidden, topk_weights=tw, topk_ids=ids, activation="silu",
-                                         **vllm_args(scheme, w13, w2, layer))
+                                         **vllm_args(scheme, w13, w2, layer, dense=dense))
     out = torch.empty(hidden.shape, dtype=torch.bfloat16, device=hidden.device)
     with tune.fixed_align():
         return ref, {name: sqnr_db(tune.run_ours(hidden, w13, w2, scheme, local, tw, cfg, out), ref)
                      for name, cfg in configs.items()}
 
 
-def run_cell(vllm, layer_name: str, scheme: str, T: int, weights, reps: int, peak) -> dict:
+def run_cell(vllm, layer_name: str, scheme: str, T: int, weights, reps: int, peak, dense=None,
+             cache3: bool = False, prev_table: dict | None = None) -> dict:
     """Check, then time one cell (module docstring) -> its row."""
     layer = tune.LAYERS[layer_name]
     w13, w2 = weights
     inputs = hidden, ids, local, tw = problem(layer, T, "cuda")
-    vkw = vllm_args(scheme, w13, w2, layer)
+    vkw = vllm_args(scheme, w13, w2, layer, dense=dense)
     out = torch.empty(T, layer.H, dtype=torch.bfloat16, device="cuda")
-    choices = tile_choices(scheme, layer, T)
+    choices = tile_choices(scheme, layer, T, prev_table)
     row = {"layer": layer_name, "scheme": scheme, "T": T, "E": layer.E, "E_global": layer.E_global,
-           "H": layer.H, "N": layer.N, "k": layer.k, "vllm_config": _vllm_config(vllm, scheme, w13, w2, layer, T),
+           "H": layer.H, "N": layer.N, "k": layer.k,
+           "vllm_config": _vllm_config(vllm, scheme, w13, w2, layer, T, dense),
            "configs": {name: asdict(cfg) for name, cfg in choices.items()}}
-    _, sq = agree(vllm, scheme, layer, inputs, weights, choices)
+    _, sq = agree(vllm, scheme, layer, inputs, weights, choices, dense)
     row["sqnr_db"] = min(sq.values())
     if not row["sqnr_db"] >= MIN_SQNR_DB[scheme]:
         row["error"] = f"outputs disagree: SQNR {sq} dB, need >= {MIN_SQNR_DB[scheme]}"
@@ -454,6 +497,11 @@ def run_cell(vllm, layer_name: str, scheme: str, T: int, weights, reps: int, pea
                                             reps)["us"]
             row[f"{name}_us"] = done[cfg]
             row[f"{name}_ratio"] = row["vllm_us"] / done[cfg]
+        if cache3:
+            cfg = choices["after"]
+            row["c3f32_us"] = tune.time_graph(
+                lambda: tune.run_ours(hidden, w13, w2, scheme, local, tw, cfg, out, torch.float32), reps)["us"]
+            row["c3f32_ratio"] = row["vllm_us"] / row["c3f32_us"]
     pairs = int((local >= 0).sum())
     active = int(torch.unique(local[local >= 0]).numel())
     row.update(pairs=pairs, active_experts=active)
@@ -468,10 +516,11 @@ def run_cell(vllm, layer_name: str, scheme: str, T: int, weights, reps: int, pea
     return row
 
 
-def _vllm_config(vllm, scheme, w13, w2, layer, T) -> dict:
+def _vllm_config(vllm, scheme, w13, w2, layer, T, dense=None) -> dict:
     """The tiles vLLM picks for this call (its lookup, then its default)."""
-    kw = vllm_args(scheme, w13, w2, layer)
-    dtype = {"dense": None, "fp8-block": "fp8_w8a8", "fp8-channel": "fp8_w8a8", "int4-group": "int4_w4a16"}[scheme]
+    kw = vllm_args(scheme, w13, w2, layer, dense=dense)
+    dtype = {"dense": None, "fp8-block": "fp8_w8a8", "fp8-channel": "fp8_w8a8", "int4-group": "int4_w4a16",
+             "nvfp4": None, "mxfp4": None}[scheme]
     return dict(vllm.module.try_get_optimal_moe_config(kw["w1"].size(), kw["w2"].size(), layer.k, dtype, T,
                                                        kw.get("block_shape")))
 
@@ -514,6 +563,9 @@ def print_row(r: dict) -> None:
         extra = f" HBM {r['hbm_pct']:.0f}%"
     if "mma_pct" in r and r["T"] >= 4096:
         extra = f" {r['tflops']:.0f} TFLOP/s, MMA {r['mma_pct']:.0f}%"
+    for name in ("prev", "c3f32"):
+        if f"{name}_us" in r:
+            extra += f" | {name} {r[f'{name}_us']:8.1f} ({r[f'{name}_ratio']:.2f}x)"
     print(f"{r['layer']:9} {r['scheme']:10} T={r['T']:5d} vLLM {r['vllm_us']:8.1f} us | before {r['before_us']:8.1f} "
           f"({r['before_ratio']:.2f}x) rules {r['rules_us']:8.1f} ({r['rules_ratio']:.2f}x) after "
           f"{r['after_us']:8.1f} ({r['after_ratio']:.2f}x) SQNR {r['sqnr_db']:.1f} dB{extra}", flush=True)
@@ -530,6 +582,8 @@ def main(argv=None):
     ap.add_argument("--tokens", nargs="+", type=int, default=None, help="default: the issue's T per shape")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--cache3", action="store_true", help="also time GEMM2 writing fp32 rows (column c3f32)")
+    ap.add_argument("--prev-table", type=Path, default=None, help="also time this tile table's choice (column prev)")
     args = ap.parse_args(argv)
     if args.fetch or args.wheel:
         wheel = args.wheel or download_wheel(args.version, WHEEL_DIR)
@@ -545,16 +599,24 @@ def main(argv=None):
     peak = next((v for key, v in PEAKS.items() if key in name), None)
     print(f"device: {name}; vLLM module from {manifest['wheel']}; torch {torch.__version__}, triton "
           f"{triton.__version__}", flush=True)
+    prev_table = None
+    if args.prev_table:
+        from moetool.kernels.moe_tiles import parse_table
+
+        prev_table = parse_table(json.loads(args.prev_table.read_text()), str(args.prev_table))
     rows = []
     for (layer_name, scheme), tokens in tune.CELLS.items():
         if layer_name not in args.layers or scheme not in args.schemes:
             continue
         layer = tune.LAYERS[layer_name]
+        weights = dense = None
         torch.cuda.empty_cache()
         weights = tune.make_weights(scheme, layer.E, layer.H, layer.N, "cuda")
+        if scheme in tune.FP4:
+            dense = dequantized_bf16(scheme, *weights)
         for T in args.tokens or tokens:
             try:
-                r = run_cell(vllm, layer_name, scheme, T, weights, args.reps, peak)
+                r = run_cell(vllm, layer_name, scheme, T, weights, args.reps, peak, dense, args.cache3, prev_table)
             except Exception as e:  # noqa: BLE001 - report the cell and go on
                 r = {"layer": layer_name, "scheme": scheme, "T": T, "error": f"{type(e).__name__}: {str(e)[:300]}"}
             rows.append(r)
@@ -562,6 +624,9 @@ def main(argv=None):
         weights = None
     print("\nratio = vLLM us / moetool us (> 1: moetool faster), before:\n" + table(rows, "before_ratio"))
     print("\nafter (select_config: tuned table, else rules):\n" + table(rows, "after_ratio"))
+    for key, what in (("prev_ratio", "--prev-table's tiles"), ("c3f32_ratio", "after's tiles, fp32 cache3")):
+        if any(key in r for r in rows):
+            print(f"\n{what}:\n" + table([r for r in rows if key in r], key))
     print("\n" + summary(rows))
     if args.json:
         args.json.write_text(json.dumps({"device": name, "vllm": manifest, "torch": torch.__version__,
