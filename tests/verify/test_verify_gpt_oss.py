@@ -40,6 +40,9 @@ from moetool.verify.whole_model import WholeModelOptions, verify_whole_model_man
 GPT_OSS = dict(intermediate_size=32, swiglu_limit=0.25, sliding_window=4)
 FORMATS = {"dense": {}, "fp8-block": {}, "fp8-channel": {}, "int4-group": {"group_size": 32}, "nvfp4": {},
            "mxfp4": {}}
+#: (input, output format) of the honest shards; "release": the MXFP4 release sharded as it is
+HONEST = [(s, f) for s in ("dense", "mxfp4") for f in FORMATS if not (s == "mxfp4" and f == "dense")] + [
+    ("mxfp4", "release")]
 MOE = VerifyOptions(ep=2, dp=1, tokens=64)
 WHOLE = WholeModelOptions(dp=1, ep=2, tokens=32, seq_len=16)
 
@@ -84,6 +87,8 @@ def world(tmp_path_factory):
 
     honest = {(source, fmt): shards(inputs[source], fmt, f"{source}-{fmt}")
               for source in inputs for fmt in FORMATS if not (source == "mxfp4" and fmt == "dense")}
+    shard(inputs["mxfp4"], root / "release-ep2", 2, progress=False)  # the release's own bytes, stacked
+    honest[("mxfp4", "release")] = root / "release-ep2"
     swapped = _edit(inputs["mxfp4"], root / "swapped", lambda t: _swap_experts(t, 1, 1, 2))
     bias = _edit(inputs["dense"], root / "bias", _bias_fault)
     faults = {"swapped": (shards(swapped, "mxfp4", "swapped-q"), inputs["mxfp4"]),
@@ -189,8 +194,7 @@ def test_triton_experts_refuse_gpt_oss(world):
 
 
 
-@pytest.mark.parametrize("source, fmt", [(s, f) for s in ("dense", "mxfp4") for f in FORMATS
-                                         if not (s == "mxfp4" and f == "dense")])
+@pytest.mark.parametrize("source, fmt", HONEST)
 def test_moe_only_honest(world, source, fmt):
     report = world["moe"][(source, fmt)]
     assert report.passed, report.render()
@@ -213,8 +217,7 @@ def test_moe_only_faults(world):
 # ------------------------------------------------------------------------------ whole model
 
 
-@pytest.mark.parametrize("source, fmt", [(s, f) for s in ("dense", "mxfp4") for f in FORMATS
-                                         if not (s == "mxfp4" and f == "dense")])
+@pytest.mark.parametrize("source, fmt", HONEST)
 def test_whole_model_honest(world, source, fmt):
     report = world["whole"][(source, fmt)]
     assert report.passed, report.render()
