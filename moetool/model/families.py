@@ -501,10 +501,10 @@ def _detect_storage(family: Family, prefix: str, names: set[str], tensors: dict,
         return st
     fused, down = f"{prefix}.experts.gate_up_proj", f"{prefix}.experts.down_proj"
     gb, db = f"{fused}_bias", f"{down}_bias"
-    quantized = tuple(sorted(n[len(fused) + 1:] for n in names if n.startswith(fused + "_") and n != gb))
+    # a format's fused layout (gpt-oss's _blocks / _scales) when there is no plain gate_up_proj
+    quantized = () if fused in names else tuple(sorted(n[len(fused) + 1:] for n in names
+                                                       if n.startswith(fused + "_") and n != gb))
     if fused in names or quantized:
-        if fused in names and quantized:
-            raise MoetoolError(f"{prefix}: fused experts stored twice: {fused} and {fused}_{quantized[0]}")
         for name in (down,) if fused in names else (f"{down}_{s}" for s in quantized):
             if name not in names:
                 raise MoetoolError(f"{prefix}: fused experts tensor {name} not found")
