@@ -39,8 +39,10 @@ class Dense(WeightFormat):
         return {"weight": w.to(orig_dtype).contiguous()}
 
     def dequantize(self, t: Tensors) -> torch.Tensor:
+        """A fresh float32 copy, even of a float32 weight: callers may overwrite it
+        (``error_sums`` does), and it must not be the stored tensor itself."""
         self.logical_shape(t)
-        return t["weight"].float()
+        return t["weight"].to(torch.float32, copy=True)
 
     def logical_shape(self, t: Tensors) -> tuple[int, int]:
         check_suffixes(self.name, t, self.suffixes)

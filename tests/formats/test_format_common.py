@@ -167,3 +167,15 @@ def test_dense_stores_the_original_dtype():
     assert t["weight"].dtype == torch.bfloat16
     assert torch.equal(t["weight"], w.to(torch.bfloat16))
     assert get_format("dense").quantization_config(["lm_head"]) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_quantize_measured_keeps_the_weight(dtype):
+    """Dense of a weight already in the target dtype is that weight; measuring its error must not
+    overwrite it (dequantize returned the stored float32 tensor itself, which error_sums zeroed:
+    float32 models requantized to dense came out with all-zero experts)."""
+    w = torch.randn(8, 16).to(dtype)
+    keep = w.clone()
+    t, sig, noise = get_format("dense").quantize_measured(w, dtype)
+    assert torch.equal(t["weight"], keep) and torch.equal(w, keep)
+    assert noise == 0.0 and sig > 0
