@@ -20,11 +20,14 @@ Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="no progress bar")]
 Json = Annotated[bool, typer.Option("--json", help="machine-readable output")]
 
 LAYOUTS = ("per-expert", "stacked")
+#: quantize and repack also write the family's fused tensors (transformers' names; gpt-oss's
+#: release layout in mxfp4), what vLLM and transformers load for gpt-oss
+CONVERT_LAYOUTS = (*LAYOUTS, "fused")
 
 
-def check_layout(layout: str) -> str:
-    if layout not in LAYOUTS:
-        raise MoetoolError(f"--layout {layout!r}: expected per-expert or stacked")
+def check_layout(layout: str, allowed: tuple[str, ...] = LAYOUTS) -> str:
+    if layout not in allowed:
+        raise MoetoolError(f"--layout {layout!r}: expected {', '.join(allowed[:-1])} or {allowed[-1]}")
     return layout
 
 

@@ -14,7 +14,7 @@ from typing import Annotated, Optional
 import typer
 
 from moetool.cli import command_app
-from moetool.cli.options import DryRun, Force, MaxShardSize, Out, Quiet, Revision, Source, check_layout, parse_size
+from moetool.cli.options import DryRun, Force, MaxShardSize, Out, Quiet, Revision, Source, CONVERT_LAYOUTS, check_layout, parse_size
 from moetool.errors import MoetoolError
 from moetool.lazy import import_module
 
@@ -25,7 +25,8 @@ def _options(
     source: Source,
     out: Out,
     include_shared_experts: Annotated[bool, typer.Option("--include-shared-experts", help="quantize shared experts too")] = False,
-    layout: Annotated[str, typer.Option("--layout", help="per-expert (what vLLM loads) or stacked")] = "per-expert",
+    layout: Annotated[str, typer.Option("--layout", help="per-expert (what vLLM loads), stacked, or fused (the "
+                                        "family's fused tensors: gpt-oss with --mxfp4 or dense)")] = "per-expert",
     device: Annotated[str, typer.Option("--device", help="cpu or cuda")] = "cpu",
     max_shard_size: MaxShardSize = None,
     dry_run: DryRun = False,
@@ -97,7 +98,7 @@ def _run(registry, options: dict) -> None:
             others = ", ".join(flag for fmt, flag in flags if fmt in chosen and fmt != name.value)
             raise MoetoolError(f"--format {name.value} and {others} choose different formats")
         raise MoetoolError(f"choose exactly one of {', '.join(flag for _, flag in flags)}")
-    check_layout(options["layout"])
+    check_layout(options["layout"], CONVERT_LAYOUTS)
     for cls in targets:
         for field, p in cls.cli_params.items():
             if p.positive and options[field] < 1:

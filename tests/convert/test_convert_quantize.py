@@ -459,7 +459,7 @@ def test_format_option_writes_what_the_flag_writes(tiny, cli, tmp_path, flags, s
     (["--format", "fp8-block", "--int4"], "--format fp8-block and --int4 choose different formats"),
     (["--format", "int4-group", "--group-size", "0"], "--group-size 0 must be positive"),
     (["--int4", "--group-size", "0"], "--group-size 0 must be positive"),
-    (["--fp8-block", "--layout", "fused"], "--layout 'fused': expected per-expert or stacked"),
+    (["--fp8-block", "--layout", "blocked"], "--layout 'blocked': expected per-expert, stacked or fused"),
     (["--fp8-block", "--device", "tpu"], "--device 'tpu': expected cpu or cuda"),
     (["--fp8-block", "--max-shard-size", "lots"], "--max-shard-size 'lots': expected a size such as 5GB or 500MiB"),
 ])
@@ -648,3 +648,21 @@ def test_force_leaves_no_stale_shards(tiny, cli, tmp_path):
                                                                  "model-00002-of-00002.safetensors"]
     assert cli("inspect", out).code == 0
     check_quantized(src, out, Fp8Block())
+
+
+def test_cli_layout_fused(tiny, cli, tmp_path):
+    """`--layout fused` from the command line: the family's fused tensors (what vLLM and
+    transformers load for gpt-oss), in mxfp4 its release layout; a format without a fused
+    layout is one line naming the tensor and the formats that have one."""
+    from moeutil import read_tensors
+
+    src = tiny("mixtral", hidden=64, intermediate=32, experts=4)
+    r = cli("quantize", src, tmp_path / "mx", "--mxfp4", "--layout", "fused", "--quiet")
+    assert r.code == 0, r.err
+    names = read_tensors(tmp_path / "mx")
+    assert "model.layers.0.block_sparse_moe.experts.gate_up_proj_blocks" in names
+    r = cli("quantize", src, tmp_path / "fp8", "--fp8-block", "--layout", "fused")
+    assert r.code == 2 and r.error_line.endswith("fused expert tensors are written unquantized or in a format with "
+                                                 "a fused layout (mxfp4), not fp8-block"), r.error_line
+    assert cli("shard", src, tmp_path / "sh", "--ep", "2", "--layout", "fused").error_line == \
+        "--layout 'fused': expected per-expert or stacked"

@@ -242,7 +242,7 @@ def test_stacked_wrong_expert_count(inputs, cli, tmp_path):
 
 def test_repack_options(inputs, cli, tmp_path):
     r = cli("repack", inputs["bf16"], tmp_path / "o", "--layout", "blocked")
-    assert r.code == 2 and r.error_line == "--layout 'blocked': expected per-expert or stacked"
+    assert r.code == 2 and r.error_line == "--layout 'blocked': expected per-expert, stacked or fused"
     r = cli("repack", inputs["bf16"], tmp_path / "o", "--dry-run")
     assert r.code == 0 and r.out.startswith("plan: 2 file(s), format dense, layout stacked")
     assert not (tmp_path / "o").exists()
