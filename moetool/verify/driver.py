@@ -30,7 +30,7 @@ from moetool.read.experts import ExpertReader, detect_expert_format
 from moetool.read.manifest import MANIFEST_NAME, made_by_moetool
 from moetool.read.shards import EPShards
 from moetool.verify.launch import run_under_torchrun, spawn_world
-from moetool.verify.numerics import NUMERICS, numerics_for
+from moetool.verify.numerics import NUMERICS, model_numerics
 from moetool.verify.reference import reference_moe_forward, swiglu
 from moetool.verify.report import LayerReport, VerifyReport
 from moetool.verify.tokens import make_tokens, norm_weight_name, probe_tokens
@@ -54,7 +54,6 @@ class VerifyOptions:
     max_rel_err: float | None = None
     max_expert_rel_err: float | None = None
     timeout_s: float = 900.0
-    comm_dtype: str = "bfloat16"
     warmup: int = 0  # extra untimed runs of each layer; > 0 also aligns ranks before each timed phase
     repeat: int = 1  # timed runs of each layer; each phase's time is the median over them
     transport: str = "auto"  # all2all only: collectives | mapped | auto (mapped on the GPUs of one host)
@@ -260,10 +259,12 @@ def build_report(shards: EPShards, ref_ckpt, spec, ref_reader: ExpertReader, opt
     # the reference runs on a GPU when there is one (the ranks are done with them by now)
     dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     reports = []
-    numerics = None
+    # the served dtype from the shards, as the ranks take it: both sides round the tokens alike
+    rank0, rank0_spec = shards.open_rank(0, check=False)
+    with rank0:
+        numerics = model_numerics(opts.numerics, FORMATS[fmt], rank0, rank0_spec)
     for i in layer_ids:
         layer = spec.layer(i)
-        numerics = numerics_for(opts.numerics, FORMATS[fmt], ref_ckpt.info(layer.router_weight).dtype)
         nw_name = norm_weight_name(layer)
         nw = ref_ckpt.get(nw_name) if nw_name in ref_ckpt else None
         gate = ref_ckpt.get(layer.router_weight).float().to(dev)
@@ -314,7 +315,7 @@ def build_report(shards: EPShards, ref_ckpt, spec, ref_reader: ExpertReader, opt
         reports.append(LayerReport(i, rel, sqnr, mx, [s["pairs_computed"] for s in stats], worst[0], worst[1],
                                    worst[2], not reasons, "; ".join(reasons), timing, moved))
     options = {**asdict(opts), "backend": backend, "layers": layer_ids,
-               "numerics": numerics.describe() if numerics else opts.numerics,
+               "numerics": numerics.describe(),
                "transport": results[0][layer_ids[0]]["stats"].get("transport") if layer_ids else None}
     return VerifyReport(str(shards.root), str(ref_ckpt.root), shards.manifest["format"], options, th, reports)
 

@@ -48,6 +48,12 @@ class Numerics:
         return self.mode == "exact"
 
     @property
+    def wire_dtype(self) -> torch.dtype:
+        """dtype of unquantized token rows and of the experts' results on the wire: the
+        activations' (float32 when exact)."""
+        return self.act_dtype
+
+    @property
     def act_quant(self) -> str | None:
         """The format's ``activation_quant`` these numerics apply ("fp8-1x128", "fp8-token", None)."""
         return next((name for name, g in ACT_GROUPS.items() if g == self.act_group), None)
@@ -69,6 +75,13 @@ class Numerics:
     def to_json(self) -> dict:
         return {"mode": self.mode, "act_dtype": str(self.act_dtype).replace("torch.", ""),
                 "act_quant": self.act_quant}
+
+
+def model_numerics(mode: str, fmt, ckpt, spec) -> Numerics:
+    """The numerics of ``mode`` for a checkpoint (``ckpt`` with its ``spec``) whose experts are in
+    ``fmt``; the model's dtype is its first MoE layer's router weight's (routers are never
+    quantized). The parent and the ranks both ask the shards, so both round alike."""
+    return numerics_for(mode, fmt, ckpt.info(spec.moe_layers[0].router_weight).dtype)
 
 
 def numerics_for(mode: str, fmt, model_dtype: torch.dtype) -> Numerics:

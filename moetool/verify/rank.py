@@ -22,7 +22,7 @@ from moetool.read.shards import EPShards
 from moetool.verify.dispatchers import get_dispatcher
 from moetool.verify.experts import ExpertsBackend, get_experts
 from moetool.verify.layer import run_moe_layer
-from moetool.verify.numerics import numerics_for
+from moetool.verify.numerics import model_numerics
 from moetool.verify.tokens import make_tokens, norm_weight_name, probe_tokens
 from moetool.verify.topology import Topology
 from moetool.verify.transports import choose_transport
@@ -52,18 +52,15 @@ def run_job(rank: int, shards_root: str, opts: VerifyOptions, layer_ids: list[in
     device = topo.device
     reader = ExpertReader(ckpt, spec)
     transport = choose_transport(opts.transport, device) if opts.dispatch == "all2all" else None
-    comm_dtype = torch.float32 if opts.numerics == "exact" else getattr(torch, opts.comm_dtype)
-    dispatcher = get_dispatcher(opts.dispatch, topo, comm_dtype=comm_dtype,
+    numerics = model_numerics(opts.numerics, reader.fmt, ckpt, spec)
+    experts = get_experts(opts.experts, numerics)
+    dispatcher = get_dispatcher(opts.dispatch, topo, comm_dtype=numerics.wire_dtype,
                                 **({"transport": transport, "timeout_s": opts.timeout_s} if transport else {}))
     results: dict[int, dict] = {}
-    experts = None
     try:
         for i in layer_ids:
             layer = spec.layer(i)
             placement = shards.placements[i]
-            numerics = numerics_for(opts.numerics, reader.fmt, ckpt.info(layer.router_weight).dtype)
-            if experts is None or experts.numerics != numerics:
-                experts = get_experts(opts.experts, numerics)
             local = load_local_experts(reader, layer, placement.slots[rank])
             gate = ckpt.get(layer.router_weight).float()
             bias = ckpt.get(layer.correction_bias).float() if layer.correction_bias else None

@@ -45,7 +45,7 @@ from moetool.verify.driver import THRESHOLDS as MOE_THRESHOLDS
 from moetool.verify.driver import check_files_present, check_reference, resolve_backend
 from moetool.verify.hf_layers import Skeleton, capture, require_transformers
 from moetool.verify.launch import spawn_world
-from moetool.verify.numerics import NUMERICS, numerics_for
+from moetool.verify.numerics import NUMERICS, model_numerics
 from moetool.verify.reference import shared_forward
 from moetool.verify.router import route
 from moetool.verify.topology import Topology
@@ -111,7 +111,6 @@ class WholeModelOptions:
     experts: str = "torch"
     transport: str = "auto"
     chunk_size: int = 4096
-    comm_dtype: str = "bfloat16"
     timeout_s: float = 900.0
     numerics: str = "served"  # the MoE blocks' numerics (moetool.verify.numerics): served | exact
 
@@ -362,10 +361,8 @@ def _rank_job(rank: int, topo, job: dict) -> dict:
     ref_ckpt = open_checkpoint(job["ref"], job["revision"]) if reporting else None
     try:
         transport = choose_transport(opts.transport, topo.device) if opts.dispatch == "all2all" else None
-        moe0 = spec.moe_layers[0]
-        numerics = numerics_for(opts.numerics, FORMATS[shards.manifest["format"]], ckpt.info(moe0.router_weight).dtype)
-        comm_dtype = torch.float32 if numerics.exact else getattr(torch, opts.comm_dtype)
-        dispatcher = get_dispatcher(opts.dispatch, topo, comm_dtype=comm_dtype,
+        numerics = model_numerics(opts.numerics, FORMATS[shards.manifest["format"]], ckpt, spec)
+        dispatcher = get_dispatcher(opts.dispatch, topo, comm_dtype=numerics.wire_dtype,
                                     **({"transport": transport, "timeout_s": opts.timeout_s} if transport else {}))
         experts = get_experts(opts.experts, numerics)
         ids = job["ids"][topo.group_index]  # [B, S]

@@ -38,6 +38,10 @@ def test_each_format_declares_the_engines_activation_policy():
     # an engine serves float32 checkpoints in bf16 and fp16 ones in fp16
     assert served_dtype(torch.float32) == served_dtype(torch.bfloat16) == torch.bfloat16
     assert served_dtype(torch.float16) == torch.float16
+    # rows and results travel in the served dtype (an fp16 model's in fp16, not bf16), exact in float32
+    assert numerics_for("served", FORMATS["dense"], torch.float16).wire_dtype == torch.float16
+    assert numerics_for("served", FORMATS["int4-group"], torch.bfloat16).wire_dtype == torch.bfloat16
+    assert Numerics("exact").wire_dtype == torch.float32
     with pytest.raises(MoetoolError, match="--numerics 'fast'"):
         numerics_for("fast", FORMATS["dense"], torch.bfloat16)
 
