@@ -26,10 +26,11 @@ from moetool.convert.shard import shard  # noqa: E402
 from moetool.errors import MoetoolError, VerificationFailed  # noqa: E402
 from moetool.verify import hf_layers  # noqa: E402
 from moetool.verify.whole_model import (WM_THRESHOLDS, WholeModelOptions, make_token_ids,  # noqa: E402
-                                        raise_if_failed, verify_whole_model_many)
+                                        raise_if_failed, thresholds_for, verify_whole_model_many)
 
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2", "llama4"]
 FORMATS = ["fp8-block", "fp8-channel", "int4-group"]
+FP4_FORMATS = ["nvfp4", "mxfp4"]
 #: every format for these (the issue's five); DeepSeek-V2 and Llama-4 pass them too, left out for time
 QUANTIZED_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"]
 OPTS = WholeModelOptions(dp=1, ep=2, tokens=32, seq_len=16)
@@ -120,6 +121,11 @@ def world(tmp_path_factory):
     add("honest-int4-shared-all2all", root / "deepseek_v3-int4-shared", ds,
         WholeModelOptions(dp=1, ep=2, tokens=32, seq_len=16, dispatch="all2all"))
     quantized = {}
+    # the fp4 formats need K % 32 == 0 (mxfp4's group): a DeepSeek-V3 of expert intermediate 32
+    ds32 = save_hf_model("deepseek_v3", root / "deepseek_v3-n32", moe_intermediate_size=32).path
+    for fmt in FP4_FORMATS:
+        quantize(ds32, root / f"deepseek_v3-n32-{fmt}", fmt, progress=False)
+        add(f"honest-deepseek_v3-{fmt}", root / f"deepseek_v3-n32-{fmt}", ds32, DP2)
     for f in QUANTIZED_FAMILIES:
         for fmt in FORMATS:
             q = root / f"{f}-{fmt}"
@@ -244,6 +250,17 @@ def test_honest_quantized_shards_pass(world, family, fmt):
     assert all(0.005 < r.mlp_rel_err <= WM_THRESHOLDS[fmt]["moe_rel_err"] for r in moe), report.render()
     assert all(r.attn_rel_err == 0.0 and r.router_rel_err < 1e-6 for r in moe), report.render()
     assert all(r.layer_rel_err == 0.0 for r in report.rows if r.kind != "moe"), report.render()
+
+
+@pytest.mark.parametrize("fmt", FP4_FORMATS)
+def test_honest_fp4_shards_pass(world, fmt):
+    """Every format passes: nvfp4 and mxfp4 (served W4A16) on DeepSeek-V3, under the limits
+    derived from their MoE-block tolerance (``thresholds_for``)."""
+    report, _ = world[f"honest-deepseek_v3-{fmt}"]
+    assert report.passed and report.format == fmt, report.render()
+    moe = [r for r in report.rows if r.kind == "moe"]
+    assert all(0.005 < r.mlp_rel_err <= thresholds_for(fmt)["moe_rel_err"] for r in moe), report.render()
+    assert all(r.attn_rel_err == 0.0 for r in moe), report.render()
 
 
 def test_text_gives_both_perplexities(world):
