@@ -138,7 +138,8 @@ def rule_config(scheme: str, E: int, N: int, H: int, top_k: int, T: int, act_dty
     experts are local: DeepSeek-V3 EP8 at T=1 (~1.5 local experts) ran BLOCK_N 128 within
     1.2 % of its best, while BLOCK_N 32 on all 256 experts ran 15 % slower. int4 keeps BLOCK_N
     128, BLOCK_K 64: its packed rows are BLOCK_K / 2 bytes long, and narrower tiles ran
-    12-66 % slower.
+    12-66 % slower. fp4 (nvfp4, mxfp4) takes int4's tiles: as many weight bytes a K tile,
+    not tuned yet.
 
     More tokens: BLOCK_M the power of two >= 1.5x the pairs per expert (T*k/E, an upper bound:
     -1 pairs included; the margin covers routing imbalance), 16 to 64, so an expert's rows fit

@@ -457,6 +457,8 @@ def test_moe_sum_bit_exact_and_ignores_dropped_rows(device):
 # ---- GPU only: bf16 dots, realistic tiles, hardware fp8 cast --------------------------------
 
 GPU_SHAPES = [(256, 8, 1024, 384, 4, 128), (3, 8, 512, 256, 8, 64)]
+# measured on an H100 (triton 3.6): nvfp4-bf16 <= 4.4e-3, mxfp4-bf16 <= 2.9e-3, int4-sym-bf16 <= 3.9e-3,
+# dense-bf16 <= 2.9e-3
 GPU_CASES = {
     "dense-bf16": ("dense", torch.bfloat16, None, 8e-3),
     "fp8-block-w8a8": ("fp8-block", torch.float8_e4m3fn, None, 0.05),
