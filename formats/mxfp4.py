@@ -290,10 +290,10 @@ class Mxfp4(CompressedTensors, WeightFormat):
     # (the tests' tiny Mixtral, 32 tokens: 0.199 / 0.205); the limits add margin, an injected
     # fault gives 0.5 - 1.5 and fails
     verify_tolerances: ClassVar[dict[str, float]] = {"rel_err": 0.30, "expert_rel_err": 0.37}
-    # W4A16: activations stay in the model's dtype; no fused GEMM yet (the torch experts
-    # dequantize the weights)
+    # W4A16: activations stay in the model's dtype; the fused GEMM dequantizes the weight
+    # tiles in registers
     activation_quant: ClassVar[str | None] = None
-    kernel_scheme: ClassVar[str | None] = None
+    kernel_scheme: ClassVar[str | None] = "mxfp4"
     config_label: ClassVar[str] = "mxfp4"
     ct_weights: ClassVar[tuple[str, int, str]] = ("float", 4, "group")
     ct_storage: ClassVar[tuple[str, ...]] = ("mxfp4-pack-quantized",)

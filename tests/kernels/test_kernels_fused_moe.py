@@ -107,7 +107,7 @@ def weight_format(fmt, group=128, symmetric=True):
 def fused_ref(x, w13, w2, fmt, ids, tw, group=128, symmetric=True, **kwargs):
     """fused_experts_ref with the weights read by the format's own dequantize / split_rows."""
     f = weight_format(fmt, group, symmetric)
-    assert f.kernel_scheme in (fmt, None)  # None: mxfp4 until formats/mxfp4.py names its scheme
+    assert f.kernel_scheme == fmt
     return fm.fused_experts_ref(x, w13, w2, fmt, ids, tw, dequantize=f.dequantize,
                                 split_rows=f.split_rows, **kwargs)
 

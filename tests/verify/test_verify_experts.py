@@ -90,7 +90,7 @@ def test_torch_experts_reject_out_of_range_ids_and_bad_shapes():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton kernels need CUDA")
-@pytest.mark.parametrize("fmt", ["dense", "fp8-block", "fp8-channel", "int4-group"])
+@pytest.mark.parametrize("fmt", ["dense", "fp8-block", "fp8-channel", "int4-group"])  # fp4: H = 136 has no whole groups
 def test_triton_experts_match_torch_experts(fmt):
     pytest.importorskip("moetool.kernels.fused_moe")
     _, local = _setup(fmt)
@@ -106,9 +106,9 @@ def test_triton_experts_match_torch_experts(fmt):
     tri.bind(local, dev)
     want = ref.apply(x, None, ids, w, counts)
     got = tri.apply(x, None, ids, w, counts)
-    # the same served math (bf16, fp8 activations for the W8A8 formats) in another order: a few
-    # bf16 roundings apart
-    assert float((got - want).norm() / want.norm()) < 1e-2
+    # the same served math (bf16, fp8 activations for the W8A8 formats, each weighted pair's
+    # output stored in bf16 on both sides) in another summation order
+    assert float((got - want).norm() / want.norm()) < 5e-3
 
 
 def test_row_layout_round_trip_including_fp8_and_empty():
