@@ -55,6 +55,24 @@ class ExpertReader:
         gate, up, down = self._fused_dense(layer, st, e)
         return {"weight": gate}, {"weight": up}, {"weight": down}
 
+    def expert_linears(self, layer: MoELayerSpec, e: int, roles: tuple[str, ...]) -> dict[str, Linear]:
+        """Only the linears of ``roles`` ("gate", "up", "down") of expert e: per-expert and
+        stacked storage read just those bytes (a fused tensor's row holds them all)."""
+        _check_expert(layer, e)
+        st = layer.storage
+        if st.kind == "per-expert":
+            bases = dict(zip(("gate", "up", "down"), st.per_expert_bases(e)))
+            return {r: self._linear(bases[r]) for r in roles}
+        if st.kind == "stacked":
+            out: dict[str, Linear] = {}
+            if "gate" in roles or "up" in roles:
+                gate, up = self.fmt.split_rows(self._stacked_slot(st.gate_up, e), [layer.intermediate] * 2)
+                out.update({r: t for r, t in (("gate", gate), ("up", up)) if r in roles})
+            if "down" in roles:
+                out["down"] = self._stacked_slot(st.down, e)
+            return out
+        return {r: t for r, t in zip(("gate", "up", "down"), self.gate_up_down(layer, e)) if r in roles}
+
     def w13(self, layer: MoELayerSpec, e: int) -> Linear:
         """Expert e's fused gate+up linear [2N, H] (gate rows first)."""
         if layer.storage.kind == "stacked":

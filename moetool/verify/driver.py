@@ -86,9 +86,13 @@ class LazyExperts:
         return self.layer.num_experts
 
     def __getitem__(self, e: int):
+        """The stored bytes go to ``device`` as they are and are dequantized there (a GPU
+        converts a bf16 expert to float32 much faster than the host)."""
         if not 0 <= e < len(self):
             raise IndexError(e)
-        return tuple(w.to(self.device) for w in self.reader.expert_fp32(self.layer, e))
+        lins = self.reader.gate_up_down(self.layer, e)
+        return tuple(self.reader.dequantize({k: v.to(self.device) for k, v in lin.items()},
+                                            f"layer {self.layer.index} expert {e}").float() for lin in lins)
 
     def __iter__(self):
         return (self[e] for e in range(len(self)))

@@ -19,6 +19,7 @@ Letters: B = sequences, S = sequence length, H = hidden, E = experts, N = expert
 """
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
@@ -97,6 +98,8 @@ class Skeleton:
         self.ckpt, self.spec, self.reader = ckpt, spec, reader
         #: where filled modules compute (the rank's device)
         self.device = device or torch.device("cpu")
+        if self.device.type == "cuda":  # page-locked reads: the copies to the GPU run at full speed
+            ckpt.pin_memory = True
         try:
             cls = transformers.AutoModelForCausalLM._model_mapping[type(self.cfg)]
         except KeyError:
@@ -227,16 +230,30 @@ class Skeleton:
                                    f"transformers' {mem_name} needs {list(t.shape)}")
 
     def _fused_experts(self, moe, gate_up: bool, shape: tuple) -> torch.Tensor:
-        """[E, 2N, H] / [E, H, N] (or input-first) from the checkpoint's experts, fp32."""
+        """[E, 2N, H] / [E, H, N] (or input-first) from the checkpoint's experts, fp32, made on
+        this skeleton's device one expert at a time: the expert's stored bytes (only the linears
+        this tensor needs) go to the device as they are and are dequantized there, while a
+        thread reads the next expert's (host memory: two experts' stored bytes, not the layer)."""
         E, H, N = moe.num_experts, moe.hidden, moe.intermediate
         input_first = shape == ((E, H, 2 * N) if gate_up else (E, N, H)) and (
             shape != ((E, 2 * N, H) if gate_up else (E, H, N)) or self.spec.family.fused_input_first)
         interleaved = self.spec.family.fused_interleaved  # gpt-oss: gate and up alternate
-        out = torch.empty(shape, dtype=torch.float32)  # filled one expert at a time: no second copy
-        for e in range(E):
-            g, u, d = self.reader.expert_fp32(moe, e)  # [N, H], [N, H], [H, N]
-            w = (torch.stack([g, u], 1).reshape(2 * N, H) if interleaved else torch.cat([g, u])) if gate_up else d
-            out[e] = w.t() if input_first else w
+        roles = ("gate", "up") if gate_up else ("down",)
+        out = torch.empty(shape, dtype=torch.float32, device=self.device)  # no second copy
+        with ThreadPoolExecutor(1) as pool:
+            ahead = pool.submit(self.reader.expert_linears, moe, 0, roles) if E else None
+            for e in range(E):
+                lins = ahead.result()
+                if e + 1 < E:
+                    ahead = pool.submit(self.reader.expert_linears, moe, e + 1, roles)
+                w = [self.reader.dequantize({k: v.to(self.device, non_blocking=True) for k, v in lins[r].items()},
+                                            f"layer {moe.index} expert {e}").float() for r in roles]
+                if gate_up:
+                    g, u = w  # [N, H] each
+                    w = torch.stack([g, u], 1).reshape(2 * N, H) if interleaved else torch.cat([g, u])
+                else:
+                    w = w[0]  # [H, N]
+                out[e] = w.t() if input_first else w
         return out
 
     def _fused_biases(self, moe, gate_up: bool) -> torch.Tensor:
