@@ -26,21 +26,32 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from .common import FLOAT_ACTS, FP8_BLOCK, TOKEN_GROUP, act_scale_cols, check, check_device, is_interpreted
 from .moe_align import moe_align_block_size
 from .moe_gemm import _moe_gemm_kernel, moe_gemm
-from .moe_silu import silu_and_mul
+from .moe_silu import silu_and_mul, silu_and_mul_ref
 from .moe_sum import OUT_DTYPES, check_out, moe_sum
 from .moe_tiles import MoeConfig, select_config
 from .moe_weights import SCHEMES, dequantize_stacked, parse_weights
 from .quant import fp8_act_quant, fp8_act_quant_ref, fp8_dequant_act_ref
 
 
+#: the experts' activations: SwiGLU, and gpt-oss's clamped SwiGLU (with ``swiglu`` = (alpha, limit))
+ACTIVATIONS = ("silu", "clamped-swiglu")
+
+
+def _check_biases(w13_bias, w2_bias, E, N, H, device):
+    for name, b, cols in (("w13_bias", w13_bias, 2 * N), ("w2_bias", w2_bias, H)):
+        if b is not None:
+            check(b.dim() == 2 and tuple(b.shape) == (E, cols) and b.is_floating_point() and b.stride(1) == 1
+                  and b.device == device, f"{name} must be float [{E}, {cols}] on {device}, rows contiguous, "
+                                          f"got {b.dtype} {list(b.shape)} on {b.device}")
+
+
 def _check_common(hidden, w13, w2, scheme, topk_ids, topk_weights, hidden_scale, activation, apply_router_weight):
     check(scheme in SCHEMES, f"unknown weight format {scheme!r} (known: {', '.join(SCHEMES)})")
-    check(activation == "silu", f"unsupported expert activation {activation!r} (only 'silu')")
+    check(activation in ACTIVATIONS, f"unsupported expert activation {activation!r} (known: {', '.join(ACTIVATIONS)})")
     check(hidden.dim() == 2, f"hidden must be [T, H], got shape {list(hidden.shape)}")
     check(topk_ids.dim() == 2 and topk_ids.shape[0] == hidden.shape[0],
           f"topk_ids must be [T, k] with T = {hidden.shape[0]}, got {list(topk_ids.shape)}")
@@ -89,6 +100,9 @@ def fused_experts(
     out_dtype: torch.dtype = torch.float32,
     out: torch.Tensor | None = None,
     cache3_dtype: torch.dtype | None = None,
+    swiglu: tuple[float, float] | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One rank's routed experts with Triton kernels -> out [T, H] out_dtype (float32, or
     bfloat16, e.g. for a bf16 combine: each pair's weighted row rounded to bf16, the k of a
@@ -112,9 +126,16 @@ def fused_experts(
     check_ids: raise if an id >= E (one host synchronisation).
     cache3_dtype: the per-pair rows before the sum (default out_dtype); float32 with a bf16
     output rounds only the sum.
+    activation "clamped-swiglu" with swiglu = (alpha, limit): gpt-oss's experts, h =
+    min(g, limit) * sigmoid(alpha * min(g, limit)) * (clamp(u, -limit, limit) + 1); w13_bias
+    [E, 2N] (gate then up) / w2_bias [E, H]: each expert's biases, added to its GEMM's fp32
+    result (the down bias before the top-k weight), as vLLM's fused MoE does.
     """
     E, N = _check_common(hidden, w13, w2, scheme, topk_ids, topk_weights, hidden_scale, activation,
                          apply_router_weight)
+    check((activation == "clamped-swiglu") == (swiglu is not None),
+          "swiglu = (alpha, limit) goes with activation 'clamped-swiglu', and only with it")
+    _check_biases(w13_bias, w2_bias, E, N, hidden.shape[1], hidden.device)
     T, H = hidden.shape
     k = topk_ids.shape[1]
     w13p = parse_weights(scheme, w13, "w13", E, 2 * N, H, group_size, N)  # gate rows, then up rows
@@ -156,15 +177,15 @@ def fused_experts(
         a1, a1_scale = fp8_act_quant(hidden, act_group, soft_fp8=soft_fp8)
     cache1 = torch.empty((P, 2 * N), dtype=act_dtype, device=dev)
     moe_gemm(a1, a1_scale, w13p, cache1, weights, sorted_ids, expert_ids, num_post_pad,
-                 P, k, N, False, group_size, cfg)
+                 P, k, N, False, group_size, cfg, bias=w13_bias)
     row_ids = topk_ids.view(-1)
     if fp8:
-        a2, a2_scale = silu_and_mul(cache1, row_ids, quant_fp8=True, group=act_group, soft_fp8=soft_fp8)
+        a2, a2_scale = silu_and_mul(cache1, row_ids, quant_fp8=True, group=act_group, soft_fp8=soft_fp8, clamp=swiglu)
     else:
-        a2, a2_scale = silu_and_mul(cache1, row_ids), None
+        a2, a2_scale = silu_and_mul(cache1, row_ids, clamp=swiglu), None
     cache3 = torch.empty((P, H), dtype=cache3_dtype or out_dtype, device=dev)
     moe_gemm(a2, a2_scale, w2p, cache3, weights, sorted_ids, expert_ids, num_post_pad,
-                 P, 1, H, apply_router_weight, group_size, cfg)
+                 P, 1, H, apply_router_weight, group_size, cfg, bias=w2_bias)
     return moe_sum(cache3, topk_ids, out_dtype, out)
 
 
@@ -182,6 +203,9 @@ def fused_experts_ref(
     apply_router_weight: bool = True,
     activation: str = "silu",
     emulate: torch.dtype | None = None,
+    swiglu: tuple[float, float] | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pure-torch reference of :func:`fused_experts` (same arguments but the kernel options)
     -> fp32 [T, H].
@@ -205,6 +229,8 @@ def fused_experts_ref(
     E, N = _check_common(hidden, w13, w2, scheme, topk_ids, topk_weights, hidden_scale, activation,
                          apply_router_weight)
     check(emulate is None or emulate in FLOAT_ACTS, f"emulate must be an activation dtype, got {emulate}")
+    check((activation == "clamped-swiglu") == (swiglu is not None),
+          "swiglu = (alpha, limit) goes with activation 'clamped-swiglu', and only with it")
     T, H = hidden.shape
     act_group = SCHEMES[scheme].act_group
     if hidden.dtype == torch.float8_e4m3fn:
@@ -224,13 +250,18 @@ def fused_experts_ref(
             continue
         w13e = dequantize_stacked(scheme, w13, e, 2 * N, H, dequantize, split_rows)  # [2N, H]
         w2e = dequantize_stacked(scheme, w2, e, H, N, dequantize)  # [H, N]
-        gu = act(x[tok] @ w13e.t())  # [t_e, 2N]
-        h = F.silu(gu[:, :N]) * gu[:, N:]  # [t_e, N]
+        gu = x[tok] @ w13e.t()  # [t_e, 2N]
+        if w13_bias is not None:
+            gu = gu + w13_bias[e].float()
+        gu = act(gu)
+        h = silu_and_mul_ref(gu, swiglu)  # [t_e, N]
         if emulate is not None:
             h = act(h)
             if act_group is not None:
                 h = fp8_dequant_act_ref(*fp8_act_quant_ref(h, act_group), act_group)
         y = h @ w2e.t()  # [t_e, H]
+        if w2_bias is not None:
+            y = y + w2_bias[e].float()
         if apply_router_weight:
             y = y * topk_weights[tok, slot].float()[:, None]
         out.index_add_(0, tok, y)

@@ -48,18 +48,18 @@ def _e2m1_times_2_14(codes):
 
 @triton.jit
 def _moe_gemm_kernel(
-    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, b_zp_ptr, b_gs_ptr, c_ptr, topk_weights_ptr,
+    a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, b_zp_ptr, b_gs_ptr, c_ptr, topk_weights_ptr, bias_ptr,
     sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr,
     N, K, EM, num_valid, a_row_div, split_n, split_nb, group_k, gs_rows,
     stride_am, stride_ak, stride_asm, stride_ask,
     stride_be, stride_bn, stride_bk,
     stride_se, stride_sn, stride_sk,
     stride_ze, stride_zn, stride_zk,
-    stride_gse,
+    stride_gse, stride_bias_e,
     stride_cm, stride_cn,
     FMT: tl.constexpr, HAS_ZP: tl.constexpr, GROUP_TILE: tl.constexpr, EVEN_K: tl.constexpr,
     FP4_GROUP: tl.constexpr, HAS_GS: tl.constexpr,
-    MUL_WEIGHT: tl.constexpr, SOFT_BF16: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, SOFT_BF16: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -197,6 +197,8 @@ def _moe_gemm_kernel(
         a_s = tl.load(a_scale_ptr + a_rows * stride_asm, mask=m_mask, other=0.0)
         cs = tl.load(b_scale_ptr + expert * stride_se + offs_bn64 * stride_sn)
         acc = acc * a_s[:, None] * cs.to(tl.float32)[None, :]
+    if HAS_BIAS:  # the expert's bias [R] on the GEMM's float32 result, before the top-k weight
+        acc = acc + tl.load(bias_ptr + expert * stride_bias_e + offs_bn64).to(tl.float32)[None, :]
     if MUL_WEIGHT:
         w = tl.load(topk_weights_ptr + pair64, mask=m_mask, other=0.0)
         acc = acc * w[:, None]
@@ -212,8 +214,8 @@ def _moe_gemm_kernel(
 def moe_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, wts: StackedWeights, c: torch.Tensor,
              topk_weights: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
              num_post_pad: torch.Tensor, num_valid: int, a_row_div: int, split_n: int, mul_weight: bool,
-             group_size: int, cfg: MoeConfig) -> None:
-    """c[p] = A[p // a_row_div] @ W[e]^T (* topk_weights[p] when mul_weight) for every pair
+             group_size: int, cfg: MoeConfig, bias: torch.Tensor | None = None) -> None:
+    """c[p] = (A[p // a_row_div] @ W[e]^T + bias[e]) (* topk_weights[p] when mul_weight) for every pair
     p < num_valid of a block of sorted_ids, e = that block's expert; other rows of c untouched.
 
     a [rows, K] with contiguous rows: e4m3 with a_scale fp32 [rows, ceil(K/128)] for fp8-block,
@@ -223,6 +225,7 @@ def moe_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, wts: StackedWeights,
     only when mul_weight); sorted_ids / expert_ids / num_post_pad: ``moe_align_block_size`` with
     BM = cfg.block_m; split_n: the gate rows of an fp8-block w13 (R for any other linear);
     group_size: int4's g (fp4 schemes: their own group, which cfg.block_k must be a multiple of).
+    bias: optional [E, R] (any float dtype, rows contiguous): each expert's bias (gpt-oss).
     """
     check(a.dim() == 2 and a.stride(1) == 1 and c.dim() == 2, "moe_gemm: a and c must be 2-D, a's rows contiguous")
     check(c.shape[1] == wts.main.shape[1],
@@ -248,6 +251,11 @@ def moe_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, wts: StackedWeights,
                                                  f"{wts.fp4_group}")
         scale_ = scale_.view(torch.uint8)  # e4m3 bits (nvfp4), decoded in the kernel
     a_scale_ = a_scale if a_scale is not None else a
+    if bias is not None:
+        check(bias.dim() == 2 and tuple(bias.shape) == (wts.main.shape[0], R) and bias.stride(1) == 1
+              and bias.is_floating_point(), f"moe_gemm: bias must be float [{wts.main.shape[0]}, {R}], got "
+                                            f"{bias.dtype} {list(bias.shape)}")
+    bias_ = bias if bias is not None else main
     if wts.act_group is not None:  # e4m3 x e4m3 dots
         dot_dtype, prec = tl.float8e4nv, "ieee"
     else:
@@ -257,7 +265,7 @@ def moe_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, wts: StackedWeights,
         prec = "ieee" if dot_dtype == tl.float32 else "tf32"
     grid = (triton.cdiv(EM, cfg.block_m) * triton.cdiv(R, cfg.block_n),)
     _moe_gemm_kernel[grid](
-        a, a_scale_, main, scale_, zp_, gs_, c, topk_weights,
+        a, a_scale_, main, scale_, zp_, gs_, c, topk_weights, bias_,
         sorted_ids, expert_ids, num_post_pad,
         R, K, EM, num_valid, a_row_div, split_n, triton.cdiv(split_n, FP8_BLOCK), group_size,
         R // gs_.shape[1] if wts.global_scale is not None else R,
@@ -265,11 +273,11 @@ def moe_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, wts: StackedWeights,
         main.stride(0), main.stride(1), main.stride(2),
         scale_.stride(0), scale_.stride(1), scale_.stride(-1),
         zp_.stride(0), zp_.stride(1), zp_.stride(-1),
-        gs_.stride(0),
+        gs_.stride(0), bias_.stride(0),
         c.stride(0), c.stride(1),
         FMT=wts.fmt, HAS_ZP=wts.zp is not None, GROUP_TILE=group_size % cfg.block_k == 0,
         EVEN_K=K % cfg.block_k == 0, FP4_GROUP=wts.fp4_group or 16, HAS_GS=wts.global_scale is not None,
-        MUL_WEIGHT=bool(mul_weight), SOFT_BF16=c.dtype == torch.bfloat16 and is_interpreted(_moe_gemm_kernel),
+        MUL_WEIGHT=bool(mul_weight), HAS_BIAS=bias is not None, SOFT_BF16=c.dtype == torch.bfloat16 and is_interpreted(_moe_gemm_kernel),
         DOT_DTYPE=dot_dtype, PREC=prec,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -25,12 +25,19 @@ from .common import (
 
 
 @triton.jit
-def _silu_mul_tile(x_row, cols, mask, N, stride_xn, ROUND: tl.constexpr):
-    """silu(gate) * up in fp32 over the columns ``cols`` of rows ``x_row`` ([BM, BN]); ROUND:
-    rounded to the input's dtype first (1 bf16, 2 fp16, 0 none), as the engine stores it."""
+def _silu_mul_tile(x_row, cols, mask, N, stride_xn, alpha, limit, ROUND: tl.constexpr, CLAMPED: tl.constexpr):
+    """silu(gate) * up in fp32 over the columns ``cols`` of rows ``x_row`` ([BM, BN]); CLAMPED
+    (gpt-oss): gate clamped above at ``limit``, up to [-limit, limit], then
+    gate * sigmoid(alpha * gate) * (up + 1). ROUND: rounded to the input's dtype first (1 bf16,
+    2 fp16, 0 none), as the engine stores it."""
     g = tl.load(x_row + cols[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(x_row + (cols + N)[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
-    y = g / (1.0 + tl.exp(-g)) * u
+    if CLAMPED:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        y = g / (1.0 + tl.exp(-(g * alpha))) * (u + 1.0)
+    else:
+        y = g / (1.0 + tl.exp(-g)) * u
     if ROUND == 1:
         y = round_to_bf16(y)
     elif ROUND == 2:
@@ -40,9 +47,9 @@ def _silu_mul_tile(x_row, cols, mask, N, stride_xn, ROUND: tl.constexpr):
 
 @triton.jit
 def _silu_mul_kernel(
-    x_ptr, y_ptr, ys_ptr, ids_ptr, M, N,
+    x_ptr, y_ptr, ys_ptr, ids_ptr, M, N, alpha, limit,
     stride_xm, stride_xn, stride_ym, stride_yn, stride_sm, stride_sn,
-    HAS_IDS: tl.constexpr, QUANT_FP8: tl.constexpr, TWO_PASS: tl.constexpr,
+    CLAMPED: tl.constexpr, HAS_IDS: tl.constexpr, QUANT_FP8: tl.constexpr, TWO_PASS: tl.constexpr,
     ROUND: tl.constexpr, SOFT_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """x [M, 2N] (gate | up) -> y [M, N] = silu(gate) * up, computed in fp32.
@@ -66,18 +73,18 @@ def _silu_mul_kernel(
         amax = tl.zeros([BLOCK_M], dtype=tl.float32)
         for n0 in range(0, N, BLOCK_N):
             mask = rmask[:, None] & (n0 + cols < N)[None, :]
-            y = _silu_mul_tile(x_row, n0 + cols, mask, N, stride_xn, ROUND)
+            y = _silu_mul_tile(x_row, n0 + cols, mask, N, stride_xn, alpha, limit, ROUND, CLAMPED)
             amax = tl.maximum(amax, tl.max(tl.abs(y), axis=1))
         s = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
         for n0 in range(0, N, BLOCK_N):
             mask = rmask[:, None] & (n0 + cols < N)[None, :]
-            y = _silu_mul_tile(x_row, n0 + cols, mask, N, stride_xn, ROUND)
+            y = _silu_mul_tile(x_row, n0 + cols, mask, N, stride_xn, alpha, limit, ROUND, CLAMPED)
             q = e4m3_rne(tl.clamp(tl.math.div_rn(y, s[:, None]), -448.0, 448.0), SOFT_FP8)
             tl.store(y_row + (n0 + cols)[None, :] * stride_yn, q, mask=mask)
         tl.store(ys_ptr + rows64 * stride_sm, s, mask=rmask)
     else:
         mask = rmask[:, None] & (cols < N)[None, :]
-        y = _silu_mul_tile(x_row, cols, mask, N, stride_xn, ROUND)
+        y = _silu_mul_tile(x_row, cols, mask, N, stride_xn, alpha, limit, ROUND, CLAMPED)
         y_ptrs = y_row + cols[None, :] * stride_yn
         if QUANT_FP8:
             amax = tl.max(tl.abs(y), axis=1)
@@ -95,8 +102,12 @@ _ROUND = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 0}
 
 
 def silu_and_mul(x: torch.Tensor, row_ids: torch.Tensor | None = None, *, quant_fp8: bool = False,
-                 out_dtype: torch.dtype | None = None, group: int = FP8_BLOCK, soft_fp8: bool | None = None):
+                 out_dtype: torch.dtype | None = None, group: int = FP8_BLOCK, soft_fp8: bool | None = None,
+                 clamp: tuple[float, float] | None = None):
     """x [M, 2N] float, contiguous -> silu(x[:, :N]) * x[:, N:] [M, N] (out_dtype, default x's).
+
+    clamp: (alpha, limit) for gpt-oss's clamped SwiGLU instead: gate = min(gate, limit),
+    up = clamp(up, -limit, limit), gate * sigmoid(alpha * gate) * (up + 1).
 
     row_ids: optional int [M]; rows with a negative id are skipped (left unwritten).
     quant_fp8: returns (q e4m3 [M, N], s fp32 [M, ceil(N/group)]) instead (group = TOKEN_GROUP:
@@ -131,16 +142,23 @@ def silu_and_mul(x: torch.Tensor, row_ids: torch.Tensor | None = None, *, quant_
         grid = (triton.cdiv(M, block_m), 1 if per_token else triton.cdiv(N, block_n))
         _silu_mul_kernel[grid](
             x, y_arg, ys, row_ids if row_ids is not None else x, M, N,
+            float(clamp[0]) if clamp else 1.0, float(clamp[1]) if clamp else 0.0,
             x.stride(0), x.stride(1), y.stride(0), y.stride(1), ys.stride(0), ys.stride(1),
-            HAS_IDS=row_ids is not None, QUANT_FP8=bool(quant_fp8), TWO_PASS=per_token and N > block_n,
+            CLAMPED=clamp is not None, HAS_IDS=row_ids is not None, QUANT_FP8=bool(quant_fp8), TWO_PASS=per_token and N > block_n,
             ROUND=_ROUND[x.dtype] if quant_fp8 else 0, SOFT_FP8=bool(soft_fp8),
             BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
         )
     return (y, ys) if quant_fp8 else y
 
 
-def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
-    """x [M, 2N] -> fp32 [M, N] = silu(gate) * up."""
+def silu_and_mul_ref(x: torch.Tensor, clamp: tuple[float, float] | None = None) -> torch.Tensor:
+    """x [M, 2N] -> fp32 [M, N] = silu(gate) * up, or with ``clamp`` = (alpha, limit) gpt-oss's
+    clamped SwiGLU (see :func:`silu_and_mul`)."""
     gu = x.float()
     N = gu.shape[1] // 2
-    return F.silu(gu[:, :N]) * gu[:, N:]
+    g, u = gu[:, :N], gu[:, N:]
+    if clamp is None:
+        return F.silu(g) * u
+    alpha, limit = clamp
+    g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
+    return g * torch.sigmoid(g * alpha) * (u + 1)

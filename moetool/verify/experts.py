@@ -210,7 +210,8 @@ class TritonExperts(ExpertsBackend):
 
     Served numerics are the kernels' own: float input in the served dtype, fp8 activations
     quantized inside for the W8A8 schemes. Exact numerics need float32 math with unquantized
-    activations, which the W8A8 kernels do not compute: those formats are refused."""
+    activations, which the W8A8 kernels do not compute: those formats are refused. gpt-oss's
+    clamped SwiGLU and expert biases run in the kernels (silu step, GEMM epilogues)."""
 
     name = "triton"
 
@@ -227,9 +228,6 @@ class TritonExperts(ExpertsBackend):
     def bind(self, local: LocalExperts, device: torch.device) -> None:
         if self._bound is local:
             return
-        if local.bias13 is not None or local.activation.kind != "silu":
-            raise MoetoolError(f"--experts triton: the fused kernels run SwiGLU experts without biases, not "
-                               f"{local.activation.describe()} with expert biases (gpt-oss); use --experts torch")
         if local.fmt.kernel_scheme is None:
             raise MoetoolError(f"--experts triton: no fused kernel reads {local.fmt.name}; use --experts torch")
         if self.numerics.exact and local.fmt.activation_quant is not None:
@@ -239,6 +237,11 @@ class TritonExperts(ExpertsBackend):
         self._w2 = {k: v.to(device) for k, v in local.w2.items()}
         self._fmt_name = local.fmt.kernel_scheme
         self._group_size = getattr(local.fmt, "group_size", 128)  # int4-group's g
+        act = local.activation  # gpt-oss: clamped SwiGLU and expert biases, in the kernels' epilogues
+        self._act = {"activation": "clamped-swiglu", "swiglu": (act.alpha, act.limit)} if act.kind != "silu" else {}
+        # biases in the served dtype, as the torch experts hold them
+        self._bias = {name: None if b is None else self.numerics.round(b.to(device)).contiguous()
+                      for name, b in (("w13_bias", local.bias13), ("w2_bias", local.bias2))}
         self._num_slots = len(local.slot_to_global)
         self._bound = local
 
@@ -256,7 +259,7 @@ class TritonExperts(ExpertsBackend):
             hidden = hidden.to(self.numerics.act_dtype)  # e.g. the probe batch, made in float32
         return fused_experts(hidden, self._w13, self._w2, self._fmt_name, local_ids, topk_weights,
                              hidden_scale=hidden_scale, apply_router_weight=True, check_ids=False,
-                             group_size=self._group_size, out_dtype=out_dtype, out=out)
+                             group_size=self._group_size, out_dtype=out_dtype, out=out, **self._act, **self._bias)
 
 
 EXPERTS: dict[str, type[ExpertsBackend]] = {"torch": TorchExperts, "triton": TritonExperts}
