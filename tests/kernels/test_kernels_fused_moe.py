@@ -33,7 +33,6 @@ CASES = {
     "fp8-block-fp16-hidden": ("fp8-block", torch.float16, None, 0.06),
     "fp8-channel-w8a8": ("fp8-channel", torch.float8_e4m3fn, None, 0.04),
     "fp8-channel-fp16": ("fp8-channel", torch.float16, None, 0.08),
-    "fp8-channel-fp32": ("fp8-channel", torch.float32, None, 0.08),
     "int4-sym-fp16": ("int4-group", torch.float16, True, 1.5e-3),
     "int4-asym-fp16": ("int4-group", torch.float16, False, 1.5e-3),
     "int4-asym-fp32": ("int4-group", torch.float32, False, 2e-6),
@@ -53,8 +52,10 @@ FP4_CASES = [c for c, (fmt, *_) in CASES.items() if fmt in ("nvfp4", "mxfp4")]
 # fp32 <= 4.4e-7, fp16 <= 6.2e-4
 # (T, E, H, N, k, int4 group): N not a multiple of 128 (fp8-block gate/up scale split), H and N
 # not multiples of the tiles, partial int4 groups (200 % 40, 96 % 40); g = 32 / 64 take the
-# one-scale-per-K-tile path (g % BLOCK_K == 0), g = 40 / 8 the per-element one
-SHAPES = [(33, 4, 200, 96, 2, 40), (1, 4, 64, 32, 2, 32), (9, 3, 136, 160, 3, 8), (12, 2, 128, 48, 2, 64)]
+# one-scale-per-K-tile path (g % BLOCK_K == 0), g = 40 / 8 the per-element one (fewer shapes
+# and no fp8-channel fp32 case than before: the suite's time on 2 cores; fp32 hidden is the
+# fp16 case's path, quantized per token inside)
+SHAPES = [(33, 4, 200, 96, 2, 40), (1, 4, 64, 32, 2, 32), (9, 3, 136, 160, 3, 8)]
 # fp4 needs whole groups (16 / 32) along H and N: H, N multiples of 32 but not of the K tile (64
 # and 96 % 128, 160 % 64), one shape whose K is whole tiles
 FP4_SHAPES = [(33, 4, 160, 96, 2, None), (1, 4, 64, 32, 2, None), (9, 3, 96, 64, 3, None)]
