@@ -277,9 +277,38 @@ def fp4_weights_only(name: str, config: dict, group: int) -> None:
                            f"moetool reads the weight-only scheme ({name.upper()}A16, input_activations null)")
 
 
+class Fp4Quantize:
+    """``quantize`` / ``quantize_measured`` of the fp4 formats: shape and group checks, then the
+    format's CPU band quantizer (``_quantize_cpu``); a CUDA weight handed here (its Triton kernel,
+    ``quantize_cuda``, declined it) is quantized on the CPU and moved back. ``fp4_group``: the
+    elements per scale along K."""
+
+    fp4_group: ClassVar[int]
+
+    def quantize(self, w: torch.Tensor, orig_dtype: torch.dtype) -> Tensors:
+        """w [N, K] -> the format's tensors (``_quantize_cpu``). ``orig_dtype`` is unused: the fp4
+        formats' scale dtypes are fixed."""
+        return self._quantize(w, measure=False)[0]
+
+    def quantize_measured(self, w: torch.Tensor, orig_dtype: torch.dtype) -> tuple[Tensors, float, float]:
+        return self._quantize(w, measure=True)
+
+    def _quantize(self, w: torch.Tensor, measure: bool) -> tuple[Tensors, float, float]:
+        check_weight_shape(w)
+        check_groups(self.name, w.shape[1], self.fp4_group)
+        if w.device.type != "cpu":
+            t, sig, noise = self._quantize(w.cpu(), measure)
+            return {s: v.to(w.device) for s, v in t.items()}, sig, noise
+        return self._quantize_cpu(w, measure)
+
+    def _quantize_cpu(self, w: torch.Tensor, measure: bool) -> tuple[Tensors, float, float]:
+        """CPU w [N, K], K whole groups -> (tensors, sum w^2, sum error^2; zeros unless measure)."""
+        raise NotImplementedError
+
+
 @register
 @dataclass(frozen=True)
-class Mxfp4(CompressedTensors, WeightFormat):
+class Mxfp4(Fp4Quantize, CompressedTensors, WeightFormat):
     name: ClassVar[str] = "mxfp4"
     suffixes: ClassVar[tuple[str, ...]] = ("weight_packed", "weight_scale")
     row_blocks: ClassVar[dict[str, int]] = {"weight_packed": 1, "weight_scale": 1}
@@ -298,6 +327,7 @@ class Mxfp4(CompressedTensors, WeightFormat):
     ct_weights: ClassVar[tuple[str, int, str]] = ("float", 4, "group")
     ct_storage: ClassVar[tuple[str, ...]] = ("mxfp4-pack-quantized",)
     cli_flags: ClassVar[tuple[str, ...]] = ("--mxfp4",)
+    fp4_group: ClassVar[int] = GROUP
     cli_help: ClassVar[str] = "fp4 e2m1, e8m0 scale per 32 (OCP MXFP4, compressed-tensors)"
     #: the fused expert layout (gpt-oss's release): a layer's experts as
     #: ``experts.{gate_up_proj,down_proj}_{name}`` [E, rows, ...], by the format's tensor
@@ -305,21 +335,9 @@ class Mxfp4(CompressedTensors, WeightFormat):
     #: the ``quant_method`` of a checkpoint stored in the fused layout
     fused_config_method: ClassVar[str] = "mxfp4"
 
-    def quantize(self, w: torch.Tensor, orig_dtype: torch.dtype) -> Tensors:
-        """w [N, K] -> {weight_packed: uint8 [N, K/2], weight_scale: uint8 [N, K/32]}.
-        ``orig_dtype`` is unused: e8m0 scales are exponents."""
-        return self._quantize(w, measure=False)[0]
-
-    def quantize_measured(self, w: torch.Tensor, orig_dtype: torch.dtype) -> tuple[Tensors, float, float]:
-        return self._quantize(w, measure=True)
-
-    def _quantize(self, w: torch.Tensor, measure: bool) -> tuple[Tensors, float, float]:
-        check_weight_shape(w)
+    def _quantize_cpu(self, w: torch.Tensor, measure: bool) -> tuple[Tensors, float, float]:
+        """-> {weight_packed: uint8 [N, K/2], weight_scale: uint8 [N, K/32]}, sums."""
         n, k = w.shape
-        check_groups(self.name, k, GROUP)
-        if w.device.type != "cpu":  # the Triton kernel is ``quantize_cuda``; this is the fallback
-            t, sig, noise = self._quantize(w.cpu(), measure)
-            return {s: v.to(w.device) for s, v in t.items()}, sig, noise
         scale = torch.empty((n, k // GROUP), dtype=torch.uint8)
 
         def scale_of(amax: torch.Tensor, r0: int) -> torch.Tensor:

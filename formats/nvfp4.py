@@ -52,12 +52,11 @@ from moetool.formats.common import (
     check_suffixes,
     check_tensor,
     check_weight,
-    check_weight_shape,
 )
 from moetool.formats.fp8_block import AMAX_FLOOR, FP8_E4M3_MAX
 from moetool.formats.mxfp4 import (
     FP4_MAX,
-    check_groups,
+    Fp4Quantize,
     e2m1_decode,
     fp4_config,
     fp4_logical_shape,
@@ -87,7 +86,7 @@ def nvfp4_global_scale(amax: torch.Tensor) -> torch.Tensor:
 
 @register
 @dataclass(frozen=True)
-class Nvfp4(CompressedTensors, WeightFormat):
+class Nvfp4(Fp4Quantize, CompressedTensors, WeightFormat):
     name: ClassVar[str] = "nvfp4"
     suffixes: ClassVar[tuple[str, ...]] = ("weight_packed", "weight_scale", "weight_global_scale")
     # round trip on torch.randn weights (formats/base.py ``tolerance``): rel_err 0.0946 - 0.0958
@@ -108,23 +107,13 @@ class Nvfp4(CompressedTensors, WeightFormat):
     ct_weights: ClassVar[tuple[str, int, str]] = ("float", 4, "tensor_group")
     ct_storage: ClassVar[tuple[str, ...]] = ("nvfp4-pack-quantized",)
     cli_flags: ClassVar[tuple[str, ...]] = ("--nvfp4",)
+    fp4_group: ClassVar[int] = GROUP
     cli_help: ClassVar[str] = "fp4 e2m1, e4m3 scale per 16, fp32 global scale (NVFP4A16, compressed-tensors)"
 
-    def quantize(self, w: torch.Tensor, orig_dtype: torch.dtype) -> Tensors:
-        """w [N, K] -> {weight_packed: uint8 [N, K/2], weight_scale: e4m3 [N, K/16],
-        weight_global_scale: float32 [1]}. ``orig_dtype`` is unused: the scale dtypes are fixed."""
-        return self._quantize(w, measure=False)[0]
-
-    def quantize_measured(self, w: torch.Tensor, orig_dtype: torch.dtype) -> tuple[Tensors, float, float]:
-        return self._quantize(w, measure=True)
-
-    def _quantize(self, w: torch.Tensor, measure: bool) -> tuple[Tensors, float, float]:
-        check_weight_shape(w)
+    def _quantize_cpu(self, w: torch.Tensor, measure: bool) -> tuple[Tensors, float, float]:
+        """-> {weight_packed: uint8 [N, K/2], weight_scale: e4m3 [N, K/16], weight_global_scale:
+        float32 [1]}, sums."""
         n, k = w.shape
-        check_groups(self.name, k, GROUP)
-        if w.device.type != "cpu":  # the Triton kernel is ``quantize_cuda``; this is the fallback
-            t, sig, noise = self._quantize(w.cpu(), measure)
-            return {s: v.to(w.device) for s, v in t.items()}, sig, noise
         amax = tensor_amax(w)
         check_weight(w, amax)
         gs = nvfp4_global_scale(amax)
