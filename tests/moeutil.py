@@ -86,7 +86,25 @@ def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same dtype, shape and bytes (NaN-safe, -0.0 != 0.0)."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    # flattened first: a contiguous tensor whose last dim is 1 may still have stride(-1) != 1
+    return torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8))
+
+
+def assert_same_tensors(got: dict, want: dict) -> None:
+    """Two {name: tensor} dicts (a kernel's and its reference's) hold the same names in the same
+    order, and each the same dtype, shape and bytes (``bit_equal``; tensors may be on any device)."""
+    assert list(got) == list(want)
+    for key, value in want.items():
+        assert bit_equal(got[key].cpu(), value.cpu()), key
+
+
+def wide_range_weights(shape: tuple[int, int], dtype: torch.dtype, device) -> torch.Tensor:
+    """Normal data with a wide dynamic range per row, an all-zero block and exact ties."""
+    N, K = shape
+    w = torch.randn(N, K) * torch.exp(torch.randn(N, 1) * 2)
+    if N > 2 and K > 2:
+        w[: min(N, 3), : min(K, 3)] = 0.0  # part of an all-zero region
+    return w.to(dtype).to(device)
 
 
 def rewrite_file(path: Path, mutate) -> None:

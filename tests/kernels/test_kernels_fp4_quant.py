@@ -2,6 +2,7 @@
 references against the rounding rules they state (nearest e2m1, ties to even, the sign kept)."""
 import pytest
 import torch
+from moeutil import assert_same_tensors
 
 from moetool.errors import MoetoolError
 from moetool.kernels import fp4_quant as k4
@@ -12,13 +13,6 @@ QUANT = {"nvfp4": (k4.nvfp4_quant, k4.nvfp4_quant_ref), "mxfp4": (k4.mxfp4_quant
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.cpu().contiguous().view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t.cpu()
-
-
-def _assert_same(got: dict, want: dict) -> None:
-    assert list(got) == list(want)
-    for key, value in want.items():
-        assert got[key].dtype == value.dtype and got[key].shape == value.shape, key
-        assert torch.equal(_raw(got[key]), _raw(value)), key
 
 
 def _weights(shape, dtype, device, seed=0):
@@ -84,7 +78,7 @@ def test_quant_kernel_is_bit_exact(name, shape, dtype, device):
         pytest.skip("K is not whole groups")
     w = _weights(shape, dtype, device, seed=shape[0])
     got = kernel(w)
-    _assert_same(got, ref(w.cpu()))
+    assert_same_tensors(got, ref(w.cpu()))
     assert torch.equal(k4.fp4_dequant(got).cpu(), k4.fp4_dequant_ref({s: t.cpu() for s, t in got.items()}))
 
 
@@ -98,7 +92,7 @@ def test_ties_round_to_even_in_the_kernel(name, device):
     x = torch.cat([x, torch.zeros(-x.numel() % (group - 1))]).view(-1, group - 1)
     w = torch.cat([torch.full((x.shape[0], 1), 4.0), x], dim=1)  # [R, 32], every group's amax 4
     got = kernel(w.to(device))
-    _assert_same(got, ref(w))
+    assert_same_tensors(got, ref(w))
     if name == "mxfp4":
         assert (got["weight_scale"] == 127).all()
         assert torch.equal(k4.unpack_fp4_ref(got["weight_packed"].cpu()), k4.e2m1_encode_ref(w))
@@ -109,7 +103,7 @@ def test_all_zero_weight_gives_finite_scales_and_zero_codes(name, device):
     kernel, ref = QUANT[name]
     w = torch.zeros(8, 64, device=device)
     got = kernel(w)
-    _assert_same(got, ref(w.cpu()))
+    assert_same_tensors(got, ref(w.cpu()))
     assert (got["weight_packed"] == 0).all()
     assert (k4.fp4_dequant(got) == 0).all()
     if name == "nvfp4":

@@ -2,6 +2,7 @@
 ``moetool.formats``' int4-group, plain and with the clip ratio search (``--int4-clip mse``)."""
 import pytest
 import torch
+from moeutil import assert_same_tensors, wide_range_weights
 
 from moetool.errors import MoetoolError
 from moetool.kernels import int4_quant as k4
@@ -11,31 +12,14 @@ FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 MSE = (1 / 16, 6, 2)
 
 
-def _weights(shape, dtype, device):
-    """Normal data with a wide dynamic range per row, an all-zero block and exact ties."""
-    N, K = shape
-    w = torch.randn(N, K) * torch.exp(torch.randn(N, 1) * 2)
-    if N > 2 and K > 2:
-        w[: min(N, 3), : min(K, 3)] = 0.0  # part of an all-zero region
-    return w.to(dtype).to(device)
-
-
-def _assert_same(a: dict, b: dict):
-    assert a.keys() == b.keys()
-    for key, value in a.items():
-        assert value.dtype == b[key].dtype, key
-        assert value.shape == b[key].shape, key
-        assert torch.equal(value.cpu(), b[key].cpu()), key
-
-
 @pytest.mark.parametrize("scale_dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("shape,group", [((1, 8), 8), ((16, 64), 32), ((37, 200), 64), ((24, 100), 32), ((9, 96), 96)])
 def test_int4_quant_pack_bit_exact(shape, group, symmetric, scale_dtype, device):
-    w = _weights(shape, torch.bfloat16, device)
+    w = wide_range_weights(shape, torch.bfloat16, device)
     out = k4.int4_group_quant_pack(w, group, symmetric, scale_dtype)
     ref = k4.int4_group_quant_pack_ref(w.cpu(), group, symmetric, scale_dtype)
-    _assert_same(out, ref)
+    assert_same_tensors(out, ref)
     N, K = shape
     assert out["weight_packed"].shape == (N, -(-K // 8))
     assert out["weight_scale"].shape == (N, -(-K // group))
@@ -49,10 +33,10 @@ def test_int4_quant_pack_bit_exact(shape, group, symmetric, scale_dtype, device)
 def test_int4_mse_search_bit_exact(shape, group, symmetric, scale_dtype, device):
     """Partial last groups (K % g), groups of no power of two (24, 96: the kernel's block
     pads them with zero lanes, the reference with zeros), every scale dtype."""
-    w = _weights(shape, torch.bfloat16, device)
+    w = wide_range_weights(shape, torch.bfloat16, device)
     out = k4.int4_group_quant_pack(w, group, symmetric, scale_dtype, MSE)
     ref = k4.int4_group_quant_pack_ref(w.cpu(), group, symmetric, scale_dtype, MSE)
-    _assert_same(out, ref)
+    assert_same_tensors(out, ref)
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
@@ -75,7 +59,7 @@ def test_int4_mse_ties_keep_the_earlier_ratio(symmetric, device):
     w[:, 16:] = torch.randn(8, 16)
     plain = k4.int4_group_quant_pack(w.to(device), 16, symmetric, torch.float32)
     mse = k4.int4_group_quant_pack(w.to(device), 16, symmetric, torch.float32, MSE)
-    _assert_same(mse, k4.int4_group_quant_pack_ref(w, 16, symmetric, torch.float32, MSE))
+    assert_same_tensors(mse, k4.int4_group_quant_pack_ref(w, 16, symmetric, torch.float32, MSE))
     assert torch.equal(mse["weight_scale"][:, 0], plain["weight_scale"][:, 0])
 
 
@@ -99,7 +83,7 @@ def test_int4_round_half_even_ties(symmetric, device):
     w = row.repeat(8, 1).contiguous()
     out = k4.int4_group_quant_pack(w.to(device), 16, symmetric, torch.float32)
     ref = k4.int4_group_quant_pack_ref(w, 16, symmetric, torch.float32)
-    _assert_same(out, ref)
+    assert_same_tensors(out, ref)
     assert (out["weight_scale"].cpu() == 1).all()
     if not symmetric:
         # -mn/s = 7.5 -> round half even 8 -> z = 0 -> stored 8 in every nibble
@@ -119,7 +103,7 @@ def test_int4_zero_group_fp16_scale(symmetric, search, device):
     w[:8, 32:] = 1e-9
     out = k4.int4_group_quant_pack(w.to(device), 32, symmetric, torch.float16, search)
     ref = k4.int4_group_quant_pack_ref(w, 32, symmetric, torch.float16, search)
-    _assert_same(out, ref)
+    assert_same_tensors(out, ref)
     assert (out["weight_scale"][:, 0].cpu() == 2.0**-24).all()
     deq = k4.int4_dequant_ref({k: v.cpu() for k, v in out.items()}, (16, 64), 32)
     assert torch.isfinite(deq).all() and (deq[:, :32] == 0).all()
@@ -160,7 +144,7 @@ def test_int4_matches_formats_package(symmetric, group, scale_dtype, clip, devic
     w[:, :group] = 0.0  # an all-zero group (fp16 scale floor)
     t = fmt.quantize(w, scale_dtype)
     ours = k4.int4_group_quant_pack(w.to(device), group, symmetric, scale_dtype, MSE if clip == "mse" else None)
-    _assert_same(ours, t)
+    assert_same_tensors(ours, t)
     assert torch.equal(fmt.dequantize(t), k4.int4_dequant_ref(t, (72, 256), group))
     if device == "cuda":
-        _assert_same(fmt.quantize_cuda(w.to(device), scale_dtype), t)
+        assert_same_tensors(fmt.quantize_cuda(w.to(device), scale_dtype), t)

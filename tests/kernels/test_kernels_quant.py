@@ -2,6 +2,7 @@
 test_kernels_int4_quant.py."""
 import pytest
 import torch
+from moeutil import wide_range_weights
 from moetool.kernels import quant as kq
 
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -11,27 +12,10 @@ def _bytes(q: torch.Tensor) -> torch.Tensor:
     return q.view(torch.uint8)
 
 
-def _weights(shape, dtype, device):
-    """Normal data with a wide dynamic range per row, an all-zero block and exact ties."""
-    N, K = shape
-    w = torch.randn(N, K) * torch.exp(torch.randn(N, 1) * 2)
-    if N > 2 and K > 2:
-        w[: min(N, 3), : min(K, 3)] = 0.0  # part of an all-zero region
-    return w.to(dtype).to(device)
-
-
-def _assert_same(a: dict, b: dict):
-    assert a.keys() == b.keys()
-    for key, value in a.items():
-        assert value.dtype == b[key].dtype, key
-        assert value.shape == b[key].shape, key
-        assert torch.equal(value.cpu(), b[key].cpu()), key
-
-
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("shape", [(1, 1), (128, 128), (200, 72), (33, 257)])
 def test_fp8_block_quant_bit_exact(shape, dtype, device):
-    w = _weights(shape, dtype, device)
+    w = wide_range_weights(shape, dtype, device)
     q, s = kq.fp8_block_quant(w)
     q_ref, s_ref = kq.fp8_block_quant_ref(w.cpu())
     assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
@@ -50,7 +34,7 @@ def test_fp8_block_quant_zero_block_is_finite(device):
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 @pytest.mark.parametrize("shape,group", [((1, 128), 128), ((33, 200), 128), ((7, 96), 32), ((0, 64), 128)])
 def test_fp8_act_quant_bit_exact(shape, group, dtype, device):
-    x = _weights(shape, dtype, device)
+    x = wide_range_weights(shape, dtype, device)
     q, s = kq.fp8_act_quant(x, group)
     q_ref, s_ref = kq.fp8_act_quant_ref(x.cpu(), group)
     assert s.shape == (shape[0], -(-shape[1] // group))
