@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,6 +125,19 @@ def rewrite_file(path: Path, mutate) -> None:
         for new in set(tensors) - before:
             wm[new] = path.name
         index.write_text(json.dumps(data))
+
+
+def edited_copy(src: Path, dst: Path, mutate=None, config=None) -> Path:
+    """A copy of checkpoint ``src`` at ``dst`` with ``mutate(tensors)`` applied to the file holding
+    its embeddings (``rewrite_file``) and ``config(dict)`` to its config.json."""
+    shutil.copytree(src, dst)
+    if mutate is not None:
+        rewrite_file(file_of(dst, "model.embed_tokens.weight"), mutate)
+    if config is not None:
+        cfg = json.loads((dst / "config.json").read_text())
+        config(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
 
 
 def file_of(root: Path, tensor: str) -> Path:

@@ -14,13 +14,11 @@ never does on these activations, nor at 1 on the MoE-only test tokens).
 """
 from __future__ import annotations
 
-import json
-import shutil
 
 import pytest
 import torch
 
-from moeutil import file_of, rewrite_file, save_gpt_oss_mxfp4, save_hf_model
+from moeutil import edited_copy, save_gpt_oss_mxfp4, save_hf_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -44,19 +42,6 @@ HONEST = [(s, f) for s in ("dense", "mxfp4") for f in FORMATS if not (s == "mxfp
     ("mxfp4", "release")]
 MOE = VerifyOptions(ep=2, dp=1, tokens=64)
 WHOLE = WholeModelOptions(dp=1, ep=2, tokens=32, seq_len=16)
-
-
-def _edit(src, dst, mutate=None, config=None):
-    """A copy of ``src`` with ``mutate(tensors)`` applied to its one file, ``config(dict)`` to
-    its config.json."""
-    shutil.copytree(src, dst)
-    if mutate is not None:
-        rewrite_file(file_of(dst, "model.embed_tokens.weight"), mutate)
-    if config is not None:
-        cfg = json.loads((dst / "config.json").read_text())
-        config(cfg)
-        (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
 
 
 def _swap_experts(t: dict, layer: int, a: int, b: int) -> None:
@@ -88,13 +73,13 @@ def world(tmp_path_factory):
               for source in inputs for fmt in FORMATS if not (source == "mxfp4" and fmt == "dense")}
     shard(inputs["mxfp4"], root / "release-ep2", 2, progress=False)  # the release's own bytes, stacked
     honest[("mxfp4", "release")] = root / "release-ep2"
-    swapped = _edit(inputs["mxfp4"], root / "swapped", lambda t: _swap_experts(t, 1, 1, 2))
-    bias = _edit(inputs["dense"], root / "bias", _bias_fault)
+    swapped = edited_copy(inputs["mxfp4"], root / "swapped", lambda t: _swap_experts(t, 1, 1, 2))
+    bias = edited_copy(inputs["dense"], root / "bias", _bias_fault)
     faults = {"swapped": (shards(swapped, "mxfp4", "swapped-q"), inputs["mxfp4"]),
               "bias": (shards(bias, "dense", "bias-q"), inputs["dense"])}
     limit = root / "limit-q"
     quantize(inputs["dense"], limit, "dense", progress=False)
-    _edit(limit, root / "limit", config=lambda c: c.update(swiglu_limit=7.0))
+    edited_copy(limit, root / "limit", config=lambda c: c.update(swiglu_limit=7.0))
     shard(root / "limit", root / "limit-ep2", 2, progress=False)
     faults["limit"] = (root / "limit-ep2", inputs["dense"])
     jobs = [(sh, inputs[source], MOE) for (source, _), sh in honest.items()] + [(sh, ref, MOE) for sh, ref in

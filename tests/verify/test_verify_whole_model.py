@@ -11,13 +11,12 @@ hidden 32, 16 tokens a sequence.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from moeutil import file_of, rewrite_file, save_hf_model
+from moeutil import edited_copy, file_of, rewrite_file, save_hf_model
 
 pytest.importorskip("transformers")
 
@@ -48,19 +47,6 @@ def _tokenizer(folder: Path) -> None:
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
                                                               "unk_token": "[UNK]"}))
-
-
-def _broken(src: Path, dst: Path, mutate=None, config=None) -> Path:
-    """A copy of ``src`` with ``mutate(tensors)`` applied to the file holding them and
-    ``config(dict)`` to its config.json."""
-    shutil.copytree(src, dst)
-    if mutate is not None:
-        rewrite_file(file_of(dst, "model.embed_tokens.weight"), mutate)
-    if config is not None:
-        cfg = json.loads((dst / "config.json").read_text())
-        config(cfg)
-        (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
 
 
 def _llama4_wrapper(src: Path, dst: Path) -> Path:
@@ -111,7 +97,7 @@ def world(tmp_path_factory):
     for f, path in models.items():
         add(f"honest-{f}", path, path, DP2 if f == "deepseek_v3" else OPTS)
     add("text-deepseek_v3", ds, ds, WholeModelOptions(dp=2, ep=2, tokens=32, seq_len=16, text=str(text)))
-    kimi = _broken(ds, root / "kimi_k2", config=lambda c: c.__setitem__("model_type", "kimi_k2"))
+    kimi = edited_copy(ds, root / "kimi_k2", config=lambda c: c.__setitem__("model_type", "kimi_k2"))
     add("honest-kimi_k2", kimi, kimi)
     wrapped = _llama4_wrapper(models["llama4"], root / "llama4-wrapped")
     add("honest-llama4-wrapped", wrapped, wrapped)
@@ -162,7 +148,7 @@ def world(tmp_path_factory):
     }
     for name, (src, mutate, config) in faults.items():
         ref = models["mixtral"] if name.endswith("mixtral") else ds
-        add(name, _broken(src, root / f"broken-{name}", mutate, config), ref)
+        add(name, edited_copy(src, root / f"broken-{name}", mutate, config), ref)
     names = list(jobs)
     reports = verify_whole_model_many([jobs[n] for n in names])
     return {n: (r, jobs[n]) for n, r in zip(names, reports)}
