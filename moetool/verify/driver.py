@@ -30,7 +30,7 @@ from moetool.read.experts import ExpertReader, detect_expert_format
 from moetool.read.manifest import MANIFEST_NAME, made_by_moetool
 from moetool.read.shards import EPShards
 from moetool.verify.launch import run_under_torchrun, spawn_world
-from moetool.verify.numerics import NUMERICS, model_numerics
+from moetool.verify.numerics import NUMERICS, Numerics, model_numerics
 from moetool.verify.reference import reference_moe_forward, swiglu
 from moetool.verify.report import LayerReport, VerifyReport
 from moetool.verify.tokens import make_tokens, norm_weight_name, probe_tokens
@@ -224,36 +224,44 @@ def verify_many(jobs: list[tuple], *, revision: str | None = None) -> list[Verif
         shards = EPShards(Path(shards_dir), check=False)
         check_options(opts, shards)
         check_files_present(shards)
-        shards.open_rank(0, check=False)[0].close()  # its config is described here, not first in a rank
-        prepared.append((shards, ref, opts, resolve_backend(opts)))
-    eps = {o.ep for _, _, o, _ in prepared}
-    backends = {b for *_, b in prepared}
+        numerics = shards_numerics(shards, opts)  # describes rank 0's config here, not first in a rank
+        prepared.append((shards, ref, opts, resolve_backend(opts), numerics))
+    eps = {p[2].ep for p in prepared}
+    backends = {p[3] for p in prepared}
     if len(eps) != 1 or len(backends) != 1:
         raise MoetoolError(f"verify_many: jobs need one ep and backend, got {sorted(eps)} / {sorted(backends)}")
     refs, specs, rank_jobs = [], [], []
     try:
-        for shards, ref, opts, _ in prepared:
+        for shards, ref, opts, *_ in prepared:
             ref_ckpt = open_checkpoint(ref, revision)
             refs.append(ref_ckpt)
             specs.append(describe(ref_ckpt.config, ref_ckpt.tensors))
             check_reference(shards, ref_ckpt, specs[-1], ref)
             rank_jobs.append((str(shards.root), opts, _layers_to_check(shards, specs[-1], opts)))
         ep, backend = eps.pop(), backends.pop()
-        timeout = sum(o.timeout_s for _, _, o, _ in prepared)
+        timeout = sum(p[2].timeout_s for p in prepared)
         results = spawn_world(_rank_jobs, ep, backend, args=(rank_jobs,), timeout_s=timeout)
         reports = []
-        for j, ((shards, _, opts, _), ref_ckpt, spec) in enumerate(zip(prepared, refs, specs)):
+        for j, ((shards, _, opts, _, numerics), ref_ckpt, spec) in enumerate(zip(prepared, refs, specs)):
             per_rank = [r[j] for r in results]
             reports.append(build_report(shards, ref_ckpt, spec, ExpertReader(ref_ckpt, spec), opts, backend,
-                                        rank_jobs[j][2], per_rank))
+                                        rank_jobs[j][2], per_rank, numerics))
         return reports
     finally:
         for r in refs:
             r.close()
 
 
+def shards_numerics(shards: EPShards, opts: VerifyOptions) -> Numerics:
+    """The numerics of the run, from the shards (rank 0's config and router dtype), as the ranks
+    take them: both sides round the tokens alike."""
+    rank0, rank0_spec = shards.open_rank(0, check=False)
+    with rank0:
+        return model_numerics(opts.numerics, FORMATS[shards.manifest["format"]], rank0, rank0_spec)
+
+
 def build_report(shards: EPShards, ref_ckpt, spec, ref_reader: ExpertReader, opts: VerifyOptions, backend: str,
-                 layer_ids: list[int], results: list[dict]) -> VerifyReport:
+                 layer_ids: list[int], results: list[dict], numerics: Numerics) -> VerifyReport:
     fmt = shards.manifest["format"]
     th = dict(THRESHOLDS.get(fmt, THRESHOLDS["dense"]))
     if opts.max_rel_err is not None:
@@ -263,10 +271,6 @@ def build_report(shards: EPShards, ref_ckpt, spec, ref_reader: ExpertReader, opt
     # the reference runs on a GPU when there is one (the ranks are done with them by now)
     dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     reports = []
-    # the served dtype from the shards, as the ranks take it: both sides round the tokens alike
-    rank0, rank0_spec = shards.open_rank(0, check=False)
-    with rank0:
-        numerics = model_numerics(opts.numerics, FORMATS[fmt], rank0, rank0_spec)
     for i in layer_ids:
         layer = spec.layer(i)
         nw_name = norm_weight_name(layer)
@@ -358,6 +362,6 @@ def verify_torchrun(shards_dir, ref, opts: VerifyOptions, *, revision: str | Non
         check_reference(shards, ref_ckpt, spec, ref)
         _layers_to_check(shards, spec, VerifyOptions(**{**asdict(opts), "layers": tuple(layer_ids)}))
         return build_report(shards, ref_ckpt, spec, ExpertReader(ref_ckpt, spec), opts, backend, layer_ids,
-                            [g[0] for g in gathered])
+                            [g[0] for g in gathered], shards_numerics(shards, opts))
 
 
