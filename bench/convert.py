@@ -35,7 +35,10 @@ LLMC_SCHEME = {"fp8-block": "FP8_BLOCK", "fp8-channel": "FP8_DYNAMIC", "int4-gro
 MOETOOL_FLAG = {"fp8-block": "--fp8-block", "fp8-channel": "--fp8-channel", "int4-group": "--int4"}
 
 
-def build_checkpoint(path: Path, size_gib: float, shard_gib: float, hidden: int, intermediate: int, experts: int) -> None:
+def build_checkpoint(path: Path, size_gib: float, shard_gib: float, hidden: int, intermediate: int, experts: int,
+                     device: str = "cpu") -> None:
+    """The synthetic bf16 checkpoint (random weights drawn on ``device``: a CUDA device draws the
+    GPU benchmark's gigabytes in seconds)."""
     import math
 
     import torch
@@ -70,7 +73,7 @@ def build_checkpoint(path: Path, size_gib: float, shard_gib: float, hidden: int,
         cur.append((n, shp))
         size += nb
     files.append(cur)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(device=device).manual_seed(0)
     weight_map = {}
     for i, part in enumerate(files):
         fname = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
@@ -78,7 +81,7 @@ def build_checkpoint(path: Path, size_gib: float, shard_gib: float, hidden: int,
 
         def data(part=part):
             for n, shp in part:
-                yield n, (torch.randn(*shp, generator=g) * 0.02).to(torch.bfloat16)
+                yield n, (torch.randn(*shp, generator=g, device=device) * 0.02).to(torch.bfloat16).cpu()
 
         out.write_safetensors(fname, specs, data())
         weight_map.update({n: fname for n, _ in part})
@@ -176,6 +179,7 @@ def timed(cmd: list[str], env: dict | None = None) -> tuple[float, int, float]:
 
     busy0, own0 = busy_cpu_seconds(), own()
     t0 = time.perf_counter()
+    env = {**os.environ, **(env or {}), T0_ENV: repr(time.time())}
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
     rss = TreeRSS(proc.pid)
     _, err = proc.communicate()
@@ -203,7 +207,307 @@ def have_llmc(python: str) -> bool:
                           capture_output=True).returncode == 0
 
 
+# ------------------------------------------------------------------ per-phase trace of one step
+
+#: wall-clock time (time.time()) the bench took just before starting the traced step
+T0_ENV = "MOETOOL_BENCH_T0"
+
+
+class Phases:
+    """Spans (start, end, bytes) per phase name, seconds from the step's start, from any thread."""
+
+    def __init__(self, t0: float):
+        self.t0, self.lock, self.spans = t0, threading.Lock(), {}
+
+    def add(self, name: str, start: float, end: float, nbytes: int = 0) -> None:
+        with self.lock:
+            self.spans.setdefault(name, []).append((start - self.t0, end - self.t0, nbytes))
+
+    def timing(self, name: str, fn, count_result: bool = False, count_arg: int | None = None):
+        """``fn`` wrapped: each call one span of ``name`` (bytes: its int result, or the size of argument ``count_arg``)."""
+        def wrapper(*a, **k):
+            start = time.time()
+            result = None
+            try:
+                result = fn(*a, **k)
+                return result
+            finally:
+                n = result if count_result and isinstance(result, int) else 0
+                if count_arg is not None and len(a) > count_arg:
+                    try:
+                        n = memoryview(a[count_arg]).nbytes
+                    except TypeError:
+                        n = sum(memoryview(b).nbytes for b in a[count_arg])
+                self.add(name, start, time.time(), n)
+        return wrapper
+
+    def summary(self) -> dict:
+        out = {}
+        for name, spans in sorted(self.spans.items(), key=lambda kv: min(s[0] for s in kv[1])):
+            spans.sort()
+            union, cur_s, cur_e = 0.0, None, None
+            for s, e, _ in spans:
+                if cur_e is None or s > cur_e:
+                    if cur_e is not None:
+                        union += cur_e - cur_s
+                    cur_s, cur_e = s, e
+                else:
+                    cur_e = max(cur_e, e)
+            union += (cur_e - cur_s) if cur_e is not None else 0.0
+            out[name] = {"calls": len(spans), "bytes": sum(s[2] for s in spans), "busy_s": sum(e - s for s, e, _ in spans),
+                         "wall_s": union, "first_s": spans[0][0], "last_s": max(e for _, e, _ in spans)}
+        return out
+
+
+def traced_child(trace_path: str, argv: list[str]) -> None:
+    """``moetool ARGV`` in this process with its reads, writes, hashing, fsyncs, imports, tensor
+    reads and GPU conversions timed (wrapped from outside: the library is not changed); the
+    per-phase summary goes to ``trace_path`` as JSON when the command ends."""
+    import hashlib
+    import importlib.util
+
+    ph = Phases(float(os.environ.get(T0_ENV) or time.time()))
+    ph.add("python start", ph.t0, time.time())
+    for name in ("pread", "preadv", "copy_file_range", "sendfile"):
+        if hasattr(os, name):
+            setattr(os, name, ph.timing(name, getattr(os, name), count_result=True))
+    for name in ("pwrite", "write"):
+        setattr(os, name, ph.timing(name, getattr(os, name), count_result=True))
+    os.fsync = ph.timing("fsync", os.fsync)
+    os.fdatasync = ph.timing("fsync", os.fdatasync)
+    os.replace = ph.timing("rename", os.replace)
+    real_sha = hashlib.sha256
+
+    class TimedSha:
+        def __init__(self, data=b"", **kw):
+            self.h = real_sha(**kw)
+            if data:
+                self.update(data)
+
+        def update(self, data):
+            start = time.time()
+            self.h.update(data)
+            ph.add("sha256", start, time.time(), memoryview(data).nbytes)
+
+        def hexdigest(self):
+            return self.h.hexdigest()
+
+        def digest(self):
+            return self.h.digest()
+
+    hashlib.sha256 = TimedSha
+
+    class ImportTimer:
+        """Times the first import of the packages named (their whole import, dependencies included)."""
+        watch = {"torch", "triton", "typer", "moetool.formats.registry", "tqdm"}
+
+        def find_spec(self, name, path=None, target=None):
+            if name not in self.watch:
+                return None
+            self.watch.discard(name)
+            spec = importlib.util.find_spec(name)
+            if spec is None or spec.loader is None:
+                return spec
+            exec_module = spec.loader.exec_module
+
+            def timed_exec(module, _exec=exec_module, _name=name):
+                start = time.time()
+                try:
+                    _exec(module)
+                finally:
+                    ph.add(f"import {_name}", start, time.time())
+            spec.loader.exec_module = timed_exec
+            return spec
+
+    sys.meta_path.insert(0, ImportTimer())
+    patched: set[str] = set()
+
+    def patch_loaded() -> None:
+        """Wrap library functions once their modules are loaded."""
+        def wrap(module: str, owner: str, attr: str, phase: str, **kw) -> None:
+            mod = sys.modules.get(module)
+            key = f"{module}.{owner}.{attr}"
+            if mod is None or key in patched:
+                return
+            obj = getattr(mod, owner) if owner else mod
+            if hasattr(obj, attr):
+                setattr(obj, attr, ph.timing(phase, getattr(obj, attr), **kw))
+                patched.add(key)
+        wrap("moetool.read.checkpoint", "Checkpoint", "_read", "read tensor (alloc + pread)")
+        wrap("moetool.read.checkpoint", "", "open_checkpoint", "open checkpoint (headers)")
+        wrap("moetool.convert.torch_executor", "Source", "convert", "convert (quantize one linear)")
+        wrap("moetool.convert.torch_executor", "Planner", "specs", "plan (probe specs)")
+        wrap("moetool.convert.output", "OutputDir", "commit", "commit (rename, journal)")
+        wrap("moetool.convert.output", "OutputDir", "finish", "finish (manifest)")
+        wrap("moetool.convert.output", "OutputDir", "already_done", "resume check")
+        wrap("moetool.convert.sink", "HashingSink", "write", "sink.write (producer blocked)")
+        wrap("moetool.convert.sink", "HashingSink", "close", "sink.close (drain + fsync)")
+        for m in ("moetool.convert.sink", "moetool.convert.byte_executor"):
+            wrap(m, "", "start_writeback", "sync_file_range")
+
+    import moetool.lazy as lazy
+
+    real_import = lazy.import_module
+
+    def import_module(name):
+        mod = real_import(name)
+        patch_loaded()
+        return mod
+
+    lazy.import_module = import_module
+    import moetool.__main__ as entry
+
+    def dump() -> None:
+        patch_loaded()
+        ph.add("process end", time.time(), time.time())
+        Path(trace_path).write_text(json.dumps(ph.summary()))
+
+    real_exit = entry.exit_now
+
+    def exit_now():
+        dump()
+        real_exit()
+
+    entry.exit_now = exit_now
+    sys.argv = ["moetool", *argv]
+    import moetool.cli  # noqa: F401  (loaded now so its modules' later imports are patched)
+
+    patch_loaded()
+    try:
+        entry.entry()
+    finally:
+        dump()
+
+
+def print_trace(name: str, trace: dict) -> None:
+    print(f"  {name}: phases (s from the process start; busy = summed over threads, wall = covered)")
+    print(f"    {'phase':<34} {'calls':>7} {'GB':>7} {'busy s':>8} {'wall s':>8} {'first':>7} {'last':>7} {'GB/s busy':>9}")
+    for phase, r in trace.items():
+        gbps = r["bytes"] / r["busy_s"] / 1e9 if r["bytes"] and r["busy_s"] else 0
+        print(f"    {phase:<34} {r['calls']:>7} {r['bytes'] / 1e9:>7.2f} {r['busy_s']:>8.2f} {r['wall_s']:>8.2f} "
+              f"{r['first_s']:>7.2f} {r['last_s']:>7.2f} {gbps or '':>9.3}")
+
+
+# ------------------------------------------------------------------ I/O floors and alternatives
+
+def io_probe(src: Path, scratch: Path, gib: float = 2.0) -> list[tuple[str, float, float]]:
+    """The disk's and this CPU's floors, and the ways of copying a file: (what, seconds, GB/s).
+    Every write ends with fsync (the durable copy conversion promises). Reads come from the
+    page cache (the input was just written or read)."""
+    import hashlib
+    import mmap
+    from concurrent.futures import ThreadPoolExecutor
+
+    scratch.mkdir(parents=True, exist_ok=True)
+    files = sorted(src.glob("*.safetensors"))
+    big = max(files, key=lambda f: f.stat().st_size)
+    nbytes = min(big.stat().st_size, int(gib * 2**30)) // (16 << 20) * (16 << 20)
+    rows: list[tuple[str, float, float]] = []
+
+    def row(what: str, seconds: float, n: int = nbytes) -> None:
+        rows.append((what, seconds, n / seconds / 1e9))
+        print(f"  io: {what:<58} {seconds:6.2f} s {n / seconds / 1e9:6.2f} GB/s", file=sys.stderr)
+
+    def run(what: str, fn, n: int = nbytes) -> None:
+        dst = scratch / "probe.bin"
+        dst.unlink(missing_ok=True)
+        subprocess.run(["sync"])
+        t0 = time.perf_counter()
+        fn(dst)
+        row(what, time.perf_counter() - t0, n)
+        dst.unlink(missing_ok=True)
+
+    total = sum(f.stat().st_size for f in files)
+    t0 = time.perf_counter()
+    subprocess.run(["sh", "-c", " ".join(f"cat '{f}' >/dev/null;" for f in files)])
+    row("cat input > /dev/null (page cache)", time.perf_counter() - t0, total)
+    data = memoryview(bytearray(os.urandom(1 << 20) * 256))  # 256 MiB
+    t0 = time.perf_counter()
+    h = hashlib.sha256()
+    for _ in range(4):
+        h.update(data)
+    row("sha256, one thread", time.perf_counter() - t0, 4 * data.nbytes)
+    for threads in (4, 8):
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(lambda _: [hashlib.sha256(data).digest() for _ in range(2)], range(threads)))
+        row(f"sha256, {threads} threads (one file each)", time.perf_counter() - t0, threads * 2 * data.nbytes)
+
+    def pread_write(chunk: int, hash_it: bool = False, writeback: bool = True):
+        def go(dst: Path) -> None:
+            fi, fo = os.open(big, os.O_RDONLY), os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            buf = memoryview(bytearray(chunk))
+            h = hashlib.sha256()
+            flushed = 0
+            for off in range(0, nbytes, chunk):
+                n = os.preadv(fi, [buf], off)
+                os.pwrite(fo, buf[:n], off)
+                if hash_it:
+                    h.update(buf[:n])
+                if writeback and off + n - flushed >= 16 << 20:
+                    os.sync_file_range(fo, flushed, off + n - flushed, os.SYNC_FILE_RANGE_WRITE) \
+                        if hasattr(os, "sync_file_range") else None
+                    flushed = off + n
+            os.fsync(fo)
+            os.close(fi), os.close(fo)
+        return go
+
+    def read_only(chunk: int):
+        def go(dst: Path) -> None:
+            fi = os.open(big, os.O_RDONLY)
+            buf = memoryview(bytearray(chunk))
+            for off in range(0, nbytes, chunk):
+                os.preadv(fi, [buf], off)
+            os.close(fi)
+        return go
+
+    def copy_range(step: int):
+        def go(dst: Path) -> None:
+            fi, fo = os.open(big, os.O_RDONLY), os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            off = 0
+            while off < nbytes:
+                off += os.copy_file_range(fi, fo, min(step, nbytes - off), off, off)
+            os.fsync(fo)
+            os.close(fi), os.close(fo)
+        return go
+
+    def direct(chunk: int, threads: int):
+        def go(dst: Path) -> None:
+            fi = os.open(big, os.O_RDONLY)
+            fo = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+            bufs = [mmap.mmap(-1, chunk) for _ in range(threads)]
+
+            def part(i: int) -> None:
+                buf = memoryview(bufs[i])
+                for off in range(i * chunk, nbytes, threads * chunk):
+                    n = os.preadv(fi, [buf], off)
+                    os.pwrite(fo, buf[:n], off)
+            with ThreadPoolExecutor(threads) as pool:
+                list(pool.map(part, range(threads)))
+            os.fsync(fo)
+            os.close(fi), os.close(fo)
+        return go
+
+    run("pread only, 1 MiB (page cache)", read_only(1 << 20))
+    run("pread + pwrite 256 KiB + sync_file_range + fsync (byte copy)", pread_write(256 << 10))
+    run("  same, + sha256 on the same thread", pread_write(256 << 10, hash_it=True))
+    run("pread + pwrite 1 MiB + fsync", pread_write(1 << 20))
+    run("pread + pwrite 8 MiB + fsync", pread_write(8 << 20))
+    run("pread + pwrite 8 MiB, no sync_file_range, + fsync", pread_write(8 << 20, writeback=False))
+    run("copy_file_range 64 MiB calls + fsync", copy_range(64 << 20))
+    for chunk, threads in ((1 << 20, 1), (4 << 20, 1), (16 << 20, 1), (4 << 20, 4), (16 << 20, 4), (16 << 20, 8)):
+        run(f"O_DIRECT pwrite {chunk >> 20} MiB x {threads} thread(s) + fsync", direct(chunk, threads))
+    for args, what in ((["bs=8M", "conv=fsync"], "dd from /dev/zero bs=8M conv=fsync"),
+                       (["bs=8M", "oflag=direct", "conv=fsync"], "dd from /dev/zero bs=8M oflag=direct")):
+        run(what, lambda dst, args=args: subprocess.run(
+            ["dd", "if=/dev/zero", f"of={dst}", f"count={nbytes >> 23}", *args], capture_output=True))
+    return rows
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--trace-child"]:
+        traced_child(sys.argv[2], sys.argv[4:])  # --trace-child JSON -- moetool arguments
+        return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", type=Path, default=Path(".bench/convert"))
     ap.add_argument("--size-gib", type=float, default=1.3)
@@ -221,20 +525,36 @@ def main() -> None:
     ap.add_argument("--retries", type=int, default=2,
                     help="runs again (at most this often) a run during which other processes used the CPU")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--trace", action="store_true",
+                    help="time each moetool step's phases (reads, writes, sha256, fsync, imports, conversion) and print them")
+    ap.add_argument("--io-probe", action="store_true",
+                    help="first measure the disk's and the CPU's floors and the ways of copying a file")
+    ap.add_argument("--cold", action="store_true",
+                    help="drop the page cache before each step (root only): reads come from the disk")
+    ap.add_argument("--ep", type=int, default=8, help="ranks of the shard step")
     args = ap.parse_args()
 
     src = args.workdir / "src"
     params = [args.size_gib, args.shard_gib, args.hidden, args.intermediate, args.experts]
+    params += [args.device] if args.device != "cpu" else []  # drawn on the GPU: other values
     marker = src / "bench-params.json"
     if not marker.exists() or json.loads(marker.read_text()).get("bench") != params:
         shutil.rmtree(src, ignore_errors=True)
         print(f"building a {args.size_gib} GiB synthetic checkpoint in {src} ...", file=sys.stderr)
+        t0 = time.perf_counter()
         build_checkpoint(src, *params)
+        print(f"  built in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     in_bytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
     only = set(filter(None, args.only.split(",")))
     moetool = [sys.executable, "-m", "moetool"]
+    traces: dict[str, dict] = {}
+    if args.trace:
+        trace_file = args.workdir / "trace.json"
+        moetool = [sys.executable, str(Path(__file__).resolve()), "--trace-child", str(trace_file), "--"]
     steps: list[tuple[str, list[str], Path]] = []
     out = args.workdir / "out"
+    if args.io_probe:
+        io_probe(src, args.workdir / "probe")
 
     def add(name, cmd, dst):
         if not only or name in only:
@@ -242,13 +562,18 @@ def main() -> None:
 
     # the floor for a durable copy: moetool fsyncs every file it writes, so cp must sync too
     add("cp", ["sh", "-c", f"cp -r '{src}' '{out / 'cp'}' && sync"], out / "cp")
+    add("cat", ["sh", "-c", f"cat '{src}'/*.safetensors > /dev/null"], out / "cat")  # the read floor
     add("start-up", moetool + ["--help"], out / "start-up")
     add("start-up+torch", [sys.executable, "-c", "import moetool.cli, moetool.lazy as l; l.freeze_imports = 1; l.import_module('moetool.convert.quantize')"],
         out / "start-up+torch")  # as `moetool quantize` imports it
     for fmt, flag in MOETOOL_FLAG.items():
         add(fmt, moetool + ["quantize", str(src), str(out / fmt), flag, "-q", "--device", args.device], out / fmt)
-    add("shard", moetool + ["shard", str(src), str(out / "shard"), "--ep", "8", "-q"], out / "shard")
+    add("shard", moetool + ["shard", str(src), str(out / "shard"), "--ep", str(args.ep), "-q"], out / "shard")
     add("repack", moetool + ["repack", str(src), str(out / "repack"), "--layout", "stacked", "-q"], out / "repack")
+    # the fp8-block output (kept from its step) copied and sharded: a quantized input
+    fp8 = out / "fp8-block"
+    add("cp-fp8", ["sh", "-c", f"cp -r '{fp8}' '{out / 'cp-fp8'}' && sync"], out / "cp-fp8")
+    add("shard-fp8", moetool + ["shard", str(fp8), str(out / "shard-fp8"), "--ep", "1", "-q"], out / "shard-fp8")
     if have_llmc(args.llmc_python):
         for fmt, scheme in LLMC_SCHEME.items():
             add(f"llmc-{fmt}", [args.llmc_python, "-c", LLMC_SCRIPT, str(src), str(out / f"llmc-{fmt}"), scheme,
@@ -256,6 +581,9 @@ def main() -> None:
     else:
         print("llm-compressor not installed (--llmc-python): its rows are skipped", file=sys.stderr)
 
+    keep = {fp8} if {"cp-fp8", "shard-fp8"} & {name for name, _, _ in steps} else set()
+    if keep and "fp8-block" not in {name for name, _, _ in steps}:
+        raise SystemExit("cp-fp8 and shard-fp8 read the fp8-block step's output: add fp8-block to --only")
     runs: dict[str, list[tuple[float, int, float]]] = {name: [] for name, _, _ in steps}
     repeated = 0
     for _ in range(args.repeat):  # interleaved, so drifting disk speed hits every step alike
@@ -264,9 +592,16 @@ def main() -> None:
                 shutil.rmtree(dst, ignore_errors=True)
                 dst.parent.mkdir(parents=True, exist_ok=True)
                 subprocess.run(["sync"])
+                if args.cold:
+                    Path("/proc/sys/vm/drop_caches").write_text("3\n")
                 wait_idle(args.idle_wait)
                 seconds, peak, foreign = timed(cmd)
-                shutil.rmtree(dst, ignore_errors=True)
+                if args.trace and name not in ("cp", "cat", "cp-fp8") and trace_file.exists():
+                    traces[name] = json.loads(trace_file.read_text())
+                    trace_file.unlink()
+                    print_trace(name, traces[name])
+                if dst not in keep:
+                    shutil.rmtree(dst, ignore_errors=True)
                 # kernel writeback for the step itself: ~0.1 CPU-s for cp of this input
                 disturbed = foreign > max(0.3, 0.05 * seconds)
                 note = f" (other processes used {foreign:.2f} CPU-s meanwhile)" if disturbed else ""
@@ -275,10 +610,12 @@ def main() -> None:
                     break
                 repeated += 1
             runs[name].append((seconds, peak, foreign))
+        for dst in keep:
+            shutil.rmtree(dst, ignore_errors=True)
     results = {}
     for name, rs in runs.items():
         seconds = statistics.median(r[0] for r in rs)
-        results[name] = {"seconds": seconds, "gbps": in_bytes / seconds / 1e9,
+        results[name] = {"seconds": seconds, "gbps": in_bytes / seconds / 1e9, "trace": traces.get(name),
                          "peak_rss_mb": max(r[1] for r in rs) / 1e6, "runs": [round(r[0], 2) for r in rs],
                          "foreign_cpu_s": [round(r[2], 2) for r in rs]}
 
@@ -291,7 +628,8 @@ def main() -> None:
         startup = torch_startup if name in MOETOOL_FLAG else plain_startup  # quantize imports torch
         work = (r["seconds"] - startup if startup and name not in ("cp", "start-up", "start-up+torch")
                 and not name.startswith("llmc") else None)
-        rows.append({"step": name, **r, "vs_cp": (cp / r["seconds"]) if cp else None,
+        floor = results.get("cp-fp8", {}).get("seconds") if name == "shard-fp8" else cp  # a copy of its input
+        rows.append({"step": name, **r, "vs_cp": (floor / r["seconds"]) if floor else None,
                      "vs_llmc": (llmc / r["seconds"]) if llmc and not name.startswith("llmc") else None,
                      "after_startup_s": work, "after_startup_vs_cp": (cp / work) if cp and work else None})
     if args.json:
