@@ -8,6 +8,10 @@ checkpoint was laid out. Experts with biases (gpt-oss) have them read apart from
 """
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Iterator, TypeVar
+
 import torch
 
 from moetool.model.families import ExpertStorage, ModelSpec, MoELayerSpec, describe
@@ -17,6 +21,20 @@ from moetool.formats import FORMATS, detect_format, get_format, linear_format
 from moetool.formats.base import WeightFormat
 
 Linear = dict[str, torch.Tensor]
+ROLES = ("gate", "up", "down")
+T = TypeVar("T")
+
+
+def read_ahead(read: Callable[[int], T], count: int) -> Iterator[T]:
+    """``read(0)``, ..., ``read(count - 1)`` in order, each started on a thread while the caller
+    works on the one before (disk reads overlap compute; two results held at a time)."""
+    with ThreadPoolExecutor(1, thread_name_prefix="moetool-read-ahead") as pool:
+        ahead = pool.submit(read, 0) if count else None
+        for i in range(count):
+            got = ahead.result()
+            if i + 1 < count:
+                ahead = pool.submit(read, i + 1)
+            yield got
 
 
 class ExpertReader:
@@ -155,6 +173,22 @@ class ExpertReader:
     def expert_fp32(self, layer: MoELayerSpec, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate [N,H], up [N,H], down [H,N]) dequantized to float32."""
         return tuple(self.dequantize(lin, f"layer {layer.index} expert {e}") for lin in self.gate_up_down(layer, e))  # type: ignore[return-value]
+
+    def iter_fp32(self, layer: MoELayerSpec, device: torch.device, roles: tuple[str, ...] = ROLES,
+                  stop: threading.Event | None = None) -> Iterator[tuple[int, tuple[torch.Tensor, ...]]]:
+        """(e, the ``roles`` linears of expert e in float32 on ``device``) for every expert in
+        order, each expert's stored bytes (only those linears) read once while a thread reads
+        the next one's: host memory holds two experts' stored bytes, never a layer. On a GPU
+        the reads go to page-locked buffers (this reader's checkpoint then reads that way) and
+        the bytes are dequantized there. ``stop``: set by another thread to end early."""
+        if device.type == "cuda":
+            self.ckpt.pin_memory = True
+        reads = read_ahead(lambda e: self.expert_linears(layer, e, roles), layer.num_experts)
+        for e, lins in enumerate(reads):
+            if stop is not None and stop.is_set():
+                return
+            yield e, tuple(self.dequantize({k: v.to(device, non_blocking=True) for k, v in lins[r].items()},
+                                           f"layer {layer.index} expert {e}").float() for r in roles)
 
     def shared_fp32(self, layer: MoELayerSpec):
         """(gate, up, down, shared_gate_weight|None) of the shared expert in float32, or None."""

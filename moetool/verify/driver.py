@@ -16,6 +16,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -24,14 +27,14 @@ import torch.distributed as dist
 
 from moetool.errors import MoetoolError
 from moetool.formats.registry import FORMATS
-from moetool.model.families import MoELayerSpec, describe, family_for
+from moetool.model.families import describe, family_for
 from moetool.read.checkpoint import open_checkpoint
 from moetool.read.experts import ExpertReader, detect_expert_format
 from moetool.read.manifest import MANIFEST_NAME, made_by_moetool
 from moetool.read.shards import EPShards
 from moetool.verify.launch import run_under_torchrun, spawn_world
 from moetool.verify.numerics import NUMERICS, Numerics, model_numerics
-from moetool.verify.reference import reference_moe_forward, swiglu
+from moetool.verify.reference import StreamingReference
 from moetool.verify.report import LayerReport, VerifyReport
 from moetool.verify.tokens import make_tokens, norm_weight_name, probe_tokens
 
@@ -74,34 +77,56 @@ def _rank_jobs(rank: int, world_size: int, jobs: list[tuple[str, VerifyOptions, 
 # ------------------------------------------------------------------------------------ parent
 
 
-class LazyExperts:
-    """Sequence of (gate, up, down) fp32 of a layer's experts, read one at a time (bounded
-    memory), on ``device``."""
+@dataclass
+class LayerReference:
+    """The reference side of one MoE layer: each dp group's output [T_g, H] and each expert's
+    output alone on the probe batch {expert: [P, H]}, float32 on the CPU."""
 
-    def __init__(self, reader: ExpertReader, layer: MoELayerSpec, device: torch.device | None = None):
-        self.reader, self.layer = reader, layer
-        self.device = device or torch.device("cpu")
+    groups: list[torch.Tensor]
+    probe: dict[int, torch.Tensor]
 
-    def __len__(self) -> int:
-        return self.layer.num_experts
 
-    def __getitem__(self, e: int):
-        """The stored bytes go to ``device`` as they are and are dequantized there (a GPU
-        converts a bf16 expert to float32 much faster than the host)."""
-        if not 0 <= e < len(self):
-            raise IndexError(e)
-        lins = self.reader.gate_up_down(self.layer, e)
-        return tuple(self.reader.dequantize({k: v.to(self.device) for k, v in lin.items()},
-                                            f"layer {self.layer.index} expert {e}").float() for lin in lins)
+def reference_device(ep: int) -> torch.device:
+    """Where the parent computes the reference: a GPU no rank uses when there is one, else the
+    last GPU (it needs two experts' weights and the tokens), else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", min(ep, torch.cuda.device_count() - 1))
 
-    def __iter__(self):
-        return (self[e] for e in range(len(self)))
 
-    def biases(self) -> list | None:
-        """Every expert's (gate [N], up [N], down [H]) biases in float32 on ``device``, or None."""
-        if not self.layer.storage.biased:
-            return None
-        return [tuple(b.float().to(self.device) for b in self.reader.biases(self.layer, e)) for e in range(len(self))]
+def compute_references(ref_ckpt, spec, opts: VerifyOptions, layer_ids: list[int], numerics: Numerics,
+                       device: torch.device, stop: threading.Event | None = None,
+                       timings: dict | None = None) -> dict[int, LayerReference]:
+    """The reference of every layer in ``layer_ids``: the checkpoint's experts read once, an
+    expert at a time while the next is read (``ExpertReader.iter_fp32``), each run on every dp
+    group's tokens and on the probe batch. ``stop``: set by another thread to end early (returns
+    what is done). ``timings``: gets "reference_s" (seconds, all layers)."""
+    t0 = time.perf_counter()
+    reader = ExpertReader(ref_ckpt, spec)
+    out: dict[int, LayerReference] = {}
+    for i in layer_ids:
+        layer = spec.layer(i)
+        nw_name = norm_weight_name(layer)
+        nw = ref_ckpt.get(nw_name) if nw_name in ref_ckpt else None
+        gate = ref_ckpt.get(layer.router_weight).float().to(device)
+        bias = ref_ckpt.get(layer.correction_bias).float().to(device) if layer.correction_bias else None
+        rbias = ref_ckpt.get(layer.router_bias).float().to(device) if layer.router_bias else None
+        shared = reader.shared_fp32(layer)
+        shared = None if shared is None else tuple(None if w is None else w.to(device) for w in shared)
+        xs = [make_tokens(i, g, opts.tokens, layer.hidden, opts.seed, nw, numerics).to(device) for g in range(opts.dp)]
+        probe = probe_tokens(i, layer.hidden, opts.seed, nw, numerics).to(device)
+        biases = None
+        if layer.storage.biased:
+            biases = [tuple(b.float().to(device) for b in reader.biases(layer, e)) for e in range(layer.num_experts)]
+        ref = StreamingReference(xs, gate, bias, layer.router, router_bias=rbias, act=layer.activation, probe=probe)
+        for e, (g, u, d) in reader.iter_fp32(layer, device, stop=stop):
+            ref.add(e, g, u, d, None if biases is None else biases[e])
+        if stop is not None and stop.is_set():
+            break
+        out[i] = LayerReference([y.cpu() for y in ref.finish(shared)], {e: y.cpu() for e, y in ref.probe_out.items()})
+    if timings is not None:
+        timings["reference_s"] = time.perf_counter() - t0
+    return out
 
 
 def _metrics(y: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float]:
@@ -240,12 +265,32 @@ def verify_many(jobs: list[tuple], *, revision: str | None = None) -> list[Verif
             rank_jobs.append((str(shards.root), opts, _layers_to_check(shards, specs[-1], opts)))
         ep, backend = eps.pop(), backends.pop()
         timeout = sum(p[2].timeout_s for p in prepared)
-        results = spawn_world(_rank_jobs, ep, backend, args=(rank_jobs,), timeout_s=timeout)
+        device = reference_device(ep)
+        stop = threading.Event()
+        timings = [{} for _ in prepared]
+
+        def references() -> list[dict[int, LayerReference]]:
+            return [compute_references(ref_ckpt, spec, p[2], job[2], p[4], device, stop, t)
+                    for p, ref_ckpt, spec, job, t in zip(prepared, refs, specs, rank_jobs, timings)]
+
+        # the parent reads and runs the reference while the ranks start, read their shards
+        # and run: the two sides' reads overlap (one pass over each checkpoint, at the disk's rate)
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(1, thread_name_prefix="moetool-reference") as pool:
+            pending = pool.submit(references)
+            try:
+                results = spawn_world(_rank_jobs, ep, backend, args=(rank_jobs,), timeout_s=timeout)
+            except BaseException:
+                stop.set()
+                raise
+            ranks_s = time.perf_counter() - t0
+            layer_refs = pending.result()
         reports = []
         for j, ((shards, _, opts, _, numerics), ref_ckpt, spec) in enumerate(zip(prepared, refs, specs)):
             per_rank = [r[j] for r in results]
-            reports.append(build_report(shards, ref_ckpt, spec, ExpertReader(ref_ckpt, spec), opts, backend,
-                                        rank_jobs[j][2], per_rank, numerics))
+            timings[j].update(ranks_s=ranks_s, wall_s=time.perf_counter() - t0)
+            reports.append(build_report(shards, ref_ckpt, spec, opts, backend, rank_jobs[j][2], per_rank, numerics,
+                                        layer_refs[j], timings[j]))
         return reports
     finally:
         for r in refs:
@@ -260,46 +305,30 @@ def shards_numerics(shards: EPShards, opts: VerifyOptions) -> Numerics:
         return model_numerics(opts.numerics, FORMATS[shards.manifest["format"]], rank0, rank0_spec)
 
 
-def build_report(shards: EPShards, ref_ckpt, spec, ref_reader: ExpertReader, opts: VerifyOptions, backend: str,
-                 layer_ids: list[int], results: list[dict], numerics: Numerics) -> VerifyReport:
+def build_report(shards: EPShards, ref_ckpt, spec, opts: VerifyOptions, backend: str, layer_ids: list[int],
+                 results: list[dict], numerics: Numerics, references: dict[int, LayerReference],
+                 timings: dict | None = None) -> VerifyReport:
     fmt = shards.manifest["format"]
     th = dict(THRESHOLDS.get(fmt, THRESHOLDS["dense"]))
     if opts.max_rel_err is not None:
         th["rel_err"] = opts.max_rel_err
     if opts.max_expert_rel_err is not None:
         th["expert_rel_err"] = opts.max_expert_rel_err
-    # the reference runs on a GPU when there is one (the ranks are done with them by now)
-    dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     reports = []
     for i in layer_ids:
         layer = spec.layer(i)
-        nw_name = norm_weight_name(layer)
-        nw = ref_ckpt.get(nw_name) if nw_name in ref_ckpt else None
-        gate = ref_ckpt.get(layer.router_weight).float().to(dev)
-        bias = ref_ckpt.get(layer.correction_bias).float().to(dev) if layer.correction_bias else None
-        rbias = ref_ckpt.get(layer.router_bias).float().to(dev) if layer.router_bias else None
-        shared = ref_reader.shared_fp32(layer)
-        shared = None if shared is None else tuple(None if w is None else w.to(dev) for w in shared)
-        lazy = LazyExperts(ref_reader, layer, dev)
-        biases = lazy.biases()
+        reference = references[i]
         ys, refs = [], []
         for g in range(opts.dp):
             rank0 = next(r for r in results if r[i]["group"] == g and r[i]["y"] is not None)
-            x = make_tokens(i, g, opts.tokens, layer.hidden, opts.seed, nw, numerics).to(dev)
-            refs.append(reference_moe_forward(x, gate, bias, layer.router, lazy, shared, router_bias=rbias,
-                                              biases=biases, act=layer.activation).cpu())
+            refs.append(reference.groups[g])
             ys.append(rank0[i]["y"])
         rel, sqnr, mx = _metrics(torch.cat(ys), torch.cat(refs))
         # each expert alone on the probe batch, every copy of it (replicas too)
-        xp = probe_tokens(i, layer.hidden, opts.seed, nw, numerics).to(dev)
         worst = None  # (expert, rank, rel err): the first of the largest (every expert is on a rank)
-        expert_ref: dict[int, torch.Tensor] = {}
         for rank, r in enumerate(results):
             for s, e in enumerate(r[i]["slots"]):
-                if e not in expert_ref:
-                    expert_ref[e] = swiglu(xp, *lazy[e], biases=None if biases is None else biases[e],
-                                           act=layer.activation).cpu()
-                erel, _, _ = _metrics(r[i]["probe"][s], expert_ref[e])
+                erel, _, _ = _metrics(r[i]["probe"][s], reference.probe[e])
                 if worst is None or not erel <= worst[2] and not (math.isnan(erel) and math.isnan(worst[2])):
                     worst = (e, rank, erel)
         worst = worst or (-1, -1, 0.0)
@@ -317,6 +346,7 @@ def build_report(shards: EPShards, ref_ckpt, spec, ref_reader: ExpertReader, opt
         for phase in ("route", "dispatch", "experts", "combine", "shared"):
             key = f"cuda_{phase}_s" if f"cuda_{phase}_s" in stats[0] else f"time_{phase}_s"
             timing[phase] = max(s[key] for s in stats) * 1e3
+        timing["load"] = max(s.get("time_load_s", 0.0) for s in stats) * 1e3  # the layer's experts onto the device
         moved = {k: sum(s[k] for s in stats) for k in ("dispatch_bytes_sent", "combine_bytes_sent")}
         if stats[0].get("dispatch_split_bytes"):  # [R][R]: row r = bytes rank r sent to each rank
             moved.update({k: [s[k] for s in stats] for k in ("dispatch_split_bytes", "combine_split_bytes")})
@@ -325,7 +355,8 @@ def build_report(shards: EPShards, ref_ckpt, spec, ref_reader: ExpertReader, opt
     options = {**asdict(opts), "backend": backend, "layers": layer_ids,
                "numerics": numerics.describe(),
                "transport": results[0][layer_ids[0]]["stats"].get("transport") if layer_ids else None}
-    return VerifyReport(str(shards.root), str(ref_ckpt.root), shards.manifest["format"], options, th, reports)
+    return VerifyReport(str(shards.root), str(ref_ckpt.root), shards.manifest["format"], options, th, reports,
+                        dict(timings or {}))
 
 
 def under_torchrun() -> bool:
@@ -361,7 +392,12 @@ def verify_torchrun(shards_dir, ref, opts: VerifyOptions, *, revision: str | Non
         spec = describe(ref_ckpt.config, ref_ckpt.tensors)
         check_reference(shards, ref_ckpt, spec, ref)
         _layers_to_check(shards, spec, VerifyOptions(**{**asdict(opts), "layers": tuple(layer_ids)}))
-        return build_report(shards, ref_ckpt, spec, ExpertReader(ref_ckpt, spec), opts, backend, layer_ids,
-                            [g[0] for g in gathered], shards_numerics(shards, opts))
+        numerics = shards_numerics(shards, opts)
+        timings: dict = {}
+        references = compute_references(ref_ckpt, spec, opts, layer_ids, numerics,
+                                        torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
+                                        else torch.device("cpu"), timings=timings)
+        return build_report(shards, ref_ckpt, spec, opts, backend, layer_ids, [g[0] for g in gathered], numerics,
+                            references, timings)
 
 

@@ -19,7 +19,6 @@ Letters: B = sequences, S = sequence length, H = hidden, E = experts, N = expert
 """
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
@@ -240,20 +239,13 @@ class Skeleton:
         interleaved = self.spec.family.fused_interleaved  # gpt-oss: gate and up alternate
         roles = ("gate", "up") if gate_up else ("down",)
         out = torch.empty(shape, dtype=torch.float32, device=self.device)  # no second copy
-        with ThreadPoolExecutor(1) as pool:
-            ahead = pool.submit(self.reader.expert_linears, moe, 0, roles) if E else None
-            for e in range(E):
-                lins = ahead.result()
-                if e + 1 < E:
-                    ahead = pool.submit(self.reader.expert_linears, moe, e + 1, roles)
-                w = [self.reader.dequantize({k: v.to(self.device, non_blocking=True) for k, v in lins[r].items()},
-                                            f"layer {moe.index} expert {e}").float() for r in roles]
-                if gate_up:
-                    g, u = w  # [N, H] each
-                    w = torch.stack([g, u], 1).reshape(2 * N, H) if interleaved else torch.cat([g, u])
-                else:
-                    w = w[0]  # [H, N]
-                out[e] = w.t() if input_first else w
+        for e, w in self.reader.iter_fp32(moe, self.device, roles):
+            if gate_up:
+                g, u = w  # [N, H] each
+                w = torch.stack([g, u], 1).reshape(2 * N, H) if interleaved else torch.cat([g, u])
+            else:
+                w = w[0]  # [H, N]
+            out[e] = w.t() if input_first else w
         return out
 
     def _fused_biases(self, moe, gate_up: bool) -> torch.Tensor:

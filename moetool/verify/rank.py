@@ -8,6 +8,7 @@ Letters: L = local expert slots, P = probe tokens, H = hidden, T_g = tokens per 
 from __future__ import annotations
 
 import statistics
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from moetool.errors import MoetoolError
 from moetool.model.families import MoELayerSpec
 from moetool.model.spec import LocalExperts
-from moetool.read.experts import ExpertReader
+from moetool.read.experts import ExpertReader, read_ahead
 from moetool.read.shards import EPShards
 from moetool.verify.dispatchers import get_dispatcher
 from moetool.verify.experts import ExpertsBackend, get_experts
@@ -61,7 +62,11 @@ def run_job(rank: int, shards_root: str, opts: VerifyOptions, layer_ids: list[in
         for i in layer_ids:
             layer = spec.layer(i)
             placement = shards.placements[i]
-            local = load_local_experts(reader, layer, placement.slots[rank])
+            t_load = time.perf_counter()
+            local = load_local_experts(reader, layer, placement.slots[rank], device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            load_s = time.perf_counter() - t_load
             gate = ckpt.get(layer.router_weight).float()
             bias = ckpt.get(layer.correction_bias).float() if layer.correction_bias else None
             rbias = ckpt.get(layer.router_bias).float().to(device) if layer.router_bias else None
@@ -81,7 +86,8 @@ def run_job(rank: int, shards_root: str, opts: VerifyOptions, layer_ids: list[in
                 y, stats = run_moe_layer(x, gate, bias, layer.router, local, placement, shared, dispatcher,
                                          experts, opts.chunk_size, align_phases=opts.warmup > 0, router_bias=rbias)
                 timed.append({k: v for k, v in stats.items() if k.startswith(("time_", "cuda_"))})
-            stats.update({k: statistics.median(t[k] for t in timed) for k in timed[0]}, transport=transport)
+            stats.update({k: statistics.median(t[k] for t in timed) for k in timed[0]}, transport=transport,
+                         time_load_s=load_s)
             probe = _probe_slots(experts, local, probe_tokens(i, layer.hidden, opts.seed, nw, numerics), device)
             results[i] = {"y": y.cpu() if topo.tp_index == 0 else None, "group": topo.group_index,
                           "probe": probe.cpu(), "slots": list(local.slot_to_global), "stats": stats}
@@ -91,18 +97,31 @@ def run_job(rank: int, shards_root: str, opts: VerifyOptions, layer_ids: list[in
     return results
 
 
-def load_local_experts(reader: ExpertReader, layer: MoELayerSpec, slot_to_global: list[int]) -> LocalExperts:
-    """This rank's experts of ``layer`` in the stacked layout of the shard's format."""
+def load_local_experts(reader: ExpertReader, layer: MoELayerSpec, slot_to_global: list[int],
+                       device: torch.device | None = None) -> LocalExperts:
+    """This rank's experts of ``layer`` in the stacked layout of the shard's format, on ``device``
+    (default CPU). On a GPU they go there an expert at a time through page-locked buffers while
+    the next expert is read: host memory holds two experts' stored bytes, never the layer."""
     ckpt, st = reader.ckpt, layer.storage
+    device = device or torch.device("cpu")
+    if device.type == "cuda":  # page-locked reads: the copies to the GPU run at full speed
+        ckpt.pin_memory = True
     if st.kind == "stacked":
-        w13 = {s: ckpt.get(f"{st.gate_up}_{s}") for s in reader.fmt.suffixes if f"{st.gate_up}_{s}" in ckpt}
-        w2 = {s: ckpt.get(f"{st.down}_{s}") for s in reader.fmt.suffixes if f"{st.down}_{s}" in ckpt}
+        w13 = {s: _stacked_on(ckpt, f"{st.gate_up}_{s}", device) for s in reader.fmt.suffixes
+               if f"{st.gate_up}_{s}" in ckpt}
+        w2 = {s: _stacked_on(ckpt, f"{st.down}_{s}", device) for s in reader.fmt.suffixes if f"{st.down}_{s}" in ckpt}
     else:
-        per13 = [reader.w13(layer, i) for i in range(layer.n_stored)]
-        per2 = [reader.down(layer, i) for i in range(layer.n_stored)]
-        w13 = {s: torch.stack([p[s] for p in per13]) for s in per13[0]}
-        w2 = {s: torch.stack([p[s] for p in per2]) for s in per2[0]}
+        w13, w2 = {}, {}
+        for i, (a, b) in enumerate(read_ahead(lambda i: (reader.w13(layer, i), reader.down(layer, i)), layer.n_stored)):
+            for dst, part in ((w13, a), (w2, b)):
+                if i == 0:
+                    dst.update({s: torch.empty((layer.n_stored, *v.shape), dtype=v.dtype, device=device)
+                                for s, v in part.items()})
+                for s, v in part.items():
+                    dst[s][i].copy_(v, non_blocking=True)
     biases = reader.stacked_biases(layer)  # (w13 [L, 2N], w2 [L, H]) or None
+    if biases is not None:
+        biases = tuple(b.to(device) for b in biases)
     if biases is not None:
         w13, w2 = {**w13, "bias": biases[0]}, {**w2, "bias": biases[1]}  # checked with the weights below
     for name, t in (("w13", w13), ("w2", w2)):
@@ -113,6 +132,17 @@ def load_local_experts(reader: ExpertReader, layer: MoELayerSpec, slot_to_global
     b13, b2 = (w13.pop("bias"), w2.pop("bias")) if biases is not None else (None, None)
     return LocalExperts(reader.fmt, w13, w2, list(slot_to_global), layer.intermediate, layer.hidden,
                         bias13=b13, bias2=b2, activation=layer.activation)
+
+
+def _stacked_on(ckpt, name: str, device: torch.device) -> torch.Tensor:
+    """A stacked [L, ...] tensor of the shard on ``device``: on a GPU, one slot at a time."""
+    if device.type != "cuda":
+        return ckpt.get(name)
+    info = ckpt.info(name)
+    out = torch.empty(tuple(info.shape), dtype=info.dtype, device=device)
+    for i, row in enumerate(read_ahead(lambda i: ckpt.get_rows(name, i), info.shape[0])):
+        out[i].copy_(row, non_blocking=True)
+    return out
 
 
 def _probe_slots(experts: ExpertsBackend, local: LocalExperts, x: torch.Tensor, device: torch.device) -> torch.Tensor:

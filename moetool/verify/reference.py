@@ -56,6 +56,69 @@ def shared_forward(x: torch.Tensor, shared: SharedWeights,
     return y
 
 
+class StreamingReference:
+    """The reference forward of one MoE layer over several token batches at once, fed one
+    expert at a time, so each expert is read once for all of them (and for the probe batch).
+
+    ``xs``: [T_b, H] per batch (each dp group's tokens), routed once here; ``probe``: [P, H] run
+    through every expert alone (weight 1, no routing), or None. ``add(e, ...)`` takes global
+    expert e's float32 weights; ``finish(shared)`` returns each batch's output [T_b, H]."""
+
+    def __init__(self, xs: Sequence[torch.Tensor], gate_weight: torch.Tensor,
+                 correction_bias: torch.Tensor | None, spec: RouterSpec, *,
+                 router_bias: torch.Tensor | None = None, act: ExpertActivation = SILU,
+                 probe: torch.Tensor | None = None):
+        if spec.apply_weight_on_input and spec.top_k != 1:
+            raise MoetoolError(f"apply_weight_on_input needs top_k 1, not {spec.top_k}")
+        self.spec, self.act, self.num_experts = spec, act, gate_weight.shape[0]
+        self.xs = [x.float() for x in xs]
+        self.outs = [torch.zeros_like(x) for x in self.xs]  # [T_b, H] each
+        #: per batch: (order [T_b*k] of the (token, slot) pairs sorted by expert, weights [T_b, k],
+        #: start of each expert's run in ``order`` [E + 1]) -- one host sync per batch, not per expert
+        self.routes = []
+        for x in self.xs:
+            ids, w = route(x, gate_weight, spec, correction_bias, router_bias)  # [T_b, k] x2
+            order = torch.argsort(ids.flatten(), stable=True)
+            counts = torch.bincount(ids.flatten(), minlength=self.num_experts)
+            starts = [0, *torch.cumsum(counts, 0).tolist()]
+            self.routes.append((order, w, starts))
+        self.probe = None if probe is None else probe.float()
+        #: global expert -> its output on the probe batch [P, H]
+        self.probe_out: dict[int, torch.Tensor] = {}
+        self.seen: set[int] = set()
+
+    def add(self, e: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+            biases: ExpertBiases | None = None) -> None:
+        """Expert e's (gate [N, H], up [N, H], down [H, N]) float32: ``w[t, j] * expert_e(x[t])``
+        for each (token t, slot j) that chose it (``expert_e(w x)`` with apply_weight_on_input)."""
+        if not 0 <= e < self.num_experts or e in self.seen:
+            raise MoetoolError(f"reference: expert {e} given twice or out of range (the gate has {self.num_experts})")
+        self.seen.add(e)
+        k = self.spec.top_k
+        for x, out, (order, weights, starts) in zip(self.xs, self.outs, self.routes):
+            if starts[e + 1] == starts[e]:
+                continue
+            pairs = order[starts[e]:starts[e + 1]]  # [n] flat (token, slot) indices
+            tok = pairs // k
+            w = weights.flatten()[pairs][:, None]  # [n, 1]
+            if self.spec.apply_weight_on_input:
+                y = swiglu(x[tok] * w, gate, up, down, biases=biases, act=self.act)
+            else:
+                y = swiglu(x[tok], gate, up, down, biases=biases, act=self.act) * w
+            out.index_add_(0, tok, y)
+        if self.probe is not None:
+            self.probe_out[e] = swiglu(self.probe, gate, up, down, biases=biases, act=self.act)
+
+    def finish(self, shared: SharedWeights | None = None) -> list[torch.Tensor]:
+        """Each batch's output [T_b, H] float32, the shared expert's added once per token."""
+        if len(self.seen) != self.num_experts:
+            missing = sorted(set(range(self.num_experts)) - self.seen)[:5]
+            raise MoetoolError(f"reference: {self.num_experts - len(self.seen)} experts never given (first {missing})")
+        if shared is None:
+            return self.outs
+        return [out + shared_forward(x, shared, act=self.act) for x, out in zip(self.xs, self.outs)]
+
+
 def reference_moe_forward(x: torch.Tensor, gate_weight: torch.Tensor,
                           correction_bias: torch.Tensor | None, spec: RouterSpec,
                           experts: Sequence[ExpertWeights],
@@ -74,23 +137,7 @@ def reference_moe_forward(x: torch.Tensor, gate_weight: torch.Tensor,
     """
     if len(experts) != gate_weight.shape[0]:
         raise MoetoolError(f"reference: {len(experts)} experts but the gate has {gate_weight.shape[0]} rows")
-    if spec.apply_weight_on_input and spec.top_k != 1:
-        raise MoetoolError(f"apply_weight_on_input needs top_k 1, not {spec.top_k}")
-    x = x.float()
-    topk_ids, topk_weights = route(x, gate_weight, spec, correction_bias, router_bias)  # [T, k] x2
-    out = torch.zeros_like(x)  # [T, H]
+    ref = StreamingReference([x], gate_weight, correction_bias, spec, router_bias=router_bias, act=act)
     for e, (gate, up, down) in enumerate(experts):
-        tok, j = torch.nonzero(topk_ids == e, as_tuple=True)  # [n], [n]
-        if tok.numel() == 0:
-            continue
-        w = topk_weights[tok, j][:, None]  # [n, 1]
-        xin = x[tok]  # [n, H]
-        b = None if biases is None else biases[e]
-        if spec.apply_weight_on_input:
-            y = swiglu(xin * w, gate.float(), up.float(), down.float(), biases=b, act=act)
-        else:
-            y = swiglu(xin, gate.float(), up.float(), down.float(), biases=b, act=act) * w
-        out.index_add_(0, tok, y)
-    if shared is not None:
-        out = out + shared_forward(x, shared, act=act)
-    return out
+        ref.add(e, gate.float(), up.float(), down.float(), None if biases is None else biases[e])
+    return ref.finish(shared)[0]

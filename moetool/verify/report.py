@@ -34,6 +34,9 @@ class VerifyReport:
     options: dict
     thresholds: dict
     layers: list[LayerReport]
+    #: seconds of the run's parts: ranks_s (spawn to the ranks' results), reference_s (the
+    #: parent's reference, concurrent with the ranks), wall_s (both)
+    timings_s: dict = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -41,7 +44,8 @@ class VerifyReport:
 
     def to_json(self) -> dict:
         return {"shards": self.shards, "reference": self.reference, "format": self.format, "passed": self.passed,
-                "options": self.options, "thresholds": self.thresholds, "layers": [asdict(l) for l in self.layers]}
+                "options": self.options, "thresholds": self.thresholds, "layers": [asdict(l) for l in self.layers],
+                "timings_s": self.timings_s}
 
     def render(self) -> str:
         o = self.options

@@ -417,7 +417,7 @@ def _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts
         if moe is not None:
             placement = shards.placements[i]
             with clock("read_shards"):
-                local = load_local_experts(reader, moe, placement.slots[rank])
+                local = load_local_experts(reader, moe, placement.slots[rank], topo.device)
                 gate = ckpt.get(moe.router_weight).float()
                 bias = ckpt.get(moe.correction_bias).float() if moe.correction_bias else None
                 rbias = ckpt.get(moe.router_bias).float() if moe.router_bias else None
