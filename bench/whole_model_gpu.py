@@ -12,7 +12,11 @@ and the extrapolation to the 61-layer model.
    read+write floor) and a plain read of it (the read floor);
 2. `moetool quantize --format fp8-block --device cuda` and `moetool shard --ep 1`;
 3. `moetool verify --whole-model --ep 1 --experts triton` (served numerics) with --json, and
-   prints the report's per-phase seconds, the MoE block's own phases, memory, and per layer.
+   prints the report's per-phase seconds, the MoE block's own phases, memory, and per layer;
+4. with ``--moe-only-tokens T``: MoE-only `moetool verify --ep 1 --all2all all2all --experts
+   triton --tokens T`, page cache dropped first, wall time and peak RSS of its process tree,
+   against the read floor (`cat` of the model and the shards, cold); ``--old DIR`` runs the
+   same with the moetool of another checkout (PYTHONPATH=DIR) in the same call, for a before/after.
 
 Extrapolation to 61 layers (3 dense + 58 MoE) is printed from the measured per-layer times:
 the reference side reads the whole bf16 layer on the reporting rank, the converted side
@@ -138,6 +142,47 @@ def drop_caches() -> None:
         pass
 
 
+def moe_only(moetool: list[str], sh: Path, src: Path, args, w: Path, res: dict) -> dict:
+    """MoE-only verify, cold, with this checkout's moetool and (``--old``) another's: wall
+    seconds, peak RSS of the process tree, the report's phases, against the read floor."""
+    import os
+
+    from convert import TreeRSS  # bench/ is on sys.path (this script's folder)
+
+    floor = res["read_floor_s"] + res["shards_read_s"]
+    out = {"read_floor_s": floor, "tokens": args.moe_only_tokens}
+    for name, path in (("old", args.old), ("new", None)) if args.old else (("new", None),):
+        env = dict(os.environ)
+        if path is not None:
+            env["PYTHONPATH"] = str(path)
+        drop_caches()
+        log = w / f"moe-only-{name}.json"
+        t0 = time.perf_counter()
+        with open(log, "w") as f, open(f"{log}.err", "w") as e:
+            proc = subprocess.Popen(moetool + ["verify", str(sh), "--ref", str(src), "--ep", "1", "--dp", "1",
+                                               "--all2all", "all2all", "--experts", "triton" if DEV == "cuda" else "torch", "--tokens",
+                                               str(args.moe_only_tokens), "--chunk-size",
+                                               str(args.moe_only_tokens), "--json"], stdout=f, stderr=e, env=env,
+                                    cwd=path)  # python -m puts the cwd first on sys.path
+            rss = TreeRSS(proc.pid)
+            code = proc.wait()
+        wall = time.perf_counter() - t0
+        peak = rss.stop()
+        row = {"wall_s": wall, "peak_rss_gb": peak / 1e9, "exit": code, "x_read_floor": floor / wall}
+        try:
+            rep = json.loads(log.read_text())
+            row.update(passed=rep["passed"], timings_s=rep.get("timings_s", {}),
+                       layers=[{k: l[k] for k in ("layer", "rel_err", "worst_expert_rel_err", "timings_ms")}
+                               for l in rep["layers"]])
+        except (OSError, ValueError, KeyError) as err:
+            row["error"] = f"{err}: {Path(f'{log}.err').read_text()[-1500:]}"
+        out[name] = row
+        print(f"MoE-only verify ({name}): {wall:.1f} s wall, peak RSS {peak / 1e9:.1f} GB, "
+              f"{floor / wall:.2f}x the read floor {floor:.1f} s; {row.get('timings_s')}; "
+              f"{row.get('layers', row.get('error'))}", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/wm"))
@@ -149,6 +194,9 @@ def main() -> None:
     ap.add_argument("--format", default="fp8-block")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--small", action="store_true", help="toy dimensions (try the script on a CPU)")
+    ap.add_argument("--moe-only-tokens", type=int, default=0, help="also time MoE-only verify with T tokens")
+    ap.add_argument("--old", type=Path, default=None, help="a checkout whose moetool to time too (MoE-only)")
+    ap.add_argument("--skip-whole-model", action="store_true")
     args = ap.parse_args()
     w = args.workdir
     w.mkdir(parents=True, exist_ok=True)
@@ -173,6 +221,16 @@ def main() -> None:
     res["shard_s"] = timed(moetool + ["shard", str(q), str(sh), "--ep", "1", "--force"], w / "shard.log")
     shutil.rmtree(q)  # the disk holds the model and the shards, not three copies
     res["shards_gb"] = sum(f.stat().st_size for f in sh.rglob("*.safetensors")) / 1e9
+    drop_caches()
+    t0 = time.perf_counter()
+    subprocess.run(["sh", "-c", f"find {sh} -name '*.safetensors' -exec cat {{}} + > /dev/null"], check=True)
+    res["shards_read_s"] = time.perf_counter() - t0
+    if args.moe_only_tokens:
+        res["moe_only"] = moe_only(moetool, sh, src, args, w, res)
+    if args.skip_whole_model:
+        if args.json:
+            args.json.write_text(json.dumps(res, indent=2))
+        return
     drop_caches()
     report_path = w / "report.json"
     res["verify_wall_s"] = timed(moetool + ["verify", str(sh), "--ref", str(src), "--whole-model", "--ep", "1",

@@ -38,10 +38,12 @@ class PhaseTimer:
 
     @contextmanager
     def phase(self, name: str):
+        """Time the work issued on the current stream inside the block (the synchronizes wait
+        for this stream only: a side stream's work goes on across phases)."""
         if self.align_ranks:
             dist.barrier()
         if self.cuda:
-            torch.cuda.synchronize()
+            torch.cuda.current_stream().synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
         t0 = time.perf_counter()
@@ -50,9 +52,14 @@ class PhaseTimer:
         finally:
             if self.cuda:
                 end.record()
-                torch.cuda.synchronize()
+                torch.cuda.current_stream().synchronize()
                 self._events[name].append((start, end))
             self.wall[name] += time.perf_counter() - t0
+
+    def side(self, name: str, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
+        """Count the work between two events recorded on a side stream under ``name`` (CUDA
+        time only: its wall time overlaps the other phases')."""
+        self._events[name].append((start, end))
 
     def report(self) -> dict[str, float]:
         out = {f"time_{p}_s": self.wall[p] for p in PHASES}
@@ -73,7 +80,8 @@ def run_moe_layer(x_group: torch.Tensor, gate_weight: torch.Tensor,
     x_group [T_g, H] float32 (identical on the tp ranks of a dp group); gate_weight [E, H];
     correction_bias [E] or None; router_bias [E] or None (gpt-oss: added to the logits);
     local: this rank's experts (slots as ``placement.slots[rank]``);
-    shared: dense float32 shared expert, replicated, added once per token after combine.
+    shared: dense float32 shared expert, replicated, added once per token after combine (on a
+    GPU its GEMMs run in the served dtype on a side stream, overlapping dispatch and the experts).
     Returns (y [T_g, H] float32, replicated in the tp group; stats: a dict of plain values,
     see ``_stats``). The numerics are the experts backend's (``experts.numerics``): served,
     the experts' and the shared expert's input and the output are in the served dtype and the
@@ -101,7 +109,13 @@ def run_moe_layer(x_group: torch.Tensor, gate_weight: torch.Tensor,
     gate_weight = gate_weight.to(dev)
     correction_bias = None if correction_bias is None else correction_bias.to(dev)
     router_bias = None if router_bias is None else router_bias.to(dev)
-    if shared is not None:
+    side = None
+    if shared is not None and dev.type == "cuda":
+        # the engine's way: the shared expert's GEMMs in the served dtype (fp32 accumulation)
+        # on a side stream, overlapping dispatch, the experts and combine
+        shared = tuple(None if w is None else w.to(dev, nm.act_dtype) for w in shared)
+        side = torch.cuda.Stream(dev)
+    elif shared is not None:
         shared = tuple(None if w is None else nm.round(w.to(dev)) for w in shared)
     experts.bind(local, dev)
     table = dispatcher.route_table(placement)
@@ -129,6 +143,9 @@ def run_moe_layer(x_group: torch.Tensor, gate_weight: torch.Tensor,
         info = ChunkInfo(sizes=sizes, starts=[group_start[i] + lo for i in range(topo.dp)])
         rows = dispatcher.token_slice(sizes[g])
         x_c = x_served[lo + rows.start:lo + rows.stop]  # [m, H]
+        y_shared = None
+        if side is not None and sizes[g]:
+            y_shared = _shared_on_side(side, x_served[lo:lo + sizes[g]], shared, nm, local, timer)
         with timer.phase("route"):
             topk_ids, topk_weights = route(x_group[lo + rows.start:lo + rows.stop], gate_weight, router,
                                            correction_bias, router_bias)  # [m, k] x2
@@ -147,7 +164,10 @@ def run_moe_layer(x_group: torch.Tensor, gate_weight: torch.Tensor,
         with timer.phase("combine"):
             y_c = dispatcher.finalize(out, prep, experts.applies_weights_and_reduces, stats)  # [t, H]
         if sizes[g]:
-            if shared is not None:
+            if y_shared is not None:
+                torch.cuda.current_stream().wait_stream(side)
+                y_c = y_c.float() + y_shared.float()
+            elif shared is not None:
                 with timer.phase("shared"):
                     y_c = y_c.float() + shared_forward(x_served[lo:lo + sizes[g]], shared, nm.round,
                                                        local.activation)
@@ -156,6 +176,27 @@ def run_moe_layer(x_group: torch.Tensor, gate_weight: torch.Tensor,
     stats.pairs_computed = sum(stats.expert_tokens)
     return y, _stats(topo, dispatcher, experts, stats, timer, x_group.shape[0], chunks,
                      time.perf_counter() - t_start, nm, local)
+
+
+def _shared_on_side(side: torch.cuda.Stream, x: torch.Tensor, shared: SharedWeights, nm: Numerics,
+                    local: LocalExperts, timer: PhaseTimer) -> torch.Tensor:
+    """The shared expert [t, H] in the served dtype (weights already in it), issued on ``side``
+    after the current stream's work so far; the caller waits on ``side`` before reading it."""
+    side.wait_stream(torch.cuda.current_stream())
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(side):
+        start.record()
+        xs = x.to(nm.act_dtype)  # [t, H]
+        gate, up, down, sgate = shared
+        # the activation in float32, rounded once (an engine's fused silu-and-mul)
+        h = local.activation.apply((xs @ gate.t()).float(), (xs @ up.t()).float()).to(nm.act_dtype)  # [t, Ns]
+        y = h @ down.t()  # [t, H]
+        if sgate is not None:
+            y = (torch.sigmoid((xs @ sgate.t()).float()) * y.float()).to(nm.act_dtype)
+        end.record()
+    timer.side("shared", start, end)
+    y.record_stream(torch.cuda.current_stream())  # read there later: keep the block until then
+    return y
 
 
 def _stats(topo, dispatcher, experts, cs: CommStats, timer: PhaseTimer, tokens: int, chunks: int,
