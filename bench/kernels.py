@@ -26,6 +26,7 @@ sparsity): H100 SXM 989 TFLOP/s bf16, 1979 fp8, 3.35 TB/s; H200 the same FLOP/s 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -231,6 +232,133 @@ def sweep_moe(args, rows):
             torch.cuda.empty_cache()
 
 
+def _tune():
+    """bench/tune.py (layers, weights, routing, CUDA-graph timing with L2 flushed)."""
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import tune
+
+    return tune
+
+
+def fp4_unpack_sweep(args, rows):
+    """fused_experts on DeepSeek-V3 EP8 fp4 weights under each way of unpacking the weight tiles
+    (``moe_gemm.FP4_UNPACK``) and a few tiles per T: CUDA graph, L2 flushed, median."""
+    from moetool.kernels import moe_gemm as mg
+    from moetool.kernels.moe_tiles import MoeConfig, select_config
+
+    tune = _tune()
+    layer = tune.LAYERS["dsv3-ep8"]
+    tiles = {1: [(16, 64, 64, 1, 4, 4), (16, 128, 64, 1, 4, 4), (16, 64, 128, 1, 4, 4), (16, 64, 64, 1, 4, 4, 4, 2)],
+             16: [(16, 64, 64, 1, 4, 4), (16, 128, 64, 1, 4, 3), (16, 128, 128, 1, 4, 3)],
+             128: [(16, 64, 64, 1, 4, 4), (16, 128, 64, 1, 4, 3), (32, 64, 128, 8, 4, 3), (16, 128, 128, 1, 4, 3)],
+             4096: [(128, 128, 64, 8, 4, 3), (64, 128, 64, 8, 4, 3), (128, 128, 128, 8, 8, 3), (64, 128, 128, 8, 4, 3),
+                    (128, 256, 64, 8, 8, 3)]}
+    for scheme in ("nvfp4", "mxfp4"):
+        w13, w2 = tune.make_weights(scheme, layer.E, layer.H, layer.N, "cuda")
+        for T in args.tokens:
+            hidden, ids, tw = tune._problem(scheme, layer, T, layer.E, "cuda")
+            out = torch.empty(T, layer.H, dtype=torch.bfloat16, device="cuda")
+            cfgs = [select_config(scheme, layer.E, layer.N, layer.H, layer.k, T, torch.bfloat16, False)]
+            cfgs += [MoeConfig(*c) for c in tiles.get(T, [])]
+            for unpack in (0, 1, 2):
+                mg.FP4_UNPACK = unpack
+                times = {}
+                with tune.fixed_align():
+                    ref = tune.run_ours(hidden, w13, w2, scheme, ids, tw, cfgs[0], out).float().clone()
+                    for cfg in dict.fromkeys(cfgs):
+                        try:
+                            got = tune.run_ours(hidden, w13, w2, scheme, ids, tw, cfg, out).float()
+                            err = ((got - ref).norm() / ref.norm()).item()
+                            times[cfg] = (tune.time_graph(
+                                lambda c=cfg: tune.run_ours(hidden, w13, w2, scheme, ids, tw, c, out), args.reps)["us"],
+                                err)
+                        except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
+                            print(f"  {scheme} T={T} unpack {unpack} {cfg}: {type(e).__name__}: {str(e)[:120]}")
+                best = min(times, key=lambda c: times[c][0])
+                rows.append({"kind": "fp4_unpack", "scheme": scheme, "T": T, "unpack": unpack,
+                             "times": [[*dataclasses.astuple(c), us, err] for c, (us, err) in times.items()],
+                             "best": dataclasses.astuple(best), "best_us": times[best][0]})
+                print(f"{scheme:6} T={T:5d} unpack {unpack}: best {dataclasses.astuple(best)} {times[best][0]:8.1f} us | "
+                      + " ".join(f"{dataclasses.astuple(c)}:{us:.0f}({err:.0e})" for c, (us, err) in times.items()),
+                      flush=True)
+        w13 = w2 = None
+        torch.cuda.empty_cache()
+    mg.FP4_UNPACK = 1
+
+
+def decode_breakdown(args, rows):
+    """Where a decode call's time goes: each step of fused_experts alone (CUDA graph, L2
+    flushed) for DeepSeek-V3 EP8 at T <= 16, unsplit and split."""
+    from moetool.kernels import fused_moe as fm
+    from moetool.kernels.moe_gemm import moe_gemm
+    from moetool.kernels.moe_silu import silu_and_mul
+    from moetool.kernels.moe_sum import moe_sum
+    from moetool.kernels.moe_tiles import MoeConfig
+    from moetool.kernels.moe_weights import SCHEMES, parse_weights
+
+    tune = _tune()
+    layer = tune.LAYERS["dsv3-ep8"]
+    E, N, H, k = layer.E, layer.N, layer.H, layer.k
+    for scheme in ("dense", "fp8-block"):
+        w13, w2 = tune.make_weights(scheme, E, H, N, "cuda")
+        p13 = parse_weights(scheme, w13, "w13", E, 2 * N, H, 128, N)
+        p2 = parse_weights(scheme, w2, "w2", E, H, N, 128, None)
+        for T in [t for t in args.tokens if t <= 16]:
+            hidden, ids, tw = tune._problem(scheme, layer, T, E, "cuda")
+            P = T * k
+            active = int(torch.unique(ids[ids >= 0]).numel())
+            for cfg in (MoeConfig(16, 32, 128, 1, 4, 4), MoeConfig(16, 64, 128, 1, 4, 4),
+                        MoeConfig(16, 64, 128, 1, 4, 4, 4, 2), MoeConfig(16, 128, 128, 1, 4, 4, 4, 2),
+                        MoeConfig(16, 128, 128, 1, 4, 4, 8, 4)):
+                sorted_ids, expert_ids, npp = fm.moe_align_block_size(ids, 16, E)
+                a1, a1s = hidden, None
+                if SCHEMES[scheme].fp8_acts:
+                    a1, a1s = fm.fp8_act_quant(hidden, 128)
+                c1 = torch.empty((cfg.split_w13, P, 2 * N) if cfg.split_w13 > 1 else (P, 2 * N),
+                                 dtype=torch.float32 if cfg.split_w13 > 1 else torch.bfloat16, device="cuda")
+                c3 = torch.empty((cfg.split_w2, P, H) if cfg.split_w2 > 1 else (P, H),
+                                 dtype=torch.float32 if cfg.split_w2 > 1 else torch.bfloat16, device="cuda")
+                quant = {"quant_fp8": True, "group": 128} if SCHEMES[scheme].fp8_acts else {}
+                row_ids = ids.view(-1)
+
+                def g1():
+                    moe_gemm(a1, a1s, p13, c1, tw, sorted_ids, expert_ids, npp, P, k, N, False, 128, cfg)
+
+                def silu():
+                    return silu_and_mul(c1, row_ids, act_dtype=torch.bfloat16, **quant)
+
+                a2 = silu()
+                a2, a2s = a2 if quant else (a2, None)
+
+                def g2():
+                    moe_gemm(a2, a2s, p2, c3, tw, sorted_ids, expert_ids, npp, P, 1, H, True, 128, cfg)
+
+                def total():
+                    return tune.run_ours(hidden, w13, w2, scheme, ids, tw, cfg, out)
+
+                out = torch.empty(T, H, dtype=torch.bfloat16, device="cuda")
+                parts = {"gemm1": g1, "silu": silu, "gemm2": g2,
+                         "sum": lambda: moe_sum(c3, ids, torch.bfloat16, pair_dtype=torch.bfloat16)}
+                with tune.fixed_align():
+                    us = {name: tune.time_graph(fn, args.reps)["us"] for name, fn in parts.items()}
+                    us["total"] = tune.time_graph(total, args.reps)["us"]
+                wb = tune.weight_bytes_per_expert(w13, w2)
+                b1 = active * sum(v[0].numel() * v.element_size() for v in w13.values())
+                row = {"kind": "breakdown", "scheme": scheme, "T": T, "active": active,
+                       "config": dataclasses.astuple(cfg), "us": us,
+                       "gemm1_tbps": b1 / us["gemm1"] / 1e6, "gemm2_tbps": (active * wb - b1) / us["gemm2"] / 1e6,
+                       "total_tbps": active * wb / us["total"] / 1e6}
+                rows.append(row)
+                print(f"{scheme:9} T={T:3d} act {active:2d} {dataclasses.astuple(cfg)}: "
+                      + " ".join(f"{n} {v:7.1f}" for n, v in us.items())
+                      + f" | TB/s gemm1 {row['gemm1_tbps']:.2f} gemm2 {row['gemm2_tbps']:.2f} "
+                        f"total {row['total_tbps']:.2f}", flush=True)
+        w13 = w2 = None
+        torch.cuda.empty_cache()
+
+
 def bench_quant(args, peak, rows):
     from moetool.kernels.quant import (
         fp8_act_quant,
@@ -328,6 +456,8 @@ def main(argv=None):
     ap.add_argument("--no-quant", action="store_true")
     ap.add_argument("--quick", action="store_true", help="one layer, T=512 and 4096, reps 5")
     ap.add_argument("--sweep", action="store_true", help="time tile configs instead (for default_config)")
+    ap.add_argument("--fp4-unpack", action="store_true", help="time fp4's ways of unpacking weights instead")
+    ap.add_argument("--breakdown", action="store_true", help="time each step of a decode call instead")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench/kernels.py needs a CUDA GPU")
@@ -337,8 +467,8 @@ def main(argv=None):
     print(f"device: {name}; peaks: " + (f"{peak[0] / 1e12:.0f} TFLOP/s bf16, {peak[1] / 1e12:.0f} fp8, "
                                         f"{peak[2] / 1e12:.2f} TB/s" if peak else "unknown"))
     rows: list[dict] = []
-    if args.sweep:
-        sweep_moe(args, rows)
+    if args.sweep or args.fp4_unpack or args.breakdown:
+        (sweep_moe if args.sweep else fp4_unpack_sweep if args.fp4_unpack else decode_breakdown)(args, rows)
         args.no_quant = True
     else:
         bench_moe(args, peak, rows)

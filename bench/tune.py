@@ -214,9 +214,14 @@ def _smem_ok(scheme: str, bm: int, bn: int, bk: int, stages: int) -> bool:
     return (a + b) * stages <= 200 * 1024
 
 
+#: split-K factors (split_w13, split_w2) swept at decode
+DECODE_SPLITS = ((2, 1), (2, 2), (4, 1), (4, 2), (4, 4), (8, 2), (8, 4))
+
+
 def candidates(scheme: str, layer: Layer, T: int) -> list:
     """The tile configs swept for one cell: decode (T <= 16) varies BLOCK_N, BLOCK_K, warps and
-    the pipeline depth at BLOCK_M 16; more tokens vary BLOCK_M around the expected pairs per
+    the pipeline depth at BLOCK_M 16, and split-K of both GEMMs (DECODE_SPLITS, at the first
+    BLOCK_K, 4 warps, 3 or 4 stages); more tokens vary BLOCK_M around the expected pairs per
     expert (T*k/E_global), BLOCK_N, warps, stages and the M grouping; the old default and the
     rules' choice always included."""
     from moetool.kernels.moe_tiles import DECODE_T, MoeConfig, config_problem, default_config, rule_config
@@ -233,6 +238,9 @@ def candidates(scheme: str, layer: Layer, T: int) -> list:
                     for stages in (3, 4, 5):
                         if warps == 4 or bk >= 128:
                             out.append(MoeConfig(16, bn, bk, 1, warps, stages))
+            for s13, s2 in DECODE_SPLITS:
+                for stages in (3, 4):
+                    out.append(MoeConfig(16, bn, dbks[0], 1, 4, stages, s13, s2))
     elif ppe <= 48:
         for bm in (16, 32, 64):
             for bn in (64, 128):
@@ -389,7 +397,7 @@ def write_table(rows: list[dict], device_name: str, table_dir: Path) -> Path:
                                      "top_k": r["top_k"], "tiles": {}})
         if key[-1] is not None:
             e["group_size"] = key[-1]
-        e["tiles"][str(r["T"])] = {**r["best"], "us": round(r["best_us"], 1)}
+        e["tiles"][str(r["T"])] = {**moe_tiles.config_dict(moe_tiles.MoeConfig(**r["best"])), "us": round(r["best_us"], 1)}
     for e in entries.values():
         e["tiles"] = dict(sorted(e["tiles"].items(), key=lambda kv: int(kv[0])))
     data = {"device": device_name, "made_by": "bench/tune.py", "torch": torch.__version__,

@@ -10,12 +10,15 @@ Each step is a kernel module with its torch reference beside it:
 1. :mod:`moe_align`   topk_ids [T, k] -> pairs sorted by expert, each expert's segment padded
    to BM: sorted_ids int32 [EM], expert_ids int32 [EM/BM], num_post_pad int32 [1].
 2. :mod:`moe_gemm`    cache1[p] = w13[e] @ x[p // k]                              [P, 2N]
+   (split-K, ``MoeConfig.split_w13`` S > 1: S fp32 partials [S, P, 2N] over slices of H, which
+   step 3 sums and rounds to the act dtype first; keeps every SM busy when few experts are)
 3. :mod:`moe_silu`    cache2[p] = silu(gate) * up                                [P, N]
    (W8A8: rounded to the act dtype, then quantized to e4m3 + fp32 scales per the scheme's
    ``act_group``: fp8-block per 1x128 group, DeepSeek style; fp8-channel per token)
 4. :mod:`moe_gemm`    cache3[p] = w2[e] @ cache2[p] (* topk_weight[p])          [P, H] fp32
    (bf16 when the output is: each pair's row rounded once, as vLLM's cache3 and the served
    numerics of ``verify`` have it, and half the bytes written and read back)
+   (split-K, ``split_w2``: fp32 partials [S, P, H] over slices of N, summed per pair in step 5)
 5. :mod:`moe_sum`     out[t] = sum over slots j with id >= 0 of cache3[t*k + j]  [T, H] fp32
    (then rounded once to bf16 for a bf16 output)
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import triton
 
 from .common import FLOAT_ACTS, FP8_BLOCK, TOKEN_GROUP, act_scale_cols, check, check_device, is_interpreted
 from .moe_align import moe_align_block_size
@@ -175,18 +179,29 @@ def fused_experts(
     a1, a1_scale = hidden, hidden_scale
     if fp8 and hidden.dtype != torch.float8_e4m3fn:
         a1, a1_scale = fp8_act_quant(hidden, act_group, soft_fp8=soft_fp8)
-    cache1 = torch.empty((P, 2 * N), dtype=act_dtype, device=dev)
+    # split-K: fp32 partials [S, P, R], summed by the next step; never more slices than K tiles
+    split13 = min(cfg.split_w13, triton.cdiv(H, cfg.block_k))
+    split2 = min(cfg.split_w2, triton.cdiv(N, cfg.block_k))
+    if split13 > 1:
+        cache1 = torch.empty((split13, P, 2 * N), dtype=torch.float32, device=dev)
+    else:
+        cache1 = torch.empty((P, 2 * N), dtype=act_dtype, device=dev)
     moe_gemm(a1, a1_scale, w13p, cache1, weights, sorted_ids, expert_ids, num_post_pad,
                  P, k, N, False, group_size, cfg, bias=w13_bias)
     row_ids = topk_ids.view(-1)
     if fp8:
-        a2, a2_scale = silu_and_mul(cache1, row_ids, quant_fp8=True, group=act_group, soft_fp8=soft_fp8, clamp=swiglu)
+        a2, a2_scale = silu_and_mul(cache1, row_ids, quant_fp8=True, group=act_group, soft_fp8=soft_fp8, clamp=swiglu,
+                                    act_dtype=act_dtype)
     else:
-        a2, a2_scale = silu_and_mul(cache1, row_ids, clamp=swiglu), None
-    cache3 = torch.empty((P, H), dtype=cache3_dtype or out_dtype, device=dev)
+        a2, a2_scale = silu_and_mul(cache1, row_ids, clamp=swiglu, act_dtype=act_dtype), None
+    pair_dtype = cache3_dtype or out_dtype
+    if split2 > 1:
+        cache3 = torch.empty((split2, P, H), dtype=torch.float32, device=dev)
+    else:
+        cache3 = torch.empty((P, H), dtype=pair_dtype, device=dev)
     moe_gemm(a2, a2_scale, w2p, cache3, weights, sorted_ids, expert_ids, num_post_pad,
                  P, 1, H, apply_router_weight, group_size, cfg, bias=w2_bias)
-    return moe_sum(cache3, topk_ids, out_dtype, out)
+    return moe_sum(cache3, topk_ids, out_dtype, out, pair_dtype=pair_dtype)
 
 
 def fused_experts_ref(

@@ -11,6 +11,8 @@ on dequantized weights.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -47,23 +49,49 @@ def _e2m1_times_2_14(codes):
 
 
 @triton.jit
+def _fp4_half(codes, sb, gs, HAS_GS: tl.constexpr, UNPACK: tl.constexpr, FP4_GROUP: tl.constexpr,
+              BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """int32 e2m1 codes [BK/2, BN] of one parity (row j: K column k0 + 2j or k0 + 2j + 1) and
+    the tile's scale bits sb [BK/g, BN] -> the dequantized half tile [BK/2, BN] DOT_DTYPE. Row j
+    lies in group j // (g/2): the scales broadcast over a [BK/g, g/2, BN] view.
+    UNPACK 2 (e8m0 scales, bf16 dots): the value's bf16 bits directly, the scale's exponent
+    added to the code's (exact while the result is a normal bf16: scale codes 2..252)."""
+    G2: tl.constexpr = FP4_GROUP // 2
+    if UNPACK == 2:
+        mag = codes & 0x7  # e2m1 magnitude codes: 0, 0.5, 1, 1.5, 2, 3, 4, 6
+        # code x >= 2 has the bf16 bits (x << 6) + (126 << 7); 0.5 (x = 1) is 2^-1: one step of 0x40 less
+        bits = tl.reshape(tl.where(mag == 1, 0x3F00, (mag << 6) + 0x3F00), [BLOCK_K // FP4_GROUP, G2, BLOCK_N])
+        bits = bits + ((sb - 127) << 7)[:, None, :]  # times 2^(e - 127): exponent field + (e - 127)
+        bits = tl.where(tl.reshape(mag, [BLOCK_K // FP4_GROUP, G2, BLOCK_N]) == 0, 0, bits)
+        bits = tl.reshape(bits, [BLOCK_K // 2, BLOCK_N]) | ((codes & 0x8) << 12)
+        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    v = tl.reshape(_e2m1_times_2_14(codes), [BLOCK_K // FP4_GROUP, G2, BLOCK_N])
+    if HAS_GS:
+        s = tl.math.div_rn(_e4m3_decode(sb), gs[None, :]) * 16384.0  # as the format: s / gs
+        b = v * s[:, None, :]
+    else:  # 2^(e - 127) * 2^14 may pass the float32 range: two exact products instead
+        b = (v * 16384.0) * _e8m0_decode(sb)[:, None, :]
+    return tl.reshape(b, [BLOCK_K // 2, BLOCK_N]).to(DOT_DTYPE)
+
+
+@triton.jit
 def _moe_gemm_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, b_zp_ptr, b_gs_ptr, c_ptr, topk_weights_ptr, bias_ptr,
     sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr,
-    N, K, EM, num_valid, a_row_div, split_n, split_nb, group_k, gs_rows,
+    N, K, EM, num_valid, a_row_div, split_n, split_nb, group_k, gs_rows, k_split,
     stride_am, stride_ak, stride_asm, stride_ask,
     stride_be, stride_bn, stride_bk,
     stride_se, stride_sn, stride_sk,
     stride_ze, stride_zn, stride_zk,
     stride_gse, stride_bias_e,
-    stride_cm, stride_cn,
+    stride_cs, stride_cm, stride_cn,
     FMT: tl.constexpr, HAS_ZP: tl.constexpr, GROUP_TILE: tl.constexpr, EVEN_K: tl.constexpr,
-    FP4_GROUP: tl.constexpr, HAS_GS: tl.constexpr,
+    FP4_GROUP: tl.constexpr, HAS_GS: tl.constexpr, FP4_UNPACK: tl.constexpr, SPLIT: tl.constexpr,
     MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, SOFT_BF16: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """One program: BLOCK_M sorted pairs (one expert) x BLOCK_N output columns.
+    """One program: BLOCK_M sorted pairs (one expert) x BLOCK_N output columns (x one K slice).
 
     A [rows, K] (row of pair p: p // a_row_div); B logical [E, N, K]; C [P, N].
     FMT 0 dense: B float, cast to DOT_DTYPE.
@@ -84,6 +112,14 @@ def _moe_gemm_kernel(
     to nearest even with integer math instead (the GPU's cast does that itself).
     EVEN_K: K % BLOCK_K == 0, no K masks. Weight rows are read modulo N (always in bounds, no
     N masks on weight loads); the extra columns are dropped by the masked store.
+    SPLIT (split-K): program (i, s) sums only K columns [s * k_split, (s + 1) * k_split) (k_split
+    a multiple of BLOCK_K) and stores its fp32 partial in C's slice s (C [S, P, N], stride_cs);
+    the bias is added by slice 0 alone, the top-k weight by every slice (both are linear).
+    FP4_UNPACK (FMT 4): 0 interleaves each byte's two codes into K order in registers; 1 keeps
+    them apart: the low nibbles are the tile's even K columns, the high ones its odd columns,
+    and A's even and odd columns (split from one contiguous load) take two dots, so no register
+    shuffles reorder the weights; 2 as 1 with the e8m0 scale (mxfp4) added to the exponent of
+    the codes' bf16 bits, no float multiply (DOT_DTYPE bf16 only).
     """
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(EM, BLOCK_M)
@@ -119,9 +155,17 @@ def _moe_gemm_kernel(
         bs_base = b_scale_ptr + expert * stride_se + offs_bn64 * stride_sn  # [BN]
         if HAS_GS:  # the global scale of each output row's part (w13: gate or up)
             gs = tl.load(b_gs_ptr + expert * stride_gse + offs_bn // gs_rows)  # [BN] fp32
+        else:
+            gs = tl.full([BLOCK_N], 1.0, tl.float32)  # not read
 
+    if SPLIT:
+        k_lo = tl.program_id(1) * k_split
+        k_hi = tl.minimum(k_lo + k_split, K)
+    else:
+        k_lo = 0
+        k_hi = K
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + offs_k  # [BK]
         k_mask = kk < K
         a = _load_k(a_ptr + a_rows[:, None] * stride_am + kk[None, :] * stride_ak,
@@ -160,6 +204,18 @@ def _moe_gemm_kernel(
                     q = q - 8
             b = (q.to(tl.float32) * s).to(DOT_DTYPE)
             acc += tl.dot(a.to(DOT_DTYPE), b, input_precision=PREC)
+        elif FMT == 4 and FP4_UNPACK > 0:
+            kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # [BK/2] bytes: byte j holds k0 + 2j, k0 + 2j + 1
+            packed = _load_k(b_base + offs_bn64[None, :] * stride_bn + kb[:, None] * stride_bk,
+                             None, (kb < K // 2)[:, None], EVEN_K).to(tl.int32)  # [BK/2, BN]
+            kg = k0 // FP4_GROUP + tl.arange(0, BLOCK_K // FP4_GROUP)  # [BK/g] groups
+            sb = _load_k(bs_base[None, :] + kg[:, None] * stride_sk, None,
+                         (kg < K // FP4_GROUP)[:, None], EVEN_K).to(tl.int32)  # [BK/g, BN] bits
+            b_even = _fp4_half(packed & 0xF, sb, gs, HAS_GS, FP4_UNPACK, FP4_GROUP, BLOCK_K, BLOCK_N, DOT_DTYPE)
+            b_odd = _fp4_half(packed >> 4, sb, gs, HAS_GS, FP4_UNPACK, FP4_GROUP, BLOCK_K, BLOCK_N, DOT_DTYPE)
+            a_even, a_odd = tl.split(tl.reshape(a, [BLOCK_M, BLOCK_K // 2, 2]))  # [BM, BK/2] each
+            acc = tl.dot(a_even.to(DOT_DTYPE), b_even, acc, input_precision=PREC)
+            acc = tl.dot(a_odd.to(DOT_DTYPE), b_odd, acc, input_precision=PREC)
         elif FMT == 4:
             kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # [BK/2] bytes
             packed = _load_k(b_base + offs_bn64[None, :] * stride_bn + kb[:, None] * stride_bk,
@@ -198,17 +254,27 @@ def _moe_gemm_kernel(
         cs = tl.load(b_scale_ptr + expert * stride_se + offs_bn64 * stride_sn)
         acc = acc * a_s[:, None] * cs.to(tl.float32)[None, :]
     if HAS_BIAS:  # the expert's bias [R] on the GEMM's float32 result, before the top-k weight
-        acc = acc + tl.load(bias_ptr + expert * stride_bias_e + offs_bn64).to(tl.float32)[None, :]
+        bias = tl.load(bias_ptr + expert * stride_bias_e + offs_bn64).to(tl.float32)
+        if SPLIT:
+            bias = tl.where(tl.program_id(1) == 0, bias, 0.0)
+        acc = acc + bias[None, :]
     if MUL_WEIGHT:
         w = tl.load(topk_weights_ptr + pair64, mask=m_mask, other=0.0)
         acc = acc * w[:, None]
     if SOFT_BF16:
         acc = round_to_bf16(acc)
+    c_base = c_ptr
+    if SPLIT:
+        c_base = c_ptr + tl.program_id(1).to(tl.int64) * stride_cs
     tl.store(
-        c_ptr + pair64[:, None] * stride_cm + offs_n.to(tl.int64)[None, :] * stride_cn,
+        c_base + pair64[:, None] * stride_cm + offs_n.to(tl.int64)[None, :] * stride_cn,
         acc.to(c_ptr.dtype.element_ty),
         mask=m_mask[:, None] & n_mask[None, :],
     )
+
+
+#: how the fp4 GEMM unpacks its weight tiles (FP4_UNPACK of the kernel); an experiment's switch
+FP4_UNPACK = int(os.environ.get("MOETOOL_FP4_UNPACK", "1"))
 
 
 def moe_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, wts: StackedWeights, c: torch.Tensor,
@@ -222,16 +288,24 @@ def moe_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, wts: StackedWeights,
     [rows, 1] for fp8-channel (the scheme's ``act_group``; a_scale rows may be strided), else
     fp16/bf16/fp32 (a_scale None); wts: one stacked linear, logical [E, R, K], checked by
     :func:`moetool.kernels.moe_weights.parse_weights`; c [P, R]; topk_weights fp32 [P] (read
-    only when mul_weight); sorted_ids / expert_ids / num_post_pad: ``moe_align_block_size`` with
+    only when mul_weight). Split-K: c fp32 [S, P, R] instead, S slices of K (of whole K tiles,
+    the last ones may be short or empty), each pair's row of slice s holding that slice's part
+    of the product (a slice past K holds zeros); their sum is the result.
+    sorted_ids / expert_ids / num_post_pad: ``moe_align_block_size`` with
     BM = cfg.block_m; split_n: the gate rows of an fp8-block w13 (R for any other linear);
     group_size: int4's g (fp4 schemes: their own group, which cfg.block_k must be a multiple of).
     bias: optional [E, R] (any float dtype, rows contiguous): each expert's bias (gpt-oss).
     """
-    check(a.dim() == 2 and a.stride(1) == 1 and c.dim() == 2, "moe_gemm: a and c must be 2-D, a's rows contiguous")
-    check(c.shape[1] == wts.main.shape[1],
-          f"moe_gemm: c has {c.shape[1]} columns, the weights {wts.main.shape[1]} rows")
-    R = c.shape[1]
+    check(a.dim() == 2 and a.stride(1) == 1 and c.dim() in (2, 3),
+          "moe_gemm: a must be 2-D with contiguous rows, c [P, R] or [S, P, R]")
+    splits = c.shape[0] if c.dim() == 3 else 1
+    check(c.dim() == 2 or (c.dtype == torch.float32 and splits >= 1),
+          f"moe_gemm: split-K partials c [S, P, R] must be float32, got {c.dtype}")
+    check(c.shape[-1] == wts.main.shape[1],
+          f"moe_gemm: c has {c.shape[-1]} columns, the weights {wts.main.shape[1]} rows")
+    R = c.shape[-1]
     K = a.shape[1]
+    k_split = triton.cdiv(triton.cdiv(K, cfg.block_k), splits) * cfg.block_k  # whole K tiles per slice
     if wts.act_group is not None:
         G = act_scale_cols(K, wts.act_group)
         got = "none" if a_scale is None else f"{a_scale.dtype} {list(a_scale.shape)}"
@@ -263,20 +337,24 @@ def moe_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, wts: StackedWeights,
         if dot_dtype == tl.bfloat16 and is_interpreted(_moe_gemm_kernel):
             dot_dtype = tl.float32  # the interpreter's bf16 tl.dot is wrong
         prec = "ieee" if dot_dtype == tl.float32 else "tf32"
-    grid = (triton.cdiv(EM, cfg.block_m) * triton.cdiv(R, cfg.block_n),)
+    unpack = FP4_UNPACK if wts.fp4_group is not None and cfg.block_k >= 32 else 0  # half tiles: dots of K >= 16
+    if unpack == 2 and (wts.global_scale is not None or dot_dtype != tl.bfloat16):
+        unpack = 1  # the exponent trick is for e8m0 scales into bf16 tiles
+    grid = (triton.cdiv(EM, cfg.block_m) * triton.cdiv(R, cfg.block_n), splits)
     _moe_gemm_kernel[grid](
         a, a_scale_, main, scale_, zp_, gs_, c, topk_weights, bias_,
         sorted_ids, expert_ids, num_post_pad,
         R, K, EM, num_valid, a_row_div, split_n, triton.cdiv(split_n, FP8_BLOCK), group_size,
-        R // gs_.shape[1] if wts.global_scale is not None else R,
+        R // gs_.shape[1] if wts.global_scale is not None else R, k_split,
         a.stride(0), a.stride(1), a_scale_.stride(0), a_scale_.stride(-1),
         main.stride(0), main.stride(1), main.stride(2),
         scale_.stride(0), scale_.stride(1), scale_.stride(-1),
         zp_.stride(0), zp_.stride(1), zp_.stride(-1),
         gs_.stride(0), bias_.stride(0),
-        c.stride(0), c.stride(1),
+        c.stride(0) if splits > 1 else 0, c.stride(-2), c.stride(-1),
         FMT=wts.fmt, HAS_ZP=wts.zp is not None, GROUP_TILE=group_size % cfg.block_k == 0,
         EVEN_K=K % cfg.block_k == 0, FP4_GROUP=wts.fp4_group or 16, HAS_GS=wts.global_scale is not None,
+        FP4_UNPACK=unpack, SPLIT=splits > 1,
         MUL_WEIGHT=bool(mul_weight), HAS_BIAS=bias is not None, SOFT_BF16=c.dtype == torch.bfloat16 and is_interpreted(_moe_gemm_kernel),
         DOT_DTYPE=dot_dtype, PREC=prec,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,

@@ -25,19 +25,8 @@ from .common import (
 
 
 @triton.jit
-def _silu_mul_tile(x_row, cols, mask, N, stride_xn, alpha, limit, ROUND: tl.constexpr, CLAMPED: tl.constexpr):
-    """silu(gate) * up in fp32 over the columns ``cols`` of rows ``x_row`` ([BM, BN]); CLAMPED
-    (gpt-oss): gate clamped above at ``limit``, up to [-limit, limit], then
-    gate * sigmoid(alpha * gate) * (up + 1). ROUND: rounded to the input's dtype first (1 bf16,
-    2 fp16, 0 none), as the engine stores it."""
-    g = tl.load(x_row + cols[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(x_row + (cols + N)[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
-    if CLAMPED:
-        g = tl.minimum(g, limit)
-        u = tl.minimum(tl.maximum(u, -limit), limit)
-        y = g / (1.0 + tl.exp(-(g * alpha))) * (u + 1.0)
-    else:
-        y = g / (1.0 + tl.exp(-g)) * u
+def _round_to(y, ROUND: tl.constexpr):
+    """fp32 y rounded to bf16 (ROUND 1) or fp16 (2), still fp32; 0: unchanged."""
     if ROUND == 1:
         y = round_to_bf16(y)
     elif ROUND == 2:
@@ -46,13 +35,45 @@ def _silu_mul_tile(x_row, cols, mask, N, stride_xn, alpha, limit, ROUND: tl.cons
 
 
 @triton.jit
+def _silu_mul_tile(x_row, cols, mask, N, stride_xn, alpha, limit, ROUND: tl.constexpr, CLAMPED: tl.constexpr,
+                   splits, stride_xs, SPLITS: tl.constexpr, ROUND_IN: tl.constexpr):
+    """silu(gate) * up in fp32 over the columns ``cols`` of rows ``x_row`` ([BM, BN]); CLAMPED
+    (gpt-oss): gate clamped above at ``limit``, up to [-limit, limit], then
+    gate * sigmoid(alpha * gate) * (up + 1). ROUND: rounded to the input's dtype first (1 bf16,
+    2 fp16, 0 none), as the engine stores it. SPLITS: x holds ``splits`` fp32 partials
+    ``stride_xs`` apart, summed in order and rounded as ROUND_IN says (what an unsplit GEMM
+    would have stored) before anything else."""
+    if SPLITS:
+        g = tl.zeros(mask.shape, dtype=tl.float32)
+        u = tl.zeros(mask.shape, dtype=tl.float32)
+        for s in range(splits):
+            part = x_row + s * stride_xs
+            g += tl.load(part + cols[None, :] * stride_xn, mask=mask, other=0.0)
+            u += tl.load(part + (cols + N)[None, :] * stride_xn, mask=mask, other=0.0)
+        g = _round_to(g, ROUND_IN)
+        u = _round_to(u, ROUND_IN)
+    else:
+        g = tl.load(x_row + cols[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_row + (cols + N)[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
+    if CLAMPED:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        y = g / (1.0 + tl.exp(-(g * alpha))) * (u + 1.0)
+    else:
+        y = g / (1.0 + tl.exp(-g)) * u
+    return _round_to(y, ROUND)
+
+
+@triton.jit
 def _silu_mul_kernel(
-    x_ptr, y_ptr, ys_ptr, ids_ptr, M, N, alpha, limit,
-    stride_xm, stride_xn, stride_ym, stride_yn, stride_sm, stride_sn,
+    x_ptr, y_ptr, ys_ptr, ids_ptr, M, N, alpha, limit, splits,
+    stride_xs, stride_xm, stride_xn, stride_ym, stride_yn, stride_sm, stride_sn,
     CLAMPED: tl.constexpr, HAS_IDS: tl.constexpr, QUANT_FP8: tl.constexpr, TWO_PASS: tl.constexpr,
-    ROUND: tl.constexpr, SOFT_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ROUND: tl.constexpr, SOFT_FP8: tl.constexpr, SPLITS: tl.constexpr, ROUND_IN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """x [M, 2N] (gate | up) -> y [M, N] = silu(gate) * up, computed in fp32.
+    """x [M, 2N] (gate | up) -> y [M, N] = silu(gate) * up, computed in fp32. SPLITS: x is
+    ``splits`` fp32 partials [splits, M, 2N] of a split-K GEMM, summed first (ROUND_IN).
 
     HAS_IDS: rows whose ids[row] < 0 are skipped (pairs never computed). QUANT_FP8: y (rounded
     as ROUND says) is stored as e4m3 with scales ys [M, ceil(N/BLOCK_N)] (BLOCK_N = group; per
@@ -73,18 +94,21 @@ def _silu_mul_kernel(
         amax = tl.zeros([BLOCK_M], dtype=tl.float32)
         for n0 in range(0, N, BLOCK_N):
             mask = rmask[:, None] & (n0 + cols < N)[None, :]
-            y = _silu_mul_tile(x_row, n0 + cols, mask, N, stride_xn, alpha, limit, ROUND, CLAMPED)
+            y = _silu_mul_tile(x_row, n0 + cols, mask, N, stride_xn, alpha, limit, ROUND, CLAMPED, splits,
+                                stride_xs, SPLITS, ROUND_IN)
             amax = tl.maximum(amax, tl.max(tl.abs(y), axis=1))
         s = tl.math.div_rn(tl.maximum(amax, 1e-12), 448.0)
         for n0 in range(0, N, BLOCK_N):
             mask = rmask[:, None] & (n0 + cols < N)[None, :]
-            y = _silu_mul_tile(x_row, n0 + cols, mask, N, stride_xn, alpha, limit, ROUND, CLAMPED)
+            y = _silu_mul_tile(x_row, n0 + cols, mask, N, stride_xn, alpha, limit, ROUND, CLAMPED, splits,
+                                stride_xs, SPLITS, ROUND_IN)
             q = e4m3_rne(tl.clamp(tl.math.div_rn(y, s[:, None]), -448.0, 448.0), SOFT_FP8)
             tl.store(y_row + (n0 + cols)[None, :] * stride_yn, q, mask=mask)
         tl.store(ys_ptr + rows64 * stride_sm, s, mask=rmask)
     else:
         mask = rmask[:, None] & (cols < N)[None, :]
-        y = _silu_mul_tile(x_row, cols, mask, N, stride_xn, alpha, limit, ROUND, CLAMPED)
+        y = _silu_mul_tile(x_row, cols, mask, N, stride_xn, alpha, limit, ROUND, CLAMPED, splits, stride_xs,
+                            SPLITS, ROUND_IN)
         y_ptrs = y_row + cols[None, :] * stride_yn
         if QUANT_FP8:
             amax = tl.max(tl.abs(y), axis=1)
@@ -103,8 +127,12 @@ _ROUND = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 0}
 
 def silu_and_mul(x: torch.Tensor, row_ids: torch.Tensor | None = None, *, quant_fp8: bool = False,
                  out_dtype: torch.dtype | None = None, group: int = FP8_BLOCK, soft_fp8: bool | None = None,
-                 clamp: tuple[float, float] | None = None):
+                 clamp: tuple[float, float] | None = None, act_dtype: torch.dtype | None = None):
     """x [M, 2N] float, contiguous -> silu(x[:, :N]) * x[:, N:] [M, N] (out_dtype, default x's).
+
+    x may also be fp32 [S, M, 2N], the S partials of a split-K GEMM: each row is their sum (in
+    slice order, fp32), rounded to ``act_dtype`` (what the unsplit GEMM would have stored; also
+    the default out_dtype and, with quant_fp8, the dtype y is rounded to before quantizing).
 
     clamp: (alpha, limit) for gpt-oss's clamped SwiGLU instead: gate = min(gate, limit),
     up = clamp(up, -limit, limit), gate * sigmoid(alpha * gate) * (up + 1).
@@ -114,11 +142,15 @@ def silu_and_mul(x: torch.Tensor, row_ids: torch.Tensor | None = None, *, quant_
     s [M, 1], one scale per row), quantized like :func:`moetool.kernels.quant.fp8_act_quant`
     from the product rounded to x's dtype (what the engine stores and then quantizes).
     """
-    check(x.dim() == 2 and x.is_contiguous(), "silu_and_mul: x must be 2-D and contiguous")
-    check(x.dtype in FLOAT_ACTS, f"silu_and_mul: x has dtype {x.dtype}")
-    check(x.shape[1] % 2 == 0, f"silu_and_mul: x has an odd number of columns {x.shape[1]}")
+    check(x.dim() in (2, 3) and x.is_contiguous(), "silu_and_mul: x must be [M, 2N] or [S, M, 2N], contiguous")
+    check(x.dtype in FLOAT_ACTS and (x.dim() == 2 or x.dtype == torch.float32),
+          f"silu_and_mul: x has dtype {x.dtype} (split-K partials: float32)")
+    check(x.shape[-1] % 2 == 0, f"silu_and_mul: x has an odd number of columns {x.shape[-1]}")
+    check(act_dtype is None or act_dtype in FLOAT_ACTS, f"silu_and_mul: act_dtype must be a float dtype, got {act_dtype}")
     check_device(_silu_mul_kernel, x)
-    M, N = x.shape[0], x.shape[1] // 2
+    splits = x.shape[0] if x.dim() == 3 else 0
+    act_dtype = act_dtype or x.dtype
+    M, N = x.shape[-2], x.shape[-1] // 2
     if row_ids is not None:
         check(row_ids.numel() == M and row_ids.is_contiguous(), "silu_and_mul: row_ids must be [M], contiguous")
     per_token = quant_fp8 and group == TOKEN_GROUP
@@ -131,7 +163,7 @@ def silu_and_mul(x: torch.Tensor, row_ids: torch.Tensor | None = None, *, quant_
         ys = torch.empty((M, act_scale_cols(N, group)), dtype=torch.float32, device=dev)
         block_n = min(triton.next_power_of_2(max(N, 16)), _TOKEN_BLOCK_N) if per_token else group
     else:
-        y = torch.empty((M, N), dtype=out_dtype or x.dtype, device=dev)
+        y = torch.empty((M, N), dtype=out_dtype or act_dtype, device=dev)
         ys = y
         block_n = min(1024, triton.next_power_of_2(max(N, 16)))
     if M and N:
@@ -142,11 +174,12 @@ def silu_and_mul(x: torch.Tensor, row_ids: torch.Tensor | None = None, *, quant_
         grid = (triton.cdiv(M, block_m), 1 if per_token else triton.cdiv(N, block_n))
         _silu_mul_kernel[grid](
             x, y_arg, ys, row_ids if row_ids is not None else x, M, N,
-            float(clamp[0]) if clamp else 1.0, float(clamp[1]) if clamp else 0.0,
-            x.stride(0), x.stride(1), y.stride(0), y.stride(1), ys.stride(0), ys.stride(1),
+            float(clamp[0]) if clamp else 1.0, float(clamp[1]) if clamp else 0.0, max(splits, 1),
+            x.stride(0) if splits else 0, x.stride(-2), x.stride(-1), y.stride(0), y.stride(1), ys.stride(0),
+            ys.stride(1),
             CLAMPED=clamp is not None, HAS_IDS=row_ids is not None, QUANT_FP8=bool(quant_fp8), TWO_PASS=per_token and N > block_n,
-            ROUND=_ROUND[x.dtype] if quant_fp8 else 0, SOFT_FP8=bool(soft_fp8),
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
+            ROUND=_ROUND[act_dtype] if quant_fp8 else 0, SOFT_FP8=bool(soft_fp8), SPLITS=splits > 0,
+            ROUND_IN=_ROUND[act_dtype] if splits else 0, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
         )
     return (y, ys) if quant_fp8 else y
 

@@ -24,7 +24,7 @@ import functools
 import json
 import math
 import re
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -38,7 +38,10 @@ from .moe_weights import SCHEMES
 
 @dataclass(frozen=True)
 class MoeConfig:
-    """Tile sizes of the grouped GEMMs (powers of two >= 16; fp8-block: 128 % block_k == 0)."""
+    """Tile sizes of the grouped GEMMs (powers of two >= 16; fp8-block: 128 % block_k == 0) and
+    how many slices of K each GEMM splits into (split-K: each slice's program writes an fp32
+    partial [P, R], the next step sums them; 1 = no split): ``split_w13`` for x @ w13^T (K = H),
+    ``split_w2`` for h @ w2^T (K = N)."""
 
     block_m: int = 64
     block_n: int = 128
@@ -46,6 +49,14 @@ class MoeConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    split_w13: int = 1
+    split_w2: int = 1
+
+
+#: the fields every table tile names; the split factors may be left out (1)
+TILE_FIELDS = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")
+#: most K slices a GEMM may split into
+MAX_SPLIT = 32
 
 
 #: where the tuned tables live, one JSON file per GPU name (:func:`table_path`)
@@ -72,7 +83,7 @@ _TILES = {
 def _fit(sch, cfg: MoeConfig, act_dtype: torch.dtype, group_size: int) -> MoeConfig:
     """fp32 activations: 2 stages and M/N tiles <= 64 (shared memory). int4: block_k <= g when
     g is a power of two, so a K tile never straddles two groups. fp4: block_k whole groups."""
-    bm, bn, bk, gm, warps, stages = (getattr(cfg, f.name) for f in fields(MoeConfig))
+    bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages
     if act_dtype == torch.float32:
         stages = 2
         bm, bn = min(bm, 64), min(bn, 64)
@@ -80,7 +91,7 @@ def _fit(sch, cfg: MoeConfig, act_dtype: torch.dtype, group_size: int) -> MoeCon
         bk = min(bk, group_size)
     if sch.fp4_group is not None:
         bk = max(bk, sch.fp4_group)
-    return MoeConfig(bm, bn, bk, gm, warps, stages)
+    return replace(cfg, block_m=bm, block_n=bn, block_k=bk, num_stages=stages)
 
 
 def _interpreted_config(sch) -> MoeConfig:
@@ -112,6 +123,10 @@ def config_problem(scheme: str, cfg: MoeConfig, group_size: int = 128) -> str | 
         return f"num_warps = {cfg.num_warps!r} is not a power of two <= 16"
     if not isinstance(cfg.num_stages, int) or not 1 <= cfg.num_stages <= 8:
         return f"num_stages = {cfg.num_stages!r} is not in 1..8"
+    for f in ("split_w13", "split_w2"):
+        v = getattr(cfg, f)
+        if not isinstance(v, int) or not 1 <= v <= MAX_SPLIT:
+            return f"{f} = {v!r} is not in 1..{MAX_SPLIT}"
     if SCHEMES[scheme].act_group == FP8_BLOCK and FP8_BLOCK % cfg.block_k:
         return f"block_k = {cfg.block_k} does not divide the fp8 block of {FP8_BLOCK}"
     if SCHEMES[scheme].groups and group_size & (group_size - 1) == 0 and cfg.block_k > max(group_size, 16):
@@ -187,12 +202,11 @@ def parse_table(data: dict, where: str) -> dict[tuple, dict[int, MoeConfig]]:
 
         {"device": "NVIDIA H100 80GB HBM3", "entries": [
           {"scheme": "fp8-block", "E": 32, "N": 2048, "H": 7168, "top_k": 8,
-           "tiles": {"1": {"block_m": 16, ..., "num_stages": 4, "us": 41.2}, "16": {...}}}]}
+           "tiles": {"1": {"block_m": 16, ..., "num_stages": 4, "split_w13": 4, "us": 41.2}, "16": {...}}}]}
 
-    (int4 entries add "group_size"; keys other than MoeConfig's in a tile, such as the
-    measured "us", are notes.)
+    (int4 entries add "group_size"; split_w13 / split_w2 are 1 when left out; keys other than
+    MoeConfig's in a tile, such as the measured "us", are notes.)
     """
-    names = [f.name for f in fields(MoeConfig)]
     check(isinstance(data, dict) and isinstance(data.get("entries"), list), f"{where}: no 'entries' list")
     out: dict[tuple, dict[int, MoeConfig]] = {}
     for i, e in enumerate(data["entries"]):
@@ -206,9 +220,9 @@ def parse_table(data: dict, where: str) -> dict[tuple, dict[int, MoeConfig]]:
         check(isinstance(tiles, dict) and tiles, f"{here}: no tiles")
         per_t = {}
         for t, tile in tiles.items():
-            check(t.isdigit() and int(t) > 0 and isinstance(tile, dict) and all(n in tile for n in names),
-                  f"{here}: tiles[{t!r}] must map a token count to {', '.join(names)}")
-            cfg = MoeConfig(**{n: tile[n] for n in names})
+            check(t.isdigit() and int(t) > 0 and isinstance(tile, dict) and all(n in tile for n in TILE_FIELDS),
+                  f"{here}: tiles[{t!r}] must map a token count to {', '.join(TILE_FIELDS)}")
+            cfg = MoeConfig(**{n: tile[n] for n in (*TILE_FIELDS, "split_w13", "split_w2") if n in tile})
             problem = config_problem(e["scheme"], cfg, e.get("group_size", 128))
             check(problem is None, f"{here}: tiles[{t!r}]: {problem}")
             per_t[int(t)] = cfg
@@ -278,5 +292,5 @@ def _select(device_name: str, num_sms: int, scheme: str, E: int, N: int, H: int,
 
 
 def config_dict(cfg: MoeConfig) -> dict:
-    """MoeConfig -> the dict a table's tile holds (without notes)."""
-    return asdict(cfg)
+    """MoeConfig -> the dict a table's tile holds (without notes; split factors only when > 1)."""
+    return {key: v for key, v in asdict(cfg).items() if key in TILE_FIELDS or v != 1}

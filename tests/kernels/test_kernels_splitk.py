@@ -1,0 +1,187 @@
+"""Split-K of the grouped GEMMs (``MoeConfig.split_w13`` / ``split_w2``) and the fp4 weight
+unpacking (``moe_gemm.FP4_UNPACK``): each slice's fp32 partial against the torch reference, the
+steps that sum the slices (silu_and_mul, moe_sum) bit-exact against their references, and
+fused_experts with split GEMMs against fused_experts_ref and against itself unsplit.
+
+Letters: T tokens, H hidden, N intermediate, E local experts, k top-k, S slices of K.
+"""
+import pytest
+import torch
+from moetool.kernels import fused_moe as fm
+from moetool.kernels import moe_gemm as mg
+from moetool.kernels import moe_tiles as mt
+from moetool.kernels.moe_align import moe_align_block_size
+from moetool.kernels.moe_silu import silu_and_mul
+from moetool.kernels.moe_sum import moe_sum, moe_sum_ref
+from moetool.kernels.moe_tiles import MoeConfig
+from moetool.kernels.moe_weights import SCHEMES, dequantize_stacked, parse_weights
+
+from test_kernels_fused_moe import CASES, fused_ref, make_hidden, make_routing, make_weights, rel_err, weight_format
+
+# (case of test_kernels_fused_moe.CASES, (T, E, H, N, k, g), split_w13, split_w2): K spans
+# several tiles (fp8-block: 128 wide) and does not always divide into the slices (H 320 / 32 =
+# 10 tiles in 3 slices), and one split is larger than the tiles of its K (N 64 / 32 = 2 < 4)
+SPLIT_CASES = [
+    ("dense-fp32", (5, 3, 320, 64, 2, None), 3, 4),
+    ("dense-fp16", (5, 4, 96, 96, 2, None), 2, 3),
+    ("fp8-block-w8a8", (4, 2, 384, 256, 2, None), 3, 2),
+    ("int4-asym-fp16", (5, 3, 128, 96, 2, 32), 4, 2),
+    ("nvfp4-fp16", (5, 3, 128, 64, 2, None), 2, 2),
+    ("mxfp4-fp32", (5, 3, 128, 64, 2, None), 3, 1),
+]
+
+
+def _tile_k(fmt):
+    return 128 if SCHEMES[fmt].fp8_acts else 32
+
+
+def _problem(case, shape, device):
+    """One case's inputs -> (run(cfg) -> fused_experts' output on CPU, the reference, tolerance)."""
+    fmt, hdtype, symmetric, tol = CASES[case]
+    T, E, H, N, k, group = shape
+    w13, w2 = make_weights(fmt, E, H, N, group or 128, bool(symmetric))
+    ids, tw = make_routing(T, E, k)
+    x, xs = make_hidden(T, H, hdtype, SCHEMES[fmt].act_group)
+    ref = fused_ref(x, w13, w2, fmt, ids, tw, group or 128, bool(symmetric), hidden_scale=xs)
+    to = lambda d: {key: v.to(device) for key, v in d.items()}  # noqa: E731
+    args = (x.to(device), to(w13), to(w2), fmt, ids.to(device), tw.to(device))
+    xs_ = xs.to(device) if xs is not None else None
+
+    def run(cfg):
+        return fm.fused_experts(*args, hidden_scale=xs_, group_size=group or 128, config=cfg).cpu()
+
+    return run, ref, tol
+
+
+@pytest.mark.parametrize("case,shape,s13,s2", SPLIT_CASES, ids=[c[0] for c in SPLIT_CASES])
+def test_split_fused_experts_matches_ref_and_unsplit(case, shape, s13, s2, device):
+    bk = _tile_k(CASES[case][0])
+    run, ref, tol = _problem(case, shape, device)
+    split = run(MoeConfig(16, 32, bk, 1, 4, 1, s13, s2))
+    whole = run(MoeConfig(16, 32, bk, 1, 4, 1))
+    assert rel_err(split, ref) < tol, rel_err(split, ref)
+    # the same products summed in another order, rounded where the unsplit pipeline rounds
+    assert rel_err(split, whole) < (1e-6 if CASES[case][1] == torch.float32 else 0.2 * tol), rel_err(split, whole)
+
+
+def test_split_gemm_slices_sum_to_the_product(device):
+    """Both GEMMs with S slices of K: the slices' sum is the reference's product, a slice past
+    the last K tile holds zeros, and rows of pairs on other ranks are never written in any."""
+    T, E, H, N, k = 9, 3, 160, 64, 2
+    f = weight_format("dense")
+    w13, w2 = make_weights("dense", E, H, N, dtype=torch.float32)
+    ids, tw = make_routing(T, E, k)
+    P = T * k
+    cfg = MoeConfig(16, 32, 32, 1, 4, 1)
+    sorted_ids, expert_ids, num_post_pad = moe_align_block_size(ids.to(device), cfg.block_m, E)
+    x = torch.randn(T, H)
+    h = torch.randn(P, N)
+    local = ids.view(-1) >= 0
+    for a, w, R, C, a_row_div, mul, S in ((x, w13, 2 * N, H, k, False, 3), (h, w2, H, N, 1, True, 3)):
+        wts = parse_weights("dense", {"weight": w["weight"].to(device)}, "w", E, R, C, 128, None)
+        c = torch.full((S, P, R), float("nan"), device=device)
+        mg.moe_gemm(a.to(device), None, wts, c, tw.view(-1).to(device), sorted_ids, expert_ids, num_post_pad,
+                    P, a_row_div, R, mul, 128, cfg)
+        c = c.cpu()
+        dense = torch.stack([dequantize_stacked("dense", w, e, R, C, f.dequantize) for e in range(E)])
+        ref = mg.moe_gemm_ref(a, None, dense, tw, sorted_ids.cpu(), expert_ids.cpu(), P, a_row_div, mul, cfg.block_m)
+        assert torch.isnan(c[:, ~local]).all()
+        assert rel_err(c[:, local].sum(0), ref[local]) < 1e-6
+        tiles = -(-C // cfg.block_k)  # 5 and 2 K tiles: slices of 2 and 1 tiles, the last of w2's empty
+        if tiles < S:
+            assert (c[tiles:, local] == 0).all()
+
+
+@pytest.mark.parametrize("act_dtype,quant", [(torch.bfloat16, False), (torch.float16, False),
+                                             (torch.bfloat16, True), (torch.float32, True)], ids=str)
+def test_silu_sums_the_slices_as_the_unsplit_rows(act_dtype, quant, device):
+    """Partials summed in slice order and rounded to the act dtype: bit-exact with silu_and_mul
+    of the rows the unsplit GEMM would have stored (with the fp8 quantization too)."""
+    S, M, N = 3, 21, 160
+    parts = torch.randn(S, M, 2 * N) * 2
+    ids = torch.randint(-1, 3, (M,))
+    rows = torch.zeros(M, 2 * N)
+    for p in parts:
+        rows += p
+    kw = dict(quant_fp8=True, group=32) if quant else {}
+    got = silu_and_mul(parts.to(device), ids.to(device), act_dtype=act_dtype, **kw)
+    want = silu_and_mul(rows.to(act_dtype).to(device), ids.to(device), **kw)
+    keep = ids >= 0
+    if quant:
+        assert torch.equal(got[0].cpu()[keep].view(torch.uint8), want[0].cpu()[keep].view(torch.uint8))
+        assert torch.equal(got[1].cpu()[keep], want[1].cpu()[keep])
+    else:
+        assert got.dtype == act_dtype and torch.equal(got.cpu()[keep], want.cpu()[keep])
+
+
+@pytest.mark.parametrize("pair_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_moe_sum_of_slices_bit_exact(pair_dtype, device):
+    S, T, k, H = 3, 7, 3, 70
+    ids = torch.randint(-1, 4, (T, k))
+    c = torch.randn(S, T * k, H)
+    c[:, ids.view(-1) < 0] = float("nan")  # rows of dropped pairs are never written
+    for out_dtype in (torch.float32, torch.bfloat16):
+        out = moe_sum(c.to(device), ids.to(device), out_dtype, pair_dtype=pair_dtype).cpu()
+        assert out.dtype == out_dtype and torch.equal(out, moe_sum_ref(c, ids, out_dtype, pair_dtype))
+
+
+def test_split_keeps_biases_once_and_the_clamped_swiglu(device):
+    """gpt-oss: the biases go in once (slice 0), whatever the slices."""
+    T, E, H, N, k = 6, 3, 128, 64, 2
+    w13, w2 = make_weights("dense", E, H, N, dtype=torch.float16)
+    ids, tw = make_routing(T, E, k)
+    x = torch.randn(T, H).half()
+    b13, b2 = torch.randn(E, 2 * N), torch.randn(E, H)
+    kw = dict(activation="clamped-swiglu", swiglu=(1.702, 7.0))
+    ref = fused_ref(x, w13, w2, "dense", ids, tw, w13_bias=b13, w2_bias=b2, **kw)
+    to = lambda d: {key: v.to(device) for key, v in d.items()}  # noqa: E731
+    out = fm.fused_experts(x.to(device), to(w13), to(w2), "dense", ids.to(device), tw.to(device),
+                           w13_bias=b13.to(device), w2_bias=b2.to(device), config=MoeConfig(16, 32, 32, 1, 4, 1, 4, 2),
+                           **kw)
+    assert rel_err(out, ref) < CASES["dense-fp16"][3]
+
+
+@pytest.mark.parametrize("case", ["nvfp4-fp32", "mxfp4-fp16", "nvfp4-joint-fp16"])
+@pytest.mark.parametrize("unpack", [0, 1])
+def test_fp4_unpacking_ways_agree(case, unpack, device, monkeypatch):
+    """Interleaved codes (0) and the even / odd half dots (1) compute the same GEMMs."""
+    monkeypatch.setattr(mg, "FP4_UNPACK", unpack)
+    run, ref, tol = _problem(case, (5, 3, 128, 64, 2, None), device)
+    out = run(MoeConfig(16, 32, 64, 1, 4, 1))
+    assert rel_err(out, ref) < tol, rel_err(out, ref)
+
+
+def test_split_factors_in_tables_and_checks():
+    names = dict(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4)
+    table = mt.parse_table({"entries": [{"scheme": "dense", "E": 1, "N": 1, "H": 1, "top_k": 1, "tiles": {
+        "1": dict(names, split_w13=4, us=3.0), "16": names}}]}, "t.json")
+    per_t = table[mt.entry_key("dense", 1, 1, 1, 1)]
+    assert per_t[1] == MoeConfig(16, 64, 128, 1, 4, 4, 4, 1) and per_t[16] == MoeConfig(16, 64, 128, 1, 4, 4)
+    assert mt.config_dict(per_t[16]) == names and mt.config_dict(per_t[1]) == dict(names, split_w13=4)
+    assert "split_w2 = 0" in mt.config_problem("dense", MoeConfig(16, 64, 128, 1, 4, 4, 2, 0))
+    assert "split_w13 = 33" in mt.config_problem("dense", MoeConfig(16, 64, 128, 1, 4, 4, 33, 1))
+
+
+# ---- GPU only: bf16 dots, the real tile sizes and the exponent unpacking of mxfp4 -------------
+
+GPU_SPLIT = [("dense-bf16", "dense", torch.bfloat16, 8e-3), ("fp8-block-bf16", "fp8-block", torch.bfloat16, 0.06),
+             ("fp8-channel-bf16", "fp8-channel", torch.bfloat16, 0.06),
+             ("int4-sym-bf16", "int4-group", torch.bfloat16, 1e-2), ("nvfp4-bf16", "nvfp4", torch.bfloat16, 1e-2),
+             ("mxfp4-bf16", "mxfp4", torch.bfloat16, 1e-2)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name,fmt,hdtype,tol", GPU_SPLIT, ids=[c[0] for c in GPU_SPLIT])
+@pytest.mark.parametrize("unpack", [1, 2])
+def test_split_and_unpacking_gpu(name, fmt, hdtype, tol, unpack, monkeypatch):
+    if unpack == 2 and fmt not in ("nvfp4", "mxfp4"):
+        pytest.skip("the unpacking ways are fp4's")
+    monkeypatch.setattr(mg, "FP4_UNPACK", unpack)
+    monkeypatch.setitem(CASES, name, (fmt, hdtype, True, tol))
+    run, ref, _ = _problem(name, (5, 8, 1024, 512, 8, 128), "cuda")
+    bk = 128
+    for cfg in (MoeConfig(16, 64, bk, 1, 4, 4), MoeConfig(16, 64, bk, 1, 4, 4, 4, 2),
+                MoeConfig(64, 128, bk if fmt != "int4-group" else 64, 8, 4, 3, 2, 1)):
+        out = run(cfg)
+        assert rel_err(out, ref) < tol, (cfg, rel_err(out, ref))
