@@ -255,18 +255,25 @@ def fp4_unpack_sweep(args, rows):
              128: [(16, 64, 64, 1, 4, 4), (16, 128, 64, 1, 4, 3), (32, 64, 128, 8, 4, 3), (16, 128, 128, 1, 4, 3)],
              4096: [(128, 128, 64, 8, 4, 3), (64, 128, 64, 8, 4, 3), (128, 128, 128, 8, 8, 3), (64, 128, 128, 8, 4, 3),
                     (128, 256, 64, 8, 8, 3)]}
-    for scheme in ("nvfp4", "mxfp4"):
-        w13, w2 = tune.make_weights(scheme, layer.E, layer.H, layer.N, "cuda")
+    for scheme in args.fp4_schemes:
+        w13, w2 = tune.make_weights(scheme, 2 if args.compile_only else layer.E, layer.H, layer.N, "cuda")
         for T in args.tokens:
-            hidden, ids, tw = tune._problem(scheme, layer, T, layer.E, "cuda")
+            hidden, ids, tw = tune._problem(scheme, layer, T, 2 if args.compile_only else layer.E, "cuda")
             out = torch.empty(T, layer.H, dtype=torch.bfloat16, device="cuda")
             cfgs = [select_config(scheme, layer.E, layer.N, layer.H, layer.k, T, torch.bfloat16, False)]
             cfgs += [MoeConfig(*c) for c in tiles.get(T, [])]
-            for unpack in (0, 1, 2):
+            ref = None
+            for unpack in args.unpack_modes:
                 mg.FP4_UNPACK = unpack
                 times = {}
+                if args.compile_only:  # fill Triton's cache on disk (parallel processes, before the timing)
+                    for cfg in dict.fromkeys(cfgs):
+                        tune.run_ours(hidden, w13, w2, scheme, ids, tw, cfg, out)
+                    torch.cuda.synchronize()
+                    continue
                 with tune.fixed_align():
-                    ref = tune.run_ours(hidden, w13, w2, scheme, ids, tw, cfgs[0], out).float().clone()
+                    if ref is None:  # errors are against the first mode's output
+                        ref = tune.run_ours(hidden, w13, w2, scheme, ids, tw, cfgs[0], out).float().clone()
                     for cfg in dict.fromkeys(cfgs):
                         try:
                             got = tune.run_ours(hidden, w13, w2, scheme, ids, tw, cfg, out).float()
@@ -457,6 +464,9 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="one layer, T=512 and 4096, reps 5")
     ap.add_argument("--sweep", action="store_true", help="time tile configs instead (for default_config)")
     ap.add_argument("--fp4-unpack", action="store_true", help="time fp4's ways of unpacking weights instead")
+    ap.add_argument("--unpack-modes", nargs="+", type=int, default=[0, 1, 2], help="--fp4-unpack: FP4_UNPACK values")
+    ap.add_argument("--fp4-schemes", nargs="+", default=["nvfp4", "mxfp4"], choices=["nvfp4", "mxfp4"])
+    ap.add_argument("--compile-only", action="store_true", help="--fp4-unpack: only compile (2 experts), no timing")
     ap.add_argument("--breakdown", action="store_true", help="time each step of a decode call instead")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
