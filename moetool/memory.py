@@ -85,17 +85,20 @@ def trim_in_background() -> None:
 _scratch = threading.local()
 
 
-def scratch(slot: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+def scratch(slot: str, numel: int, dtype: torch.dtype, pin_memory: bool = False) -> torch.Tensor:
     """A 1-D CPU buffer of ``numel`` elements, kept per thread and reused on every call with the
     same ``slot`` (grown when too small): temporaries that every linear needs again come
     from memory already mapped and in cache, not from fresh allocations page-faulted in.
-    The caller must be done with it before asking for the same slot again."""
+    The caller must be done with it before asking for the same slot again (a copy to a GPU
+    from a ``pin_memory`` buffer: finished, its stream synchronized)."""
     import torch
 
     bufs = getattr(_scratch, "bufs", None)
     if bufs is None:
         bufs = _scratch.bufs = {}
-    buf = bufs.get((slot, dtype))
+    key = (slot, dtype, pin_memory)
+    buf = bufs.get(key)
     if buf is None or buf.numel() < numel:
-        buf = bufs[(slot, dtype)] = torch.empty(numel, dtype=dtype)
+        bufs[key] = None  # the old buffer goes before the new one is made
+        buf = bufs[key] = torch.empty(numel, dtype=dtype, pin_memory=pin_memory)
     return buf[:numel]

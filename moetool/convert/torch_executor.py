@@ -16,6 +16,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Iterator
@@ -72,6 +73,39 @@ class Source:
         self.dtype = model_dtype(ckpt.config)
         self.stats = stats
         self._layers = {m.index: m for m in spec.moe_layers}
+        self._warming: threading.Thread | None = None
+        if self.device.type == "cuda":
+            self._warming = threading.Thread(target=self._warm_up, name="moetool-cuda-start", daemon=True)
+            self._warming.start()
+
+    def _warm_up(self) -> None:
+        """Create the CUDA context and load the output format's kernel (a tiny conversion) while
+        the main thread plans on the CPU: ~1.3 s of the first conversion on an H100 host, 2.9 s
+        when Triton compiles. A failure here is left to the real conversion to report."""
+        try:
+            w = torch.randn(256, 256, device=self.device)
+            if not self.passthrough:
+                gpu_quantize(self.out_fmt, w, self.dtype)
+            torch.cuda.synchronize(self.device)
+        except Exception:
+            pass
+
+    def ready(self) -> None:
+        """Wait for the GPU start-up begun with the source (nothing on the CPU)."""
+        if self._warming is not None:
+            self._warming.join()
+            self._warming = None
+
+    @contextmanager
+    def on_cpu(self) -> Iterator[None]:
+        """Convert on the CPU meanwhile: planning's probes (the format's CPU and CUDA code give
+        the same tensors, so the same output specs) need not wait for the GPU to start."""
+        device, self.device = self.device, torch.device("cpu")
+        pinned, self.ckpt.pin_memory = self.ckpt.pin_memory, False  # page-locking waits for the CUDA context
+        try:
+            yield
+        finally:
+            self.device, self.ckpt.pin_memory = device, pinned
 
     def layer(self, index: int) -> MoELayerSpec:
         return self._layers[index]
@@ -279,7 +313,8 @@ class Planner:
         if key not in self._probe_cache:
             stats, src.stats = src.stats, ErrorStats()  # a probe is not part of the output's statistics
             try:
-                lin = src.expert_w13(layer, 0) if what == "w13" else src.expert_role(layer, 0, "down" if what == "w2" else what)
+                with src.on_cpu():
+                    lin = src.expert_w13(layer, 0) if what == "w13" else src.expert_role(layer, 0, "down" if what == "w2" else what)
             finally:
                 src.stats = stats
             self._probe_cache[key] = {s: (t.dtype, tuple(t.shape)) for s, t in lin.items()}
@@ -297,7 +332,8 @@ class Planner:
         if isinstance(group, SharedLinear):
             stats, src.stats = src.stats, ErrorStats()  # planning is not part of the output's statistics
             try:
-                out = src.plain_linear(group.src_base)
+                with src.on_cpu():
+                    out = src.plain_linear(group.src_base)
             finally:
                 src.stats = stats
             return [TensorSpec(f"{group.dst_base}.{s}", t.dtype, tuple(t.shape)) for s, t in out.items()]
@@ -399,6 +435,33 @@ def converter_cpus(workers: int) -> list[int] | None:
     return allowed if len(allowed) == workers else None
 
 
+def files_at_once(cores: int | None = None) -> int:
+    """Output files written at the same time: one per 4 cores, at most 4. One file's sha256 is
+    one serial stream (1.1-1.2 GB/s on an H100 host's core), so one file at a time left that
+    host's disk (2 GB/s with several direct writes in flight) waiting on the hashing thread;
+    on a machine of up to 7 cores the converting threads already take the CPU."""
+    return max(1, min(4, (cores or usable_cores()) // 4))
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+def converting_threads(files: int, device: str, cores: int | None = None) -> int:
+    """Converting threads per file written: up to 4 on the CPU, the cores shared between the
+    files; 2 where a GPU converts (a linear's read into pinned memory takes longer than its
+    transfers and kernels, and each thread holds one linear in flight)."""
+    share = max(1, (cores or usable_cores()) // files)
+    return min(2 if device == "cuda" else 4, share)
+
+
+class _Stopped(Exception):
+    """Another file failed, or Ctrl-C: this one stops at its next linear, left ``.incomplete``."""
+
+
 class Executor:
     """Produces a planned file's tensor data in order, converting up to ``workers`` linears
     at once on threads (torch ops release the GIL), a bounded window ahead of the writer."""
@@ -407,6 +470,8 @@ class Executor:
         self.sources = sources
         self.workers = workers or min(4, os.cpu_count() or 1)
         self.cpus = converter_cpus(self.workers) if self.workers > 1 else None
+        #: set when the files being written must stop (another failed, or Ctrl-C)
+        self.stop = threading.Event()
 
     def _pin_thread(self, cpus: Iterator[int]) -> None:
         """ThreadPoolExecutor initializer: this converting thread on the next CPU of ``cpus``
@@ -417,6 +482,7 @@ class Executor:
             pass
 
     def chunks(self, pf: PlannedFile) -> Iterator[tuple[str, torch.Tensor]]:
+        """``pf``'s (tensor name, data) pairs in file order; raises ``_Stopped`` once ``stop`` is set."""
         specs = iter(pf.specs)
         tasks = self._tasks(pf)
         since_trim = 0
@@ -425,6 +491,8 @@ class Executor:
             window: deque = deque()
             group = _StackedGroup()
             for kind, fn in tasks:
+                if self.stop.is_set():
+                    raise _Stopped
                 window.append((kind, pool.submit(fn)))
                 if len(window) > self.workers:
                     for name, t in self._emit(*window.popleft(), specs, group):
@@ -511,35 +579,38 @@ class Executor:
 
 
 def run_plan(plan: Plan, sources: list[Source], out: OutputDir, *, bytes_in: int, progress: bool = True,
-             stats: ErrorStats | None = None, links: bool = True) -> Summary:
-    """Write every file of ``plan`` (skipping ones a previous run finished; a ``same_as`` file
-    hard-linked, or with ``links=False`` copied, from its twin), then the JSON files, index
-    and manifest last."""
+             stats: ErrorStats | None = None, links: bool = True, files: int | None = None) -> Summary:
+    """Write every file of ``plan`` (skipping ones a previous run finished), ``files`` at a time
+    (``files_at_once``), in plan order; then each ``same_as`` file, hard-linked (or with
+    ``links=False`` copied) from its twin; then the JSON files, index and manifest last."""
     from tqdm import tqdm
 
     try:
         t0 = time.perf_counter()
-        executor = Executor(sources)
+        files = files or files_at_once()
+        device = sources[0].device.type if sources else "cpu"
+        executor = Executor(sources, converting_threads(files, device))
         bar = tqdm(total=plan.nbytes, unit="B", unit_scale=True, desc="writing", disable=not progress,
                    leave=False)
-        written = 0
+        lock = threading.Lock()
+
+        def on_bytes(n: int) -> None:
+            with lock:
+                bar.update(n)
+
         # the executor converts one linear per core: torch's own intra-op threads on top of
         # that only contend for the cores (and spin while they wait)
         torch_threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            for pf in plan.files:
-                if out.already_done(pf.name, pf.file_size(), pf.same_as):
-                    bar.update(pf.nbytes)
-                    continue
-                if pf.same_as:
+            for src in sources:
+                src.ready()
+            written = _write_files([pf for pf in plan.files if not pf.same_as], executor, out, files, on_bytes)
+            for pf in (pf for pf in plan.files if pf.same_as):
+                if not out.already_done(pf.name, pf.file_size(), pf.same_as):
                     out.same_file(pf.name, pf.same_as, link=links)
-                    bar.update(pf.nbytes)
                     written += 1
-                    continue
-                out.write_safetensors(pf.name, pf.specs, executor.chunks(pf), metadata=SAFETENSORS_METADATA,
-                                      on_bytes=bar.update)
-                written += 1
+                on_bytes(pf.nbytes)
         finally:
             bar.close()
             torch.set_num_threads(torch_threads)
@@ -550,3 +621,33 @@ def run_plan(plan: Plan, sources: list[Source], out: OutputDir, *, bytes_in: int
                         errors=stats.summary() if stats else None)
 
 
+def _write_files(todo: list[PlannedFile], executor: Executor, out: OutputDir, files: int, on_bytes) -> int:
+    """Each planned file of ``todo`` that ``out`` does not already have, ``files`` at a time
+    (started in order): the count written. After a failure, or Ctrl-C in the calling thread,
+    no further file starts and those being written stop at their next linear, left unfinished."""
+    stop = executor.stop
+
+    def one(pf: PlannedFile) -> int:
+        try:
+            if stop.is_set():
+                return 0
+            if out.already_done(pf.name, pf.file_size()):
+                on_bytes(pf.nbytes)
+                return 0
+            out.write_safetensors(pf.name, pf.specs, executor.chunks(pf), metadata=SAFETENSORS_METADATA,
+                                  on_bytes=on_bytes)
+            return 1
+        except _Stopped:
+            return 0
+        except BaseException:
+            stop.set()
+            raise
+
+    with ThreadPoolExecutor(files, thread_name_prefix="moetool-file") as pool:
+        futures = [pool.submit(one, pf) for pf in todo]
+        try:
+            return sum(f.result() for f in futures)
+        except BaseException:
+            stop.set()
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
