@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
+import sys
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -17,6 +20,7 @@ from moetool.cli import command_app
 from moetool.cli.options import DryRun, Force, MaxShardSize, Out, Quiet, Revision, Source, CONVERT_LAYOUTS, check_layout, parse_size
 from moetool.errors import MoetoolError
 from moetool.lazy import import_module
+from moetool.read.checkpoint import prefetch
 
 HELP = "Requantize routed-expert weights; everything else passes through bit-identical."
 
@@ -39,6 +43,7 @@ def _options(
 
 def quantize_app() -> typer.Typer:
     """A one-command Typer app: ``quantize`` with the options of the formats registered now."""
+    _prefetch_source(sys.argv[1:])
     registry = import_module("moetool.formats.registry")  # torch: the command converts anyway
     targets = registry.quantize_targets()
     FormatName = registry.name_enum([cls.name for cls in targets])  # the choices of --format
@@ -68,6 +73,19 @@ def quantize_app() -> typer.Typer:
     app = command_app()
     app.command("quantize")(quantize_cmd)
     return app
+
+
+def _prefetch_source(args: list[str]) -> None:
+    """The command is built from the format registry, so torch is imported (4 s on an H100
+    host) before its arguments are parsed: meanwhile the kernel reads the source, taken as the
+    first checkpoint folder after ``quantize`` in the process's arguments (a hint only: the
+    parsed arguments decide what is converted)."""
+    if "quantize" not in args:
+        return
+    for arg in args[args.index("quantize") + 1:]:
+        if not arg.startswith("-") and os.path.isdir(arg) and any(Path(arg).glob("*.safetensors")):
+            prefetch(Path(arg))
+            return
 
 
 def __getattr__(name: str):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -101,8 +102,8 @@ class Checkpoint:
         fd = self._fds.get(file)
         if fd is None:
             fd = self._fds[file] = os.open(self.root / file, os.O_RDONLY)
-        if scratch is not None and not self.pin_memory:
-            buf = scratch_buffer(scratch, nbytes, torch.uint8)
+        if scratch is not None:
+            buf = scratch_buffer(scratch, nbytes, torch.uint8, pin_memory=self.pin_memory)
         else:
             buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
         pread_exactly(fd, writable_bytes(buf), offset, self.root / file)
@@ -124,6 +125,56 @@ class Checkpoint:
 
     def __repr__(self) -> str:
         return f"Checkpoint({self.root}, {len(self.tensors)} tensors in {len(self.files)} files)"
+
+
+#: share of the memory available (MemAvailable) that ``prefetch`` may fill with the input
+PREFETCH_SHARE = 0.5
+
+
+def prefetch(root: Path) -> threading.Thread | None:
+    """Ask the kernel to read the ``*.safetensors`` files of the folder ``root`` into the page
+    cache, in name order (the order conversions read them), on a daemon thread, up to
+    ``PREFETCH_SHARE`` of the memory available: a command that imports torch before its first
+    read (quantize: 4 s on an H100 host, time the disk would otherwise idle) then finds its
+    first gigabytes in memory. ``POSIX_FADV_WILLNEED`` queues the reads in the kernel, so the
+    importing thread keeps the GIL. A hint: any failure is ignored, and nothing is read twice
+    where the files are already cached."""
+    advise = getattr(os, "posix_fadvise", None)
+    if advise is None or not root.is_dir():
+        return None
+    budget = int(_available_memory() * PREFETCH_SHARE)
+
+    def run() -> None:
+        left = budget
+        for path in sorted(root.glob("*.safetensors")):
+            if left <= 0:
+                return
+            try:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    size = min(os.fstat(fd).st_size, left)
+                    advise(fd, 0, size, os.POSIX_FADV_WILLNEED)
+                finally:
+                    os.close(fd)
+            except OSError:
+                return
+            left -= size
+
+    thread = threading.Thread(target=run, name="moetool-prefetch", daemon=True)
+    thread.start()
+    return thread
+
+
+def _available_memory() -> int:
+    """MemAvailable (Linux), or 0 where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def resolve_source(source: str | os.PathLike, revision: str | None = None) -> Path:
