@@ -59,6 +59,10 @@ SHAPES = [(33, 4, 200, 96, 2, 40), (1, 4, 64, 32, 2, 32), (9, 3, 136, 160, 3, 8)
 # fp4 needs whole groups (16 / 32) along H and N: H, N multiples of 32 but not of the K tile (64
 # and 96 % 128, 160 % 64), one shape whose K is whole tiles
 FP4_SHAPES = [(33, 4, 160, 96, 2, None), (1, 4, 64, 32, 2, None), (9, 3, 96, 64, 3, None)]
+# the tests of one option each (router weight off, strided rows and bf16 output): the matrix
+# above covers the formats' math, so a smaller problem, the interpreter's time being per program
+# instance: H = 136 two fp8 activation groups (the second partial), int4 g32 one scale per K tile
+SMALL_SHAPE = (12, 2, 136, 32, 2, 32)
 
 
 def _stack(per_expert: list[dict]) -> dict:
@@ -182,7 +186,7 @@ def test_fp4_broken_scale_fails(fmt, device):
     scale doubled (nvfp4; a kernel reading gate's for every row misses it), or one e8m0 group
     exponent raised by one (mxfp4). Against the reference on the intact weights that is far
     outside the tolerance, against the reference on the broken ones within it."""
-    T, E, H, N, k, _ = FP4_SHAPES[0]
+    T, E, H, N, k, _ = FP4_SHAPES[2]
     tol = CASES[f"{fmt}-fp16"][3]
     w13, w2 = make_weights(fmt, E, H, N, symmetric=True)
     ids, tw = make_routing(T, E, k)
@@ -223,7 +227,7 @@ def test_fp4_bad_tensors_raise(device):
 
 @pytest.mark.parametrize("case", ["dense-fp16", "fp8-block-w8a8", "fp8-channel-fp16", "int4-asym-fp16"])
 def test_without_router_weight(case, device):
-    out, ref, tol, _ = run_case(case, SHAPES[0], device, apply_router_weight=False)
+    out, ref, tol, _ = run_case(case, SMALL_SHAPE, device, apply_router_weight=False)
     assert rel_err(out, ref) < tol
 
 
@@ -233,7 +237,7 @@ def test_row_strided_hidden_and_bf16_output(case, device):
     out_dtype=bfloat16 is the fp32 result but each pair's row rounded to bf16 before the sum and the
     sum once more (nearest even): within a few bf16 steps of it, the same bytes strided or not."""
     fmt, hdtype, symmetric, _ = CASES[case]
-    T, E, H, N, k, group = SHAPES[0]
+    T, E, H, N, k, group = SMALL_SHAPE
     w13, w2 = make_weights(fmt, E, H, N, group, bool(symmetric))
     w13, w2 = _to(w13, device), _to(w2, device)
     ids, tw = make_routing(T, E, k)
@@ -255,7 +259,7 @@ def test_row_strided_hidden_and_bf16_output(case, device):
                            out_dtype=torch.bfloat16)
     assert got.dtype == torch.bfloat16
     assert torch.equal(got.cpu(), want16.cpu())
-    # k = 2 rows rounded, then their sum: measured 2.0e-3 (the fp32 result rounded once: 1.7e-3)
+    # k = 2 rows rounded, then their sum: measured <= 2.3e-3 (the fp32 result rounded once: 1.8e-3)
     assert rel_err(got, want) < 4e-3, rel_err(got, want)
     once = fm.fused_experts(x, w13, w2, fmt, ids, tw, hidden_scale=xs, group_size=group, out_dtype=torch.bfloat16,
                             cache3_dtype=torch.float32)
