@@ -223,10 +223,17 @@ def candidates(scheme: str, layer: Layer, T: int) -> list:
     the pipeline depth at BLOCK_M 16, and split-K of both GEMMs (DECODE_SPLITS, at the first
     BLOCK_K, 4 warps, 3 or 4 stages); more tokens vary BLOCK_M around the expected pairs per
     expert (T*k/E_global), BLOCK_N, warps, stages and the M grouping; the old default and the
-    rules' choice always included."""
+    rules' choice always included. Where the activations stay 16-bit (not W8A8), each unsplit
+    candidate also runs with silu in GEMM1's epilogue (``fuse_silu``; at decode those with 4
+    warps, also BLOCK_N 256: 128 gate and 128 up rows), and the dequantizing schemes (int4,
+    fp4) also try BLOCK_M 256 at many pairs per expert (one M tile an expert: each weight tile
+    dequantized once)."""
+    from dataclasses import replace
+
     from moetool.kernels.moe_tiles import DECODE_T, MoeConfig, config_problem, default_config, rule_config
 
     bks = (128,) if scheme in ("fp8-block", "fp8-channel") else (64, 128)
+    dequant = scheme in ("int4-group", *FP4)
     ppe = T * layer.k / layer.E_global
     out = []
     if T <= DECODE_T:  # bytes in flight: deep K tiles and pipelines; BLOCK_K 64 ran 4-24 % slower here
@@ -241,6 +248,9 @@ def candidates(scheme: str, layer: Layer, T: int) -> list:
             for s13, s2 in DECODE_SPLITS:
                 for stages in (3, 4):
                     out.append(MoeConfig(16, bn, dbks[0], 1, 4, stages, s13, s2))
+        if scheme not in ("fp8-block", "fp8-channel"):
+            out += [MoeConfig(16, bn, bk, 1, 4, stages, fuse_silu=True)
+                    for bn in (64, 128, 256) for bk in dbks for stages in (3, 4, 5)]
     elif ppe <= 48:
         for bm in (16, 32, 64):
             for bn in (64, 128):
@@ -258,6 +268,10 @@ def candidates(scheme: str, layer: Layer, T: int) -> list:
                             if bm * bn >= 128 * 256 and warps == 4:
                                 continue  # the accumulator alone would need 256 registers a thread
                             out.append(MoeConfig(bm, bn, bk, gm, warps, stages))
+        if dequant:
+            out += [MoeConfig(256, bn, bk, 8, 8, stages) for bn in (64, 128) for bk in (64, 128) for stages in (2, 3)]
+    if T > DECODE_T and scheme not in ("fp8-block", "fp8-channel"):
+        out += [replace(c, fuse_silu=True) for c in out]
     E, P = layer.E, T * layer.k
     out += [default_config(scheme, P / E, torch.bfloat16, False, INT4_GROUP),
             rule_config(scheme, E, layer.N, layer.H, layer.k, T, torch.bfloat16, INT4_GROUP)]
@@ -271,6 +285,14 @@ def candidates(scheme: str, layer: Layer, T: int) -> list:
 
 
 def cells(args) -> list[tuple[str, str, int]]:
+    if args.cells:  # LAYER/SCHEME/T each
+        out = []
+        for c in args.cells:
+            layer, scheme, T = c.split("/")
+            if layer not in LAYERS or scheme not in SCHEMES_TUNED or not T.isdigit():
+                raise SystemExit(f"tune.py: --cells {c!r} is not LAYER/SCHEME/T with a known layer and scheme")
+            out.append((layer, scheme, int(T)))
+        return out
     out = []
     for (layer, scheme), tokens in CELLS.items():
         if layer in args.layers and scheme in args.schemes:
@@ -339,6 +361,8 @@ def sweep(args) -> list[dict]:
     todo = [(layer, scheme, T, c) for layer, scheme, T in cells(args) for c in candidates(scheme, LAYERS[layer], T)]
     if args.jobs > 1:
         precompile(todo, args.jobs)
+    if args.compile_only:
+        return []
     rows = []
     made_for = None
     for layer_name, scheme, T in cells(args):
@@ -438,6 +462,7 @@ def main(argv=None):
     ap.add_argument("--layers", nargs="+", default=list(LAYERS), choices=list(LAYERS))
     ap.add_argument("--schemes", nargs="+", default=list(SCHEMES_TUNED), choices=list(SCHEMES_TUNED))
     ap.add_argument("--tokens", nargs="+", type=int, default=None, help=f"default {' '.join(map(str, TUNE_TOKENS))}")
+    ap.add_argument("--cells", nargs="+", default=None, help="LAYER/SCHEME/T each, instead of layers x schemes x tokens")
     ap.add_argument("--reps", type=int, default=30, help="timed graph replays per candidate (median)")
     ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="compiling worker processes")
     ap.add_argument("--budget-s", type=float, default=420.0,
@@ -445,6 +470,9 @@ def main(argv=None):
     ap.add_argument("--table-dir", type=Path, default=ROOT / "kernels" / "tiles")
     ap.add_argument("--json", type=Path, default=None, help="also write every cell's times here")
     ap.add_argument("--list", action="store_true", help="print the candidates per cell and exit (no GPU)")
+    ap.add_argument("--compile-only", action="store_true",
+                    help="only fill Triton's cache with every candidate (--jobs workers), e.g. while tests run; "
+                         "a later run with --jobs 1 then only times")
     args = ap.parse_args(argv)
     if args.list:
         total = 0
@@ -459,6 +487,8 @@ def main(argv=None):
     name = torch.cuda.get_device_name()
     print(f"device: {name}; torch {torch.__version__}, triton {_triton_version()}", flush=True)
     rows = sweep(args)
+    if args.compile_only:
+        return
     path = write_table(rows, name, args.table_dir)
     print(f"wrote {path} ({len(rows)} cells)")
     if args.json:

@@ -13,6 +13,7 @@ Each step is a kernel module with its torch reference beside it:
    (split-K, ``MoeConfig.split_w13`` S > 1: S fp32 partials [S, P, 2N] over slices of H, which
    step 3 sums and rounds to the act dtype first; keeps every SM busy when few experts are)
 3. :mod:`moe_silu`    cache2[p] = silu(gate) * up                                [P, N]
+   (``MoeConfig.fuse_silu`` with 16/32-bit activations: in step 2's epilogue instead)
    (W8A8: rounded to the act dtype, then quantized to e4m3 + fp32 scales per the scheme's
    ``act_group``: fp8-block per 1x128 group, DeepSeek style; fp8-channel per token)
 4. :mod:`moe_gemm`    cache3[p] = w2[e] @ cache2[p] (* topk_weight[p])          [P, H] fp32
@@ -182,18 +183,23 @@ def fused_experts(
     # split-K: fp32 partials [S, P, R], summed by the next step; never more slices than K tiles
     split13 = min(cfg.split_w13, triton.cdiv(H, cfg.block_k))
     split2 = min(cfg.split_w2, triton.cdiv(N, cfg.block_k))
-    if split13 > 1:
-        cache1 = torch.empty((split13, P, 2 * N), dtype=torch.float32, device=dev)
+    if cfg.fuse_silu and not fp8 and split13 == 1:  # steps 2 and 3 in one kernel
+        a2, a2_scale = torch.empty((P, N), dtype=act_dtype, device=dev), None
+        moe_gemm(a1, a1_scale, w13p, a2, weights, sorted_ids, expert_ids, num_post_pad,
+                 P, k, N, False, group_size, cfg, bias=w13_bias, silu=True, clamp=swiglu)
     else:
-        cache1 = torch.empty((P, 2 * N), dtype=act_dtype, device=dev)
-    moe_gemm(a1, a1_scale, w13p, cache1, weights, sorted_ids, expert_ids, num_post_pad,
+        if split13 > 1:
+            cache1 = torch.empty((split13, P, 2 * N), dtype=torch.float32, device=dev)
+        else:
+            cache1 = torch.empty((P, 2 * N), dtype=act_dtype, device=dev)
+        moe_gemm(a1, a1_scale, w13p, cache1, weights, sorted_ids, expert_ids, num_post_pad,
                  P, k, N, False, group_size, cfg, bias=w13_bias)
-    row_ids = topk_ids.view(-1)
-    if fp8:
-        a2, a2_scale = silu_and_mul(cache1, row_ids, quant_fp8=True, group=act_group, soft_fp8=soft_fp8, clamp=swiglu,
-                                    act_dtype=act_dtype)
-    else:
-        a2, a2_scale = silu_and_mul(cache1, row_ids, clamp=swiglu, act_dtype=act_dtype), None
+        row_ids = topk_ids.view(-1)
+        if fp8:
+            a2, a2_scale = silu_and_mul(cache1, row_ids, quant_fp8=True, group=act_group, soft_fp8=soft_fp8,
+                                        clamp=swiglu, act_dtype=act_dtype)
+        else:
+            a2, a2_scale = silu_and_mul(cache1, row_ids, clamp=swiglu, act_dtype=act_dtype), None
     pair_dtype = cache3_dtype or out_dtype
     if split2 > 1:
         cache3 = torch.empty((split2, P, H), dtype=torch.float32, device=dev)

@@ -11,14 +11,13 @@ on dequantized weights.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from .common import FP8_BLOCK, TOKEN_GROUP, act_scale_cols, check, is_interpreted, round_to_bf16
 from .fp4_quant import _e4m3_decode, _e8m0_decode
+from .moe_silu import ROUND_CODE, round_to, swiglu
 from .moe_tiles import MoeConfig
 from .moe_weights import StackedWeights
 from .quant import fp8_dequant_act_ref
@@ -49,22 +48,13 @@ def _e2m1_times_2_14(codes):
 
 
 @triton.jit
-def _fp4_half(codes, sb, gs, HAS_GS: tl.constexpr, UNPACK: tl.constexpr, FP4_GROUP: tl.constexpr,
-              BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr):
+def _fp4_half(codes, sb, gs, HAS_GS: tl.constexpr, FP4_GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+              BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """int32 e2m1 codes [BK/2, BN] of one parity (row j: K column k0 + 2j or k0 + 2j + 1) and
-    the tile's scale bits sb [BK/g, BN] -> the dequantized half tile [BK/2, BN] DOT_DTYPE. Row j
-    lies in group j // (g/2): the scales broadcast over a [BK/g, g/2, BN] view.
-    UNPACK 2 (e8m0 scales, bf16 dots): the value's bf16 bits directly, the scale's exponent
-    added to the code's (exact while the result is a normal bf16: scale codes 2..252)."""
+    the tile's scale bits sb [BK/g, BN] -> the dequantized half tile [BK/2, BN] DOT_DTYPE, in
+    fp32 as the format: e2m1 * scale. Row j lies in group j // (g/2): the scales broadcast
+    over a [BK/g, g/2, BN] view."""
     G2: tl.constexpr = FP4_GROUP // 2
-    if UNPACK == 2:
-        mag = codes & 0x7  # e2m1 magnitude codes: 0, 0.5, 1, 1.5, 2, 3, 4, 6
-        # code x >= 2 has the bf16 bits (x << 6) + (126 << 7); 0.5 (x = 1) is 2^-1: one step of 0x40 less
-        bits = tl.reshape(tl.where(mag == 1, 0x3F00, (mag << 6) + 0x3F00), [BLOCK_K // FP4_GROUP, G2, BLOCK_N])
-        bits = bits + ((sb - 127) << 7)[:, None, :]  # times 2^(e - 127): exponent field + (e - 127)
-        bits = tl.where(tl.reshape(mag, [BLOCK_K // FP4_GROUP, G2, BLOCK_N]) == 0, 0, bits)
-        bits = tl.reshape(bits, [BLOCK_K // 2, BLOCK_N]) | ((codes & 0x8) << 12)
-        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     v = tl.reshape(_e2m1_times_2_14(codes), [BLOCK_K // FP4_GROUP, G2, BLOCK_N])
     if HAS_GS:
         s = tl.math.div_rn(_e4m3_decode(sb), gs[None, :]) * 16384.0  # as the format: s / gs
@@ -84,9 +74,10 @@ def _moe_gemm_kernel(
     stride_se, stride_sn, stride_sk,
     stride_ze, stride_zn, stride_zk,
     stride_gse, stride_bias_e,
-    stride_cs, stride_cm, stride_cn,
+    stride_cs, stride_cm, stride_cn, alpha, limit,
     FMT: tl.constexpr, HAS_ZP: tl.constexpr, GROUP_TILE: tl.constexpr, EVEN_K: tl.constexpr,
-    FP4_GROUP: tl.constexpr, HAS_GS: tl.constexpr, FP4_UNPACK: tl.constexpr, SPLIT: tl.constexpr,
+    FP4_GROUP: tl.constexpr, HAS_GS: tl.constexpr, SPLIT: tl.constexpr,
+    SILU: tl.constexpr, CLAMPED: tl.constexpr, ROUND: tl.constexpr,
     MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, SOFT_BF16: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -107,7 +98,11 @@ def _moe_gemm_kernel(
     FMT 4 fp4 (W4A16): B uint8 [E, N, K/2], e2m1 codes, k = 2j in the low nibble of byte j,
           2j + 1 in the high one; scale [E, N, K/FP4_GROUP] as uint8 bits: e4m3 divided by the
           global scale gs [E, P] of the row (HAS_GS, nvfp4: row n takes gs[n // gs_rows]), or
-          e8m0 (mxfp4). Tile dequantized in fp32 as e2m1 * scale (BLOCK_K % FP4_GROUP == 0).
+          e8m0 (mxfp4). Tile dequantized in fp32 as e2m1 * scale (BLOCK_K % FP4_GROUP == 0,
+          BLOCK_K >= 32). The two nibbles of a byte stay apart: the low ones are the tile's even
+          K columns, the high ones its odd columns, dotted with A's even and odd columns (split
+          from one contiguous load), so no register shuffles put the codes in K order (which
+          cost 18-22 % at T <= 128 on an H100).
     SOFT_BF16: C is bf16 and the kernel interpreted, whose fp32 -> bf16 cast truncates: round
     to nearest even with integer math instead (the GPU's cast does that itself).
     EVEN_K: K % BLOCK_K == 0, no K masks. Weight rows are read modulo N (always in bounds, no
@@ -115,11 +110,12 @@ def _moe_gemm_kernel(
     SPLIT (split-K): program (i, s) sums only K columns [s * k_split, (s + 1) * k_split) (k_split
     a multiple of BLOCK_K) and stores its fp32 partial in C's slice s (C [S, P, N], stride_cs);
     the bias is added by slice 0 alone, the top-k weight by every slice (both are linear).
-    FP4_UNPACK (FMT 4): 0 interleaves each byte's two codes into K order in registers; 1 keeps
-    them apart: the low nibbles are the tile's even K columns, the high ones its odd columns,
-    and A's even and odd columns (split from one contiguous load) take two dots, so no register
-    shuffles reorder the weights; 2 as 1 with the e8m0 scale (mxfp4) added to the exponent of
-    the codes' bf16 bits, no float multiply (DOT_DTYPE bf16 only).
+    SILU (w13, the N rows gate rows then up rows): the tile's BLOCK_N weight rows are BLOCK_N / 2
+    gate rows and the up rows of the same columns, interleaved (tile column 2j: gate row n,
+    2j + 1: up row N/2 + n, n = pid_n * BLOCK_N / 2 + j), and C [P, N/2] gets
+    swiglu(gate, up) (moe_silu's, CLAMPED: gpt-oss's with alpha, limit) of the two rounded as
+    ROUND says (1 bf16, 2 fp16: what C1 would have stored), in fp32, stored in C's dtype: step
+    3 of fused_experts in GEMM1's epilogue, no [P, N] intermediate.
     """
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(EM, BLOCK_M)
@@ -142,9 +138,14 @@ def _moe_gemm_kernel(
     m_mask = pair < num_valid
     pair64 = pair.to(tl.int64)
     a_rows = (pair // a_row_div).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output columns
-    n_mask = offs_n < N
-    offs_bn = offs_n % N  # weight rows, always in range: B loads need no N mask
+    if SILU:  # tile column 2j: gate row n, 2j + 1: up row N/2 + n, n the output column
+        offs_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) // 2  # [BN]
+        n_mask = offs_n < N // 2
+        offs_bn = offs_n % (N // 2) + (tl.arange(0, BLOCK_N) % 2) * (N // 2)
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output columns
+        n_mask = offs_n < N
+        offs_bn = offs_n % N  # weight rows, always in range: B loads need no N mask
     offs_bn64 = offs_bn.to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     b_base = b_ptr + expert * stride_be
@@ -204,34 +205,18 @@ def _moe_gemm_kernel(
                     q = q - 8
             b = (q.to(tl.float32) * s).to(DOT_DTYPE)
             acc += tl.dot(a.to(DOT_DTYPE), b, input_precision=PREC)
-        elif FMT == 4 and FP4_UNPACK > 0:
+        elif FMT == 4:  # the low nibbles are the tile's even K columns, the high ones its odd columns
             kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # [BK/2] bytes: byte j holds k0 + 2j, k0 + 2j + 1
             packed = _load_k(b_base + offs_bn64[None, :] * stride_bn + kb[:, None] * stride_bk,
                              None, (kb < K // 2)[:, None], EVEN_K).to(tl.int32)  # [BK/2, BN]
             kg = k0 // FP4_GROUP + tl.arange(0, BLOCK_K // FP4_GROUP)  # [BK/g] groups
             sb = _load_k(bs_base[None, :] + kg[:, None] * stride_sk, None,
                          (kg < K // FP4_GROUP)[:, None], EVEN_K).to(tl.int32)  # [BK/g, BN] bits
-            b_even = _fp4_half(packed & 0xF, sb, gs, HAS_GS, FP4_UNPACK, FP4_GROUP, BLOCK_K, BLOCK_N, DOT_DTYPE)
-            b_odd = _fp4_half(packed >> 4, sb, gs, HAS_GS, FP4_UNPACK, FP4_GROUP, BLOCK_K, BLOCK_N, DOT_DTYPE)
+            b_even = _fp4_half(packed & 0xF, sb, gs, HAS_GS, FP4_GROUP, BLOCK_K, BLOCK_N, DOT_DTYPE)
+            b_odd = _fp4_half(packed >> 4, sb, gs, HAS_GS, FP4_GROUP, BLOCK_K, BLOCK_N, DOT_DTYPE)
             a_even, a_odd = tl.split(tl.reshape(a, [BLOCK_M, BLOCK_K // 2, 2]))  # [BM, BK/2] each
             acc = tl.dot(a_even.to(DOT_DTYPE), b_even, acc, input_precision=PREC)
             acc = tl.dot(a_odd.to(DOT_DTYPE), b_odd, acc, input_precision=PREC)
-        elif FMT == 4:
-            kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # [BK/2] bytes
-            packed = _load_k(b_base + offs_bn64[None, :] * stride_bn + kb[:, None] * stride_bk,
-                             None, (kb < K // 2)[:, None], EVEN_K)  # [BK/2, BN] uint8
-            codes = (packed.to(tl.int32)[:, None, :] >> (tl.arange(0, 2) * 4)[None, :, None]) & 0xF
-            v = tl.reshape(_e2m1_times_2_14(codes), [BLOCK_K // FP4_GROUP, FP4_GROUP, BLOCK_N])  # k = 2j + i
-            kg = k0 // FP4_GROUP + tl.arange(0, BLOCK_K // FP4_GROUP)  # [BK/g] groups
-            sb = _load_k(bs_base[None, :] + kg[:, None] * stride_sk, None,
-                         (kg < K // FP4_GROUP)[:, None], EVEN_K).to(tl.int32)  # [BK/g, BN] bits
-            if HAS_GS:
-                s = tl.math.div_rn(_e4m3_decode(sb), gs[None, :]) * 16384.0  # as the format: s / gs
-                b = v * s[:, None, :]
-            else:  # 2^(e - 127) * 2^14 may pass the float32 range: two exact products instead
-                b = (v * 16384.0) * _e8m0_decode(sb)[:, None, :]
-            b = tl.reshape(b, [BLOCK_K, BLOCK_N]).to(DOT_DTYPE)
-            acc += tl.dot(a.to(DOT_DTYPE), b, input_precision=PREC)
         elif FMT == 1:
             b = _load_k(b_base + offs_bn64[None, :] * stride_bn + kk[:, None] * stride_bk,
                         None, k_mask[:, None], EVEN_K)  # [BK, BN] e4m3
@@ -261,6 +246,13 @@ def _moe_gemm_kernel(
     if MUL_WEIGHT:
         w = tl.load(topk_weights_ptr + pair64, mask=m_mask, other=0.0)
         acc = acc * w[:, None]
+    if SILU:
+        gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))  # [BM, BN/2] each
+        y = swiglu(round_to(gate, ROUND), round_to(up, ROUND), alpha, limit, CLAMPED)
+        cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(c_ptr + pair64[:, None] * stride_cm + cols.to(tl.int64)[None, :] * stride_cn,
+                 y.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & (cols < N // 2)[None, :])
+        return
     if SOFT_BF16:
         acc = round_to_bf16(acc)
     c_base = c_ptr
@@ -273,14 +265,11 @@ def _moe_gemm_kernel(
     )
 
 
-#: how the fp4 GEMM unpacks its weight tiles (FP4_UNPACK of the kernel); an experiment's switch
-FP4_UNPACK = int(os.environ.get("MOETOOL_FP4_UNPACK", "1"))
-
-
 def moe_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, wts: StackedWeights, c: torch.Tensor,
              topk_weights: torch.Tensor, sorted_ids: torch.Tensor, expert_ids: torch.Tensor,
              num_post_pad: torch.Tensor, num_valid: int, a_row_div: int, split_n: int, mul_weight: bool,
-             group_size: int, cfg: MoeConfig, bias: torch.Tensor | None = None) -> None:
+             group_size: int, cfg: MoeConfig, bias: torch.Tensor | None = None, silu: bool = False,
+             clamp: tuple[float, float] | None = None) -> None:
     """c[p] = (A[p // a_row_div] @ W[e]^T + bias[e]) (* topk_weights[p] when mul_weight) for every pair
     p < num_valid of a block of sorted_ids, e = that block's expert; other rows of c untouched.
 
@@ -295,15 +284,24 @@ def moe_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, wts: StackedWeights,
     BM = cfg.block_m; split_n: the gate rows of an fp8-block w13 (R for any other linear);
     group_size: int4's g (fp4 schemes: their own group, which cfg.block_k must be a multiple of).
     bias: optional [E, R] (any float dtype, rows contiguous): each expert's bias (gpt-oss).
+    silu (a w13, R = 2N: gate rows then up rows): c [P, N] 16/32-bit float gets silu(gate) * up
+    (clamp = (alpha, limit): gpt-oss's clamped SwiGLU) of the product rounded to c's dtype, as
+    :func:`moetool.kernels.moe_silu.silu_and_mul` of the unfused product (not for W8A8 a, nor
+    split-K).
     """
     check(a.dim() == 2 and a.stride(1) == 1 and c.dim() in (2, 3),
           "moe_gemm: a must be 2-D with contiguous rows, c [P, R] or [S, P, R]")
     splits = c.shape[0] if c.dim() == 3 else 1
     check(c.dim() == 2 or (c.dtype == torch.float32 and splits >= 1),
           f"moe_gemm: split-K partials c [S, P, R] must be float32, got {c.dtype}")
-    check(c.shape[-1] == wts.main.shape[1],
-          f"moe_gemm: c has {c.shape[-1]} columns, the weights {wts.main.shape[1]} rows")
-    R = c.shape[-1]
+    out_cols = wts.main.shape[1] // 2 if silu else wts.main.shape[1]
+    check(c.shape[-1] == out_cols and (not silu or wts.main.shape[1] % 2 == 0),
+          f"moe_gemm: c has {c.shape[-1]} columns, the weights {wts.main.shape[1]} rows"
+          + (" (gate then up: c takes half)" if silu else ""))
+    check(not silu or (c.dim() == 2 and c.dtype in ROUND_CODE and wts.act_group is None),
+          f"moe_gemm: silu in the epilogue writes 16/32-bit float rows [P, N] from 16/32-bit activations, "
+          f"got c {c.dtype} {list(c.shape)}")
+    R = wts.main.shape[1]
     K = a.shape[1]
     k_split = triton.cdiv(triton.cdiv(K, cfg.block_k), splits) * cfg.block_k  # whole K tiles per slice
     if wts.act_group is not None:
@@ -321,8 +319,9 @@ def moe_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, wts: StackedWeights,
     zp_ = wts.zp if wts.zp is not None else main
     gs_ = wts.global_scale if wts.global_scale is not None else main
     if wts.fp4_group is not None:
-        check(cfg.block_k % wts.fp4_group == 0, f"moe_gemm: block_k {cfg.block_k} is not whole fp4 groups of "
-                                                 f"{wts.fp4_group}")
+        check(cfg.block_k % wts.fp4_group == 0 and cfg.block_k >= 32,
+              f"moe_gemm: block_k {cfg.block_k} is not whole fp4 groups of {wts.fp4_group} (and >= 32: two half "
+              f"tiles of K >= 16)")
         scale_ = scale_.view(torch.uint8)  # e4m3 bits (nvfp4), decoded in the kernel
     a_scale_ = a_scale if a_scale is not None else a
     if bias is not None:
@@ -337,9 +336,6 @@ def moe_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, wts: StackedWeights,
         if dot_dtype == tl.bfloat16 and is_interpreted(_moe_gemm_kernel):
             dot_dtype = tl.float32  # the interpreter's bf16 tl.dot is wrong
         prec = "ieee" if dot_dtype == tl.float32 else "tf32"
-    unpack = FP4_UNPACK if wts.fp4_group is not None and cfg.block_k >= 32 else 0  # half tiles: dots of K >= 16
-    if unpack == 2 and (wts.global_scale is not None or dot_dtype != tl.bfloat16):
-        unpack = 1  # the exponent trick is for e8m0 scales into bf16 tiles
     grid = (triton.cdiv(EM, cfg.block_m) * triton.cdiv(R, cfg.block_n), splits)
     _moe_gemm_kernel[grid](
         a, a_scale_, main, scale_, zp_, gs_, c, topk_weights, bias_,
@@ -352,9 +348,10 @@ def moe_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, wts: StackedWeights,
         zp_.stride(0), zp_.stride(1), zp_.stride(-1),
         gs_.stride(0), bias_.stride(0),
         c.stride(0) if splits > 1 else 0, c.stride(-2), c.stride(-1),
+        float(clamp[0]) if clamp else 1.0, float(clamp[1]) if clamp else 0.0,
         FMT=wts.fmt, HAS_ZP=wts.zp is not None, GROUP_TILE=group_size % cfg.block_k == 0,
         EVEN_K=K % cfg.block_k == 0, FP4_GROUP=wts.fp4_group or 16, HAS_GS=wts.global_scale is not None,
-        FP4_UNPACK=unpack, SPLIT=splits > 1,
+        SPLIT=splits > 1, SILU=silu, CLAMPED=clamp is not None, ROUND=ROUND_CODE[c.dtype] if silu else 0,
         MUL_WEIGHT=bool(mul_weight), HAS_BIAS=bias is not None, SOFT_BF16=c.dtype == torch.bfloat16 and is_interpreted(_moe_gemm_kernel),
         DOT_DTYPE=dot_dtype, PREC=prec,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,

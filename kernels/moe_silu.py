@@ -25,7 +25,7 @@ from .common import (
 
 
 @triton.jit
-def _round_to(y, ROUND: tl.constexpr):
+def round_to(y, ROUND: tl.constexpr):
     """fp32 y rounded to bf16 (ROUND 1) or fp16 (2), still fp32; 0: unchanged."""
     if ROUND == 1:
         y = round_to_bf16(y)
@@ -50,18 +50,24 @@ def _silu_mul_tile(x_row, cols, mask, N, stride_xn, alpha, limit, ROUND: tl.cons
             part = x_row + s * stride_xs
             g += tl.load(part + cols[None, :] * stride_xn, mask=mask, other=0.0)
             u += tl.load(part + (cols + N)[None, :] * stride_xn, mask=mask, other=0.0)
-        g = _round_to(g, ROUND_IN)
-        u = _round_to(u, ROUND_IN)
+        g = round_to(g, ROUND_IN)
+        u = round_to(u, ROUND_IN)
     else:
         g = tl.load(x_row + cols[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(x_row + (cols + N)[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
+    return round_to(swiglu(g, u, alpha, limit, CLAMPED), ROUND)
+
+
+@triton.jit
+def swiglu(g, u, alpha, limit, CLAMPED: tl.constexpr):
+    """fp32 gate and up -> silu(g) * u; CLAMPED (gpt-oss): g clamped above at ``limit``, u to
+    [-limit, limit], then g * sigmoid(alpha * g) * (u + 1)."""
     if CLAMPED:
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
-        y = g / (1.0 + tl.exp(-(g * alpha))) * (u + 1.0)
+        return g / (1.0 + tl.exp(-(g * alpha))) * (u + 1.0)
     else:
-        y = g / (1.0 + tl.exp(-g)) * u
-    return _round_to(y, ROUND)
+        return g / (1.0 + tl.exp(-g)) * u
 
 
 @triton.jit
@@ -122,7 +128,8 @@ def _silu_mul_kernel(
 
 #: widest row chunk a per-token program holds (one pass at or below it)
 _TOKEN_BLOCK_N = 4096
-_ROUND = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 0}
+#: round_to's ROUND for an activation dtype
+ROUND_CODE = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 0}
 
 
 def silu_and_mul(x: torch.Tensor, row_ids: torch.Tensor | None = None, *, quant_fp8: bool = False,
@@ -178,8 +185,8 @@ def silu_and_mul(x: torch.Tensor, row_ids: torch.Tensor | None = None, *, quant_
             x.stride(0) if splits else 0, x.stride(-2), x.stride(-1), y.stride(0), y.stride(1), ys.stride(0),
             ys.stride(1),
             CLAMPED=clamp is not None, HAS_IDS=row_ids is not None, QUANT_FP8=bool(quant_fp8), TWO_PASS=per_token and N > block_n,
-            ROUND=_ROUND[act_dtype] if quant_fp8 else 0, SOFT_FP8=bool(soft_fp8), SPLITS=splits > 0,
-            ROUND_IN=_ROUND[act_dtype] if splits else 0, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
+            ROUND=ROUND_CODE[act_dtype] if quant_fp8 else 0, SOFT_FP8=bool(soft_fp8), SPLITS=splits > 0,
+            ROUND_IN=ROUND_CODE[act_dtype] if splits else 0, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
         )
     return (y, ys) if quant_fp8 else y
 

@@ -11,8 +11,8 @@ multiprocessors.
    times every candidate on that GPU), holds per (scheme, E, N, H, k[, g]) the best tiles at a
    few token counts; a call takes the entry of the nearest token count (log scale);
 2. otherwise the rules of :func:`rule_config`, which follow from how the kernel spends its time:
-   at T <= 16 the weights' bytes are the whole cost and the kernel has no split-K, so deep K
-   pipelines, and BLOCK_N shrinks until the call's expert blocks give every SM a program;
+   at T <= 16 the weights' bytes are the whole cost, so deep K pipelines, and BLOCK_N shrinks
+   until the call's expert blocks give every SM a program (the dequantizing schemes split K);
    BLOCK_M follows the pairs per expert, so an expert's rows fit one M tile and its weight tiles
    are read once; at many pairs per expert the tiles grow to what the tensor cores need.
 
@@ -38,10 +38,12 @@ from .moe_weights import SCHEMES
 
 @dataclass(frozen=True)
 class MoeConfig:
-    """Tile sizes of the grouped GEMMs (powers of two >= 16; fp8-block: 128 % block_k == 0) and
+    """Tile sizes of the grouped GEMMs (powers of two >= 16; fp8-block: 128 % block_k == 0),
     how many slices of K each GEMM splits into (split-K: each slice's program writes an fp32
     partial [P, R], the next step sums them; 1 = no split): ``split_w13`` for x @ w13^T (K = H),
-    ``split_w2`` for h @ w2^T (K = N)."""
+    ``split_w2`` for h @ w2^T (K = N), and ``fuse_silu``: GEMM1 computes silu(gate) * up in its
+    epilogue (a tile of block_n w13 rows is block_n / 2 gate and up rows; taken where the
+    activations stay 16/32-bit and GEMM1 is not split, ignored elsewhere)."""
 
     block_m: int = 64
     block_n: int = 128
@@ -51,10 +53,12 @@ class MoeConfig:
     num_stages: int = 3
     split_w13: int = 1
     split_w2: int = 1
+    fuse_silu: bool = False
 
 
-#: the fields every table tile names; the split factors may be left out (1)
+#: the fields every table tile names; the others (split factors, fuse_silu) may be left out
 TILE_FIELDS = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")
+OPTIONAL_FIELDS = ("split_w13", "split_w2", "fuse_silu")
 #: most K slices a GEMM may split into
 MAX_SPLIT = 32
 
@@ -82,7 +86,8 @@ _TILES = {
 
 def _fit(sch, cfg: MoeConfig, act_dtype: torch.dtype, group_size: int) -> MoeConfig:
     """fp32 activations: 2 stages and M/N tiles <= 64 (shared memory). int4: block_k <= g when
-    g is a power of two, so a K tile never straddles two groups. fp4: block_k whole groups."""
+    g is a power of two, so a K tile never straddles two groups. fp4: block_k whole groups, and
+    >= 32 (the kernel dots two half tiles of K >= 16)."""
     bm, bn, bk, stages = cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages
     if act_dtype == torch.float32:
         stages = 2
@@ -90,7 +95,7 @@ def _fit(sch, cfg: MoeConfig, act_dtype: torch.dtype, group_size: int) -> MoeCon
     if sch.groups and group_size >= 16 and group_size & (group_size - 1) == 0:
         bk = min(bk, group_size)
     if sch.fp4_group is not None:
-        bk = max(bk, sch.fp4_group)
+        bk = max(bk, sch.fp4_group, 32)
     return replace(cfg, block_m=bm, block_n=bn, block_k=bk, num_stages=stages)
 
 
@@ -125,20 +130,24 @@ def config_problem(scheme: str, cfg: MoeConfig, group_size: int = 128) -> str | 
         return f"num_stages = {cfg.num_stages!r} is not in 1..8"
     for f in ("split_w13", "split_w2"):
         v = getattr(cfg, f)
-        if not isinstance(v, int) or not 1 <= v <= MAX_SPLIT:
+        if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= MAX_SPLIT:
             return f"{f} = {v!r} is not in 1..{MAX_SPLIT}"
+    if not isinstance(cfg.fuse_silu, bool):
+        return f"fuse_silu = {cfg.fuse_silu!r} is not true or false"
     if SCHEMES[scheme].act_group == FP8_BLOCK and FP8_BLOCK % cfg.block_k:
         return f"block_k = {cfg.block_k} does not divide the fp8 block of {FP8_BLOCK}"
     if SCHEMES[scheme].groups and group_size & (group_size - 1) == 0 and cfg.block_k > max(group_size, 16):
         return f"block_k = {cfg.block_k} straddles int4 groups of {group_size}"
     fp4_group = SCHEMES[scheme].fp4_group
-    if fp4_group is not None and cfg.block_k % fp4_group:
-        return f"block_k = {cfg.block_k} is not whole {scheme} groups of {fp4_group}"
+    if fp4_group is not None and (cfg.block_k % fp4_group or cfg.block_k < 32):
+        return f"block_k = {cfg.block_k} is not whole {scheme} groups of {fp4_group} (and >= 32)"
     return None
 
 
 #: pairs per expert above which the GEMMs are compute-bound enough for the large tiles
 LARGE_PPE = 96
+#: programs per SM that dequantizing GEMMs (int4, fp4) want at decode before they split K
+DEQUANT_PROGRAMS = 4
 
 
 def rule_config(scheme: str, E: int, N: int, H: int, top_k: int, T: int, act_dtype: torch.dtype,
@@ -146,15 +155,20 @@ def rule_config(scheme: str, E: int, N: int, H: int, top_k: int, T: int, act_dty
     """Tiles for a shape no table holds (module docstring), from what the kernel is bound by and
     what ``bench/tune.py`` measured on an H100 (issue-17 shapes; ratios are to each cell's best).
 
-    T <= 16 (weight bytes are the cost; the kernel has no split-K): BLOCK_M 16, BLOCK_K 128 and
-    4 stages keep weight loads in flight (BLOCK_K 64: 4-24 % slower, 3 stages up to 17 %); BLOCK_N the
-    largest of 128 / 64 / 32 with which min(E, T*k) expert blocks times the narrower GEMM's
-    column tiles (min(2N, H) / BLOCK_N) give every SM a program. Under expert parallelism fewer
-    experts are local: DeepSeek-V3 EP8 at T=1 (~1.5 local experts) ran BLOCK_N 128 within
-    1.2 % of its best, while BLOCK_N 32 on all 256 experts ran 15 % slower. int4 keeps BLOCK_N
-    128, BLOCK_K 64: its packed rows are BLOCK_K / 2 bytes long, and narrower tiles ran
-    12-66 % slower. fp4 (nvfp4, mxfp4) takes int4's tiles: as many weight bytes a K tile,
-    not tuned yet.
+    T <= 16 (weight bytes are the cost): BLOCK_M 16, BLOCK_K 128 and 4 stages keep weight loads
+    in flight (BLOCK_K 64: 4-24 % slower, 3 stages up to 17 %); BLOCK_N the largest of 128 / 64
+    / 32 with which min(E, T*k) expert blocks times the narrower GEMM's column tiles (min(2N, H)
+    / BLOCK_N) give every SM a program. Under expert parallelism fewer experts are local:
+    DeepSeek-V3 EP8 at T=1 (~1.5 local experts) ran BLOCK_N 128 within 1.2 % of its best, while
+    BLOCK_N 32 on all 256 experts ran 15 % slower. Split-K does not help the bf16 / fp8 GEMMs
+    there (DeepSeek-V3 EP8 T=1, 3 active experts: GEMM1 at 2.3 TB/s bf16 with 1 to 8 slices, as
+    many programs as 384 or 3072), so they keep one slice. int4 and fp4 keep BLOCK_N 128,
+    BLOCK_K 64 (packed rows are BLOCK_K / 2 bytes long; narrower tiles ran 12-66 % slower) and,
+    dequantization-bound, want more programs than SMs: with fewer than DEQUANT_PROGRAMS per SM
+    (min(E, T*k) blocks of the narrower GEMM) GEMM1 splits K in 4, GEMM2 in 2 (DeepSeek-V3 EP8
+    T=1: int4 117 -> 98 us, nvfp4 150 -> 111 us).
+    Where the activations stay 16/32-bit (not W8A8) and GEMM1 is not split, silu(gate) * up is
+    GEMM1's epilogue (``fuse_silu``): one kernel and one [P, 2N] round trip less.
 
     More tokens: BLOCK_M the power of two >= 1.5x the pairs per expert (T*k/E, an upper bound:
     -1 pairs included; the margin covers routing imbalance), 16 to 64, so an expert's rows fit
@@ -166,14 +180,16 @@ def rule_config(scheme: str, E: int, N: int, H: int, top_k: int, T: int, act_dty
     sch = SCHEMES[scheme]
     ppe = T * top_k / max(E, 1)
     kind = "int4" if sch.groups or sch.fp4_group else scheme if sch.fp8_acts else "dense"  # fp4: int4's bytes
+    fuse = not sch.fp8_acts
+    narrow = min(2 * N, H)
+    blocks = max(1, min(E, T * top_k))
     if T <= DECODE_T:
         if kind == "int4":
-            cfg = MoeConfig(16, 128, 64, 1, 4, 4)
+            few = blocks * triton.cdiv(narrow, 128) < DEQUANT_PROGRAMS * num_sms
+            cfg = MoeConfig(16, 128, 64, 1, 4, 4, 4 if few else 1, 2 if few else 1, fuse and not few)
         else:
-            narrow = min(2 * N, H)
-            blocks = max(1, min(E, T * top_k))
             bn = next((b for b in (128, 64, 32) if blocks * triton.cdiv(narrow, b) >= num_sms), 32)
-            cfg = MoeConfig(16, bn, 128, 1, 4, 4)
+            cfg = MoeConfig(16, bn, 128, 1, 4, 4, fuse_silu=fuse)
     elif ppe > LARGE_PPE:
         cfg = MoeConfig(*{"dense": (128, 256, 64, 8, 8, 4), "fp8-block": (64, 128, 128, 32, 4, 3),
                           "fp8-channel": (128, 128, 128, 8, 4, 3), "int4": (128, 128, 64, 8, 4, 3)}[kind])
@@ -182,6 +198,7 @@ def rule_config(scheme: str, E: int, N: int, H: int, top_k: int, T: int, act_dty
         gm = 1 if bm == 16 else 8
         cfg = {"dense": MoeConfig(bm, 128, 128, gm, 4, 3), "fp8-block": MoeConfig(bm, 128, 128, gm, 4, 3),
                "fp8-channel": MoeConfig(bm, 64, 128, gm, 4, 3), "int4": MoeConfig(bm, 128, 64, gm, 4, 3)}[kind]
+        cfg = replace(cfg, fuse_silu=fuse)
     return _fit(sch, cfg, act_dtype, group_size)
 
 
@@ -204,8 +221,8 @@ def parse_table(data: dict, where: str) -> dict[tuple, dict[int, MoeConfig]]:
           {"scheme": "fp8-block", "E": 32, "N": 2048, "H": 7168, "top_k": 8,
            "tiles": {"1": {"block_m": 16, ..., "num_stages": 4, "split_w13": 4, "us": 41.2}, "16": {...}}}]}
 
-    (int4 entries add "group_size"; split_w13 / split_w2 are 1 when left out; keys other than
-    MoeConfig's in a tile, such as the measured "us", are notes.)
+    (int4 entries add "group_size"; split_w13 / split_w2 are 1 and fuse_silu false when left
+    out; keys other than MoeConfig's in a tile, such as the measured "us", are notes.)
     """
     check(isinstance(data, dict) and isinstance(data.get("entries"), list), f"{where}: no 'entries' list")
     out: dict[tuple, dict[int, MoeConfig]] = {}
@@ -222,7 +239,7 @@ def parse_table(data: dict, where: str) -> dict[tuple, dict[int, MoeConfig]]:
         for t, tile in tiles.items():
             check(t.isdigit() and int(t) > 0 and isinstance(tile, dict) and all(n in tile for n in TILE_FIELDS),
                   f"{here}: tiles[{t!r}] must map a token count to {', '.join(TILE_FIELDS)}")
-            cfg = MoeConfig(**{n: tile[n] for n in (*TILE_FIELDS, "split_w13", "split_w2") if n in tile})
+            cfg = MoeConfig(**{n: tile[n] for n in (*TILE_FIELDS, *OPTIONAL_FIELDS) if n in tile})
             problem = config_problem(e["scheme"], cfg, e.get("group_size", 128))
             check(problem is None, f"{here}: tiles[{t!r}]: {problem}")
             per_t[int(t)] = cfg
@@ -292,5 +309,7 @@ def _select(device_name: str, num_sms: int, scheme: str, E: int, N: int, H: int,
 
 
 def config_dict(cfg: MoeConfig) -> dict:
-    """MoeConfig -> the dict a table's tile holds (without notes; split factors only when > 1)."""
-    return {key: v for key, v in asdict(cfg).items() if key in TILE_FIELDS or v != 1}
+    """MoeConfig -> the dict a table's tile holds (without notes; the optional fields only when
+    they differ from their defaults)."""
+    default = MoeConfig()
+    return {key: v for key, v in asdict(cfg).items() if key in TILE_FIELDS or v != getattr(default, key)}

@@ -1,7 +1,8 @@
-"""Split-K of the grouped GEMMs (``MoeConfig.split_w13`` / ``split_w2``) and the fp4 weight
-unpacking (``moe_gemm.FP4_UNPACK``): each slice's fp32 partial against the torch reference, the
-steps that sum the slices (silu_and_mul, moe_sum) bit-exact against their references, and
-fused_experts with split GEMMs against fused_experts_ref and against itself unsplit.
+"""Split-K of the grouped GEMMs (``MoeConfig.split_w13`` / ``split_w2``), silu in GEMM1's
+epilogue (``fuse_silu``) and fp4's half-tile dots: each slice's fp32 partial against the torch
+reference, the steps that sum the slices (silu_and_mul, moe_sum) bit-exact against their
+references, fused_experts split or fused against fused_experts_ref and bit-exact or close to
+itself unsplit and unfused, and the rules that choose them.
 
 Letters: T tokens, H hidden, N intermediate, E local experts, k top-k, S slices of K.
 """
@@ -15,6 +16,8 @@ from moetool.kernels.moe_silu import silu_and_mul
 from moetool.kernels.moe_sum import moe_sum, moe_sum_ref
 from moetool.kernels.moe_tiles import MoeConfig
 from moetool.kernels.moe_weights import SCHEMES, dequantize_stacked, parse_weights
+
+from moetool.errors import MoetoolError
 
 from test_kernels_fused_moe import CASES, fused_ref, make_hidden, make_routing, make_weights, rel_err, weight_format
 
@@ -141,14 +144,55 @@ def test_split_keeps_biases_once_and_the_clamped_swiglu(device):
     assert rel_err(out, ref) < CASES["dense-fp16"][3]
 
 
-@pytest.mark.parametrize("case", ["nvfp4-fp32", "mxfp4-fp16", "nvfp4-joint-fp16"])
-@pytest.mark.parametrize("unpack", [0, 1])
-def test_fp4_unpacking_ways_agree(case, unpack, device, monkeypatch):
-    """Interleaved codes (0) and the even / odd half dots (1) compute the same GEMMs."""
-    monkeypatch.setattr(mg, "FP4_UNPACK", unpack)
-    run, ref, tol = _problem(case, (5, 3, 128, 64, 2, None), device)
-    out = run(MoeConfig(16, 32, 64, 1, 4, 1))
-    assert rel_err(out, ref) < tol, rel_err(out, ref)
+# (case, shape): every 16/32-bit activation path of GEMM1 (dense, int4 with zero points, both fp4)
+FUSE_CASES = [("dense-fp32", (5, 3, 96, 48, 2, None)), ("dense-bf16", (4, 3, 64, 64, 2, None)),
+              ("int4-asym-fp16", (5, 3, 128, 80, 2, 32)), ("nvfp4-fp16", (5, 3, 128, 64, 2, None)),
+              ("mxfp4-fp16", (3, 2, 64, 96, 2, None))]
+
+
+@pytest.mark.parametrize("case,shape", FUSE_CASES, ids=[c[0] for c in FUSE_CASES])
+def test_fused_silu_is_the_unfused_pipeline(case, shape, device):
+    """silu(gate) * up in GEMM1's epilogue computes what GEMM1 + silu_and_mul do: the same
+    rounding of the product to the act dtype, the same silu, bit for bit (the interpreter runs
+    the same dots for both; N = 48 / 80 / 96 are not whole 32-row tiles)."""
+    run, ref, tol = _problem(case, shape, device)
+    fused = run(MoeConfig(16, 32, 32, 1, 4, 1, fuse_silu=True))
+    assert torch.equal(fused, run(MoeConfig(16, 32, 32, 1, 4, 1)))
+    assert rel_err(fused, ref) < tol
+    # W8A8 quantizes the silu output per group: fuse_silu does not apply, the output is the same
+    if case == "dense-fp32":
+        run8, _, _ = _problem("fp8-block-w8a8", (3, 2, 128, 64, 2, None), device)
+        assert torch.equal(run8(MoeConfig(16, 32, 128, 1, 4, 1, fuse_silu=True)), run8(MoeConfig(16, 32, 128, 1, 4, 1)))
+
+
+def test_fused_silu_keeps_biases_and_the_clamped_swiglu(device):
+    T, E, H, N, k = 5, 3, 64, 48, 2
+    w13, w2 = make_weights("dense", E, H, N, dtype=torch.float16)
+    ids, tw = make_routing(T, E, k)
+    x = torch.randn(T, H).half()
+    b13, b2 = torch.randn(E, 2 * N), torch.randn(E, H)
+    kw = dict(activation="clamped-swiglu", swiglu=(1.702, 1.5), w13_bias=b13.to(device), w2_bias=b2.to(device))
+    to = lambda d: {key: v.to(device) for key, v in d.items()}  # noqa: E731
+    args = (x.to(device), to(w13), to(w2), "dense", ids.to(device), tw.to(device))
+    fused = fm.fused_experts(*args, config=MoeConfig(16, 32, 32, 1, 4, 1, fuse_silu=True), **kw)
+    assert torch.equal(fused, fm.fused_experts(*args, config=MoeConfig(16, 32, 32, 1, 4, 1), **kw))
+    ref = fused_ref(x, w13, w2, "dense", ids, tw, activation="clamped-swiglu", swiglu=(1.702, 1.5), w13_bias=b13,
+                    w2_bias=b2)
+    assert rel_err(fused.cpu(), ref) < CASES["dense-fp16"][3]
+
+
+def test_gemm_silu_epilogue_checks_its_output(device):
+    E, H, N = 2, 64, 32
+    w13, _ = make_weights("dense", E, H, N, dtype=torch.float32)
+    wts = parse_weights("dense", {"weight": w13["weight"].to(device)}, "w13", E, 2 * N, H, 128, N)
+    ids = torch.tensor([[0, 1]], device=device)
+    sorted_ids, expert_ids, npp = moe_align_block_size(ids, 16, E)
+    x = torch.randn(1, H, device=device)
+    cfg = MoeConfig(16, 32, 32, 1, 4, 1)
+    for c, match in ((torch.empty(2, 2 * N, device=device), "c has 64 columns"),
+                     (torch.empty(3, 2, N, device=device), "silu in the epilogue")):
+        with pytest.raises(MoetoolError, match=match):
+            mg.moe_gemm(x, None, wts, c, x, sorted_ids, expert_ids, npp, 2, 2, N, False, 128, cfg, silu=True)
 
 
 def test_split_factors_in_tables_and_checks():
@@ -160,9 +204,42 @@ def test_split_factors_in_tables_and_checks():
     assert mt.config_dict(per_t[16]) == names and mt.config_dict(per_t[1]) == dict(names, split_w13=4)
     assert "split_w2 = 0" in mt.config_problem("dense", MoeConfig(16, 64, 128, 1, 4, 4, 2, 0))
     assert "split_w13 = 33" in mt.config_problem("dense", MoeConfig(16, 64, 128, 1, 4, 4, 33, 1))
+    assert "fuse_silu = 1" in mt.config_problem("dense", MoeConfig(16, 64, 128, 1, 4, 4, fuse_silu=1))
+    assert "and >= 32" in mt.config_problem("nvfp4", MoeConfig(16, 64, 16, 1, 4, 4))
+    fused = MoeConfig(16, 64, 128, 1, 4, 4, fuse_silu=True)
+    assert mt.config_dict(fused) == dict(names, fuse_silu=True)
+    again = mt.parse_table({"entries": [{"scheme": "dense", "E": 1, "N": 1, "H": 1, "top_k": 1, "tiles": {
+        "1": mt.config_dict(fused)}}]}, "t.json")
+    assert again[mt.entry_key("dense", 1, 1, 1, 1)][1] == fused
 
 
-# ---- GPU only: bf16 dots, the real tile sizes and the exponent unpacking of mxfp4 -------------
+H100_SMS = 132
+DSV3_EP8, MIXTRAL = (32, 2048, 7168, 8), (8, 14336, 4096, 2)
+
+
+@pytest.mark.parametrize("scheme", ["int4-group", "nvfp4", "mxfp4"])
+def test_rules_split_dequantizing_gemms_with_few_programs(scheme):
+    """int4 / fp4 at decode are dequantization-bound: fewer than DEQUANT_PROGRAMS programs per SM
+    (min(E, T*k) blocks of the narrower GEMM's 128-wide tiles) split K (H100, DeepSeek-V3 EP8
+    T=1: int4 117 -> 98 us, nvfp4 150 -> 111 us); with more, one slice and silu fused."""
+    for (E, N, H, k), T, split in ((DSV3_EP8, 1, True), (DSV3_EP8, 16, False), (MIXTRAL, 1, True),
+                                   (MIXTRAL, 16, True)):
+        cfg = mt.rule_config(scheme, E, N, H, k, T, torch.bfloat16, 128, H100_SMS)
+        blocks = min(E, T * k) * -(-min(2 * N, H) // 128)
+        assert split == (blocks < mt.DEQUANT_PROGRAMS * H100_SMS)
+        assert (cfg.split_w13, cfg.split_w2, cfg.fuse_silu) == ((4, 2, False) if split else (1, 1, True)), (T, cfg)
+
+
+def test_rules_fuse_silu_where_the_activations_stay_float():
+    E, N, H, k = DSV3_EP8
+    for T in (1, 16, 128):
+        for scheme in SCHEMES:
+            cfg = mt.rule_config(scheme, E, N, H, k, T, torch.bfloat16, 128, H100_SMS)
+            assert cfg.fuse_silu == (not SCHEMES[scheme].fp8_acts and cfg.split_w13 == 1), (scheme, T, cfg)
+            assert mt.config_problem(scheme, cfg) is None
+
+
+# ---- GPU only: bf16 dots, the real tile sizes ---------------------------------------------------
 
 GPU_SPLIT = [("dense-bf16", "dense", torch.bfloat16, 8e-3), ("fp8-block-bf16", "fp8-block", torch.bfloat16, 0.06),
              ("fp8-channel-bf16", "fp8-channel", torch.bfloat16, 0.06),
@@ -173,15 +250,14 @@ GPU_SPLIT = [("dense-bf16", "dense", torch.bfloat16, 8e-3), ("fp8-block-bf16", "
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name,fmt,hdtype,tol", GPU_SPLIT, ids=[c[0] for c in GPU_SPLIT])
-@pytest.mark.parametrize("unpack", [1, 2])
-def test_split_and_unpacking_gpu(name, fmt, hdtype, tol, unpack, monkeypatch):
-    if unpack == 2 and fmt not in ("nvfp4", "mxfp4"):
-        pytest.skip("the unpacking ways are fp4's")
-    monkeypatch.setattr(mg, "FP4_UNPACK", unpack)
+def test_split_and_fused_silu_gpu(name, fmt, hdtype, tol, monkeypatch):
     monkeypatch.setitem(CASES, name, (fmt, hdtype, True, tol))
     run, ref, _ = _problem(name, (5, 8, 1024, 512, 8, 128), "cuda")
-    bk = 128
+    bk = 128 if fmt != "int4-group" else 64
+    outs = {}
     for cfg in (MoeConfig(16, 64, bk, 1, 4, 4), MoeConfig(16, 64, bk, 1, 4, 4, 4, 2),
-                MoeConfig(64, 128, bk if fmt != "int4-group" else 64, 8, 4, 3, 2, 1)):
-        out = run(cfg)
+                MoeConfig(16, 64, bk, 1, 4, 4, fuse_silu=True), MoeConfig(128, 256, 64, 8, 8, 3, fuse_silu=True)):
+        outs[cfg] = out = run(cfg)
         assert rel_err(out, ref) < tol, (cfg, rel_err(out, ref))
+    # fused silu: the unfused pipeline's rounding; the tensor cores may sum in another order
+    assert rel_err(outs[MoeConfig(16, 64, bk, 1, 4, 4, fuse_silu=True)], outs[MoeConfig(16, 64, bk, 1, 4, 4)]) < 2e-3
