@@ -242,59 +242,6 @@ def _tune():
     return tune
 
 
-def fp4_unpack_sweep(args, rows):
-    """fused_experts on DeepSeek-V3 EP8 fp4 weights under each way of unpacking the weight tiles
-    (``moe_gemm.FP4_UNPACK``) and a few tiles per T: CUDA graph, L2 flushed, median."""
-    from moetool.kernels import moe_gemm as mg
-    from moetool.kernels.moe_tiles import MoeConfig, select_config
-
-    tune = _tune()
-    layer = tune.LAYERS["dsv3-ep8"]
-    tiles = {1: [(16, 64, 64, 1, 4, 4), (16, 128, 64, 1, 4, 4), (16, 64, 128, 1, 4, 4), (16, 64, 64, 1, 4, 4, 4, 2)],
-             16: [(16, 64, 64, 1, 4, 4), (16, 128, 64, 1, 4, 3), (16, 128, 128, 1, 4, 3)],
-             128: [(16, 64, 64, 1, 4, 4), (16, 128, 64, 1, 4, 3), (32, 64, 128, 8, 4, 3), (16, 128, 128, 1, 4, 3)],
-             4096: [(128, 128, 64, 8, 4, 3), (64, 128, 64, 8, 4, 3), (128, 128, 128, 8, 8, 3), (64, 128, 128, 8, 4, 3),
-                    (128, 256, 64, 8, 8, 3)]}
-    for scheme in args.fp4_schemes:
-        w13, w2 = tune.make_weights(scheme, 2 if args.compile_only else layer.E, layer.H, layer.N, "cuda")
-        for T in args.tokens:
-            hidden, ids, tw = tune._problem(scheme, layer, T, 2 if args.compile_only else layer.E, "cuda")
-            out = torch.empty(T, layer.H, dtype=torch.bfloat16, device="cuda")
-            cfgs = [select_config(scheme, layer.E, layer.N, layer.H, layer.k, T, torch.bfloat16, False)]
-            cfgs += [MoeConfig(*c) for c in tiles.get(T, [])]
-            ref = None
-            for unpack in args.unpack_modes:
-                mg.FP4_UNPACK = unpack
-                times = {}
-                if args.compile_only:  # fill Triton's cache on disk (parallel processes, before the timing)
-                    for cfg in dict.fromkeys(cfgs):
-                        tune.run_ours(hidden, w13, w2, scheme, ids, tw, cfg, out)
-                    torch.cuda.synchronize()
-                    continue
-                with tune.fixed_align():
-                    if ref is None:  # errors are against the first mode's output
-                        ref = tune.run_ours(hidden, w13, w2, scheme, ids, tw, cfgs[0], out).float().clone()
-                    for cfg in dict.fromkeys(cfgs):
-                        try:
-                            got = tune.run_ours(hidden, w13, w2, scheme, ids, tw, cfg, out).float()
-                            err = ((got - ref).norm() / ref.norm()).item()
-                            times[cfg] = (tune.time_graph(
-                                lambda c=cfg: tune.run_ours(hidden, w13, w2, scheme, ids, tw, c, out), args.reps)["us"],
-                                err)
-                        except Exception as e:  # noqa: BLE001 - e.g. out of shared memory
-                            print(f"  {scheme} T={T} unpack {unpack} {cfg}: {type(e).__name__}: {str(e)[:120]}")
-                best = min(times, key=lambda c: times[c][0])
-                rows.append({"kind": "fp4_unpack", "scheme": scheme, "T": T, "unpack": unpack,
-                             "times": [[*dataclasses.astuple(c), us, err] for c, (us, err) in times.items()],
-                             "best": dataclasses.astuple(best), "best_us": times[best][0]})
-                print(f"{scheme:6} T={T:5d} unpack {unpack}: best {dataclasses.astuple(best)} {times[best][0]:8.1f} us | "
-                      + " ".join(f"{dataclasses.astuple(c)}:{us:.0f}({err:.0e})" for c, (us, err) in times.items()),
-                      flush=True)
-        w13 = w2 = None
-        torch.cuda.empty_cache()
-    mg.FP4_UNPACK = 1
-
-
 def decode_breakdown(args, rows):
     """Where a decode call's time goes: each step of fused_experts alone (CUDA graph, L2
     flushed) for DeepSeek-V3 EP8 at T <= 16, unsplit and split."""
@@ -463,10 +410,6 @@ def main(argv=None):
     ap.add_argument("--no-quant", action="store_true")
     ap.add_argument("--quick", action="store_true", help="one layer, T=512 and 4096, reps 5")
     ap.add_argument("--sweep", action="store_true", help="time tile configs instead (for default_config)")
-    ap.add_argument("--fp4-unpack", action="store_true", help="time fp4's ways of unpacking weights instead")
-    ap.add_argument("--unpack-modes", nargs="+", type=int, default=[0, 1, 2], help="--fp4-unpack: FP4_UNPACK values")
-    ap.add_argument("--fp4-schemes", nargs="+", default=["nvfp4", "mxfp4"], choices=["nvfp4", "mxfp4"])
-    ap.add_argument("--compile-only", action="store_true", help="--fp4-unpack: only compile (2 experts), no timing")
     ap.add_argument("--breakdown", action="store_true", help="time each step of a decode call instead")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -477,8 +420,8 @@ def main(argv=None):
     print(f"device: {name}; peaks: " + (f"{peak[0] / 1e12:.0f} TFLOP/s bf16, {peak[1] / 1e12:.0f} fp8, "
                                         f"{peak[2] / 1e12:.2f} TB/s" if peak else "unknown"))
     rows: list[dict] = []
-    if args.sweep or args.fp4_unpack or args.breakdown:
-        (sweep_moe if args.sweep else fp4_unpack_sweep if args.fp4_unpack else decode_breakdown)(args, rows)
+    if args.sweep or args.breakdown:
+        (sweep_moe if args.sweep else decode_breakdown)(args, rows)
         args.no_quant = True
     else:
         bench_moe(args, peak, rows)
