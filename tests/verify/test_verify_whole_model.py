@@ -288,7 +288,40 @@ def test_faults_before_the_first_divergent_row_pass(world):
     assert [r.passed for r in report.rows[:3]] == [True, True, True], report.render()
 
 
-def test_cli_whole_model_json_and_exit_status(world, cli):
+def _same(a, b) -> bool:
+    """Equal values, tensors compared element by element."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.fixture
+def world_once(monkeypatch):
+    """The whole-model verify's spawn_world, started once per distinct call: a call with the same
+    rank function, world, backend and rank jobs as an earlier one gets that one's results. The
+    thresholds (--max-rel-err) are the parent's, never sent to the ranks: a run differing only in
+    them needs no second world. Returns the list of worlds really started."""
+    from moetool.verify import whole_model
+
+    real, started = whole_model.spawn_world, []
+
+    def spawn_world(fn, world, backend="gloo", *, args=(), **kw):
+        for key, results in started:
+            if _same(key, (fn.__qualname__, world, backend, args)):
+                return results
+        results = real(fn, world, backend, args=args, **kw)
+        started.append(((fn.__qualname__, world, backend, args), results))
+        return results
+
+    monkeypatch.setattr(whole_model, "spawn_world", spawn_world)
+    return started
+
+
+def test_cli_whole_model_json_and_exit_status(world, cli, world_once):
     shards, ref, _ = world["experts-swapped"][1]
     res = cli("verify", shards, "--ref", ref, "--ep", 2, "--whole-model", "--tokens", 16, "--seq-len", 16, "--json")
     assert res.code == 1, res.err
@@ -302,6 +335,7 @@ def test_cli_whole_model_json_and_exit_status(world, cli):
     data = json.loads(res.out)
     assert res.code == 1 and data["thresholds"]["moe_rel_err"] == 0.5
     assert "MoE block rel err" not in res.error_line and "worst token" in res.error_line
+    assert len(world_once) == 1  # the same ranks' results, judged by the other threshold
 
 
 def test_without_transformers_says_what_to_install(cli, monkeypatch, tmp_path):
