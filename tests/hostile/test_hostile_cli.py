@@ -27,7 +27,7 @@ def src(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-def test_demo_prints_commands_that_rerun_by_hand(tmp_path):
+def test_demo_prints_commands_that_rerun_by_hand(tmp_path, cli):
     """`demo --workdir W --format int4` keeps its files in W and ends with the five commands
     it ran (the last the whole-model check), with their real paths and the group size it
     really used (quantize's default 128 does not divide the tiny model's K = 192): run again by
@@ -59,9 +59,10 @@ def test_demo_prints_commands_that_rerun_by_hand(tmp_path):
 
     for step, command in enumerate(commands, 1):  # the step lines run the same commands
         assert any(line.startswith(f"[{step}/5] ") and shlex.join(command) in line for line in lines), command
-    assert moetool(*inspect_[1:]).code == 0
+    # re-run through the same entry point in this process (the demo was the real one)
+    assert cli(*inspect_[1:]).code == 0
     again = tmp_path / "again"
-    r2 = moetool("quantize", quantize[2], again, *quantize[4:], "--quiet")
+    r2 = cli("quantize", quantize[2], again, *quantize[4:], "--quiet")
     assert r2.code == 0, r2.err
     assert digest(again) == digest(work / "tiny-moe-int4-group")  # what the demo wrote, byte for byte
 
@@ -89,21 +90,21 @@ def test_demo_without_workdir_says_its_temporary_folder_is_gone(monkeypatch):
     ]
 
 
-def test_demo_refuses_a_workdir_of_other_files(tmp_path):
+def test_demo_refuses_a_workdir_of_other_files(tmp_path, cli):
     work = tmp_path / "w"
     work.mkdir()
     (work / "notes.txt").write_text("mine")
     before = digest(work)
-    r = moetool("demo", "--workdir", work)
+    r = cli("demo", "--workdir", work)
     assert r.code == 2
     assert r.error_line == f"--workdir {work}: holds files the demo did not write (notes.txt); give it a new or empty folder"
     assert digest(work) == before and [p.name for p in work.iterdir()] == ["notes.txt"]
 
 
-def test_demo_refuses_an_unknown_format(tmp_path):
+def test_demo_refuses_an_unknown_format(tmp_path, cli):
     from moetool.formats.registry import quantize_targets
 
-    r = moetool("demo", "--workdir", tmp_path / "w", "--format", "int8")
+    r = cli("demo", "--workdir", tmp_path / "w", "--format", "int8")
     names = ", ".join(cls.name for cls in quantize_targets())  # every format quantize writes
     assert names.startswith("fp8-block, fp8-channel, int4-group")
     assert r.code == 2 and r.error_line == f"--format 'int8': expected one of {names}"
