@@ -57,11 +57,12 @@ def test_cli_report_json_and_exit_status(verify_chain, verify_shards, cli):
     model = verify_chain[0]
     sh = verify_shards("int4-group", 2, layout="stacked")
     r = cli("verify", sh, "--ref", model, "--ep", "2", "--tokens", TOKENS, "--layers", "2", "--json",
-            "--warmup", "1", "--repeat", "2")
+            "--warmup", "1", "--repeat", "2", "--all2all", "all2all")
     assert r.code == 0, r.err
     rep = json.loads(r.out)
     assert rep["passed"] and [l["layer"] for l in rep["layers"]] == [2] and rep["format"] == "int4-group"
     assert rep["options"]["repeat"] == 2 and all(v > 0 for v in rep["layers"][0]["timings_ms"].values())
+    assert rep["options"]["transport"] == "collectives"  # --transport auto, off CUDA
     r = cli("verify", sh, "--ref", model, "--ep", "2", "--repeat", "0")
     assert r.code == 2 and r.error_line == "--warmup 0 / --repeat 0: need warmup >= 0 and repeat >= 1"
     # a threshold tighter than int4's error: exit 1 and a one-line verdict naming the layer
@@ -71,17 +72,14 @@ def test_cli_report_json_and_exit_status(verify_chain, verify_shards, cli):
 
 
 def test_cli_all2all_transports(verify_chain, verify_shards, cli):
-    """--transport mapped on CPU ranks (shared-memory files) passes and says so; auto is
-    collectives off CUDA; a bad name is one error line."""
+    """--transport mapped on CPU ranks (shared-memory files) passes and says so (auto, collectives
+    off CUDA: the JSON report above); a bad name is one error line."""
     model = verify_chain[0]
     sh = verify_shards("fp8-block", 2, layout="stacked")
     base = ["verify", sh, "--ref", model, "--ep", "2", "--tokens", TOKENS, "--layers", "2", "--all2all", "all2all"]
     r = cli(*base, "--transport", "mapped")
     assert r.code == 0, r.err
     assert "dispatch all2all (mapped)" in r.out and "PASSED: 1/1 layers" in r.out
-    r = cli(*base, "--json")
-    assert r.code == 0, r.err
-    assert json.loads(r.out)["options"]["transport"] == "collectives"
     r = cli(*base, "--transport", "nvlink")
     assert r.code == 2 and r.error_line == "--transport 'nvlink': expected auto, collectives or mapped"
     r = cli(*base[:-1], "allgather", "--transport", "mapped")
