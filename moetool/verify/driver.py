@@ -275,7 +275,7 @@ def verify_many(jobs: list[tuple], *, revision: str | None = None) -> list[Verif
 
         # the parent reads and runs the reference while the ranks start, read their shards
         # and run: the two sides' reads overlap (one pass over each checkpoint, at the disk's rate)
-        t0 = time.perf_counter()
+        t0, t0_epoch = time.perf_counter(), time.time()
         with ThreadPoolExecutor(1, thread_name_prefix="moetool-reference") as pool:
             pending = pool.submit(references)
             try:
@@ -288,13 +288,39 @@ def verify_many(jobs: list[tuple], *, revision: str | None = None) -> list[Verif
         reports = []
         for j, ((shards, _, opts, _, numerics), ref_ckpt, spec) in enumerate(zip(prepared, refs, specs)):
             per_rank = [r[j] for r in results]
-            timings[j].update(ranks_s=ranks_s, wall_s=time.perf_counter() - t0)
+            timings[j].update(ranks_s=ranks_s, wall_s=time.perf_counter() - t0, **_rank_timeline(per_rank, t0_epoch))
+            started = _process_started()
+            if started is not None:
+                timings[j]["startup_s"] = t0_epoch - started  # this process's start to the ranks' spawn
             reports.append(build_report(shards, ref_ckpt, spec, opts, backend, rank_jobs[j][2], per_rank, numerics,
                                         layer_refs[j], timings[j]))
         return reports
     finally:
         for r in refs:
             r.close()
+
+
+def _rank_timeline(per_rank: list[dict], t0_epoch: float) -> dict:
+    """{"rank_<step>_s": seconds from the spawn until the last rank ended that step} over the
+    ranks' timelines (start, loaded, forward, probed, checked) of the last layer."""
+    out: dict = {}
+    for result in per_rank:
+        if not result:
+            continue
+        last = result[max(result)]["stats"].get("timeline", {})
+        for step, at in last.items():
+            out[f"rank_{step}_s"] = max(out.get(f"rank_{step}_s", 0.0), at - t0_epoch)
+    return out
+
+
+def _process_started() -> float | None:
+    """This process's start, epoch seconds (Linux /proc), or None."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        boot = next(float(l.split()[1]) for l in Path("/proc/stat").read_text().splitlines() if l.startswith("btime"))
+        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
 
 
 def shards_numerics(shards: EPShards, opts: VerifyOptions) -> Numerics:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 import torch.distributed as dist
@@ -19,6 +21,7 @@ from moetool.errors import MoetoolError
 from moetool.model.families import MoELayerSpec
 from moetool.model.spec import LocalExperts
 from moetool.read.experts import ExpertReader, read_ahead
+from moetool.read.manifest import verify_manifest
 from moetool.read.shards import EPShards
 from moetool.verify.dispatchers import get_dispatcher
 from moetool.verify.experts import ExpertsBackend, get_experts
@@ -49,7 +52,41 @@ def run_job(rank: int, shards_root: str, opts: VerifyOptions, layer_ids: list[in
     """Load this rank's shard and run every selected layer: {layer: {"y": [T_g, H] on tp index 0
     (else None), "group": dp group, "probe": [L, P, H], "slots": [L] global ids, "stats": ...}}."""
     shards = EPShards(Path(shards_root), check=False)
-    ckpt, spec = shards.open_rank(rank, check=True)
+    started = time.time()
+    with opened_and_checked(shards, rank) as (ckpt, spec):
+        results = _run_job(rank, shards, ckpt, spec, opts, layer_ids, topo)
+    checked = time.time()
+    for r in results.values():  # when each step ended, epoch seconds (the parent makes them offsets)
+        r["stats"]["timeline"] = {"start": started, **r["stats"]["timeline"], "checked": checked}
+    return results
+
+
+@contextmanager
+def opened_and_checked(shards: EPShards, rank: int) -> Iterator[tuple]:
+    """(checkpoint, spec) of this rank's shard, its files' sha256 checked on threads while the
+    caller reads and runs them (hashing is slower than the disk: done first, it doubled the
+    rank's time). The check's verdict stands before anything leaves: on leaving, a mismatch
+    raises; when the caller failed, a damaged file is named rather than what it broke."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="moetool-check")
+    check = pool.submit(verify_manifest, shards.root, shards.rank_files(rank))
+    try:
+        ckpt, spec = shards.open_rank(rank, check=False)
+        with ckpt:
+            yield ckpt, spec
+    except Exception:
+        damaged = check.exception()
+        if damaged is not None:
+            raise damaged from None
+        raise
+    except BaseException:  # interrupted: leave at once, the hashing thread ends with the process
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    check.result()
+    pool.shutdown()
+
+
+def _run_job(rank: int, shards: EPShards, ckpt, spec, opts: VerifyOptions, layer_ids: list[int],
+             topo: Topology) -> dict:
     device = topo.device
     reader = ExpertReader(ckpt, spec)
     transport = choose_transport(opts.transport, device) if opts.dispatch == "all2all" else None
@@ -67,6 +104,7 @@ def run_job(rank: int, shards_root: str, opts: VerifyOptions, layer_ids: list[in
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             load_s = time.perf_counter() - t_load
+            timeline = {"loaded": time.time()}
             gate = ckpt.get(layer.router_weight).float()
             bias = ckpt.get(layer.correction_bias).float() if layer.correction_bias else None
             rbias = ckpt.get(layer.router_bias).float().to(device) if layer.router_bias else None
@@ -88,7 +126,10 @@ def run_job(rank: int, shards_root: str, opts: VerifyOptions, layer_ids: list[in
                 timed.append({k: v for k, v in stats.items() if k.startswith(("time_", "cuda_"))})
             stats.update({k: statistics.median(t[k] for t in timed) for k in timed[0]}, transport=transport,
                          time_load_s=load_s)
+            timeline["forward"] = time.time()
             probe = _probe_slots(experts, local, probe_tokens(i, layer.hidden, opts.seed, nw, numerics), device)
+            timeline["probed"] = time.time()
+            stats["timeline"] = timeline
             results[i] = {"y": y.cpu() if topo.tp_index == 0 else None, "group": topo.group_index,
                           "probe": probe.cpu(), "slots": list(local.slot_to_global), "stats": stats}
             experts.release()

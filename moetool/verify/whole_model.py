@@ -352,11 +352,18 @@ def _rank_jobs(rank: int, world_size: int, jobs: list[dict]) -> list[dict]:
 
 def _rank_job(rank: int, topo, job: dict) -> dict:
     # the rank runtime loads Triton, which the parent must never load
+    from moetool.verify.rank import opened_and_checked
+
+    shards = EPShards(Path(job["shards"]), check=False)
+    with opened_and_checked(shards, rank) as (ckpt, spec):
+        return _rank_job_on(rank, topo, job, shards, ckpt, spec)
+
+
+def _rank_job_on(rank: int, topo, job: dict, shards: EPShards, ckpt, spec) -> dict:
+    # the rank runtime loads Triton, which the parent must never load
     from moetool.verify.rank import choose_transport, get_dispatcher, get_experts, load_local_experts, run_moe_layer
 
     opts: WholeModelOptions = job["opts"]
-    shards = EPShards(Path(job["shards"]), check=False)
-    ckpt, spec = shards.open_rank(rank, check=True)
     reporting = topo.tp_index == 0
     ref_ckpt = open_checkpoint(job["ref"], job["revision"]) if reporting else None
     try:
@@ -369,7 +376,6 @@ def _rank_job(rank: int, topo, job: dict) -> dict:
         return _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts, load_local_experts,
                     run_moe_layer)
     finally:
-        ckpt.close()
         if ref_ckpt is not None:
             ref_ckpt.close()
 
