@@ -16,12 +16,21 @@ the copies are done.
 Nothing is converted, so nothing needs a value check that the torch path does not do either:
 every header, dtype, shape and byte range was validated when the checkpoint was opened, and
 ``why_not_byte_copy`` leaves everything it does not fully understand to the torch executor.
+
+A quantized checkpoint is sharded this way too (``shard_by_copy``): a :class:`TorchCheck`
+builds the torch executor's plan of the same shard meanwhile (in a child process when torch is
+not loaded) and the files are committed only once it agrees; where it does not, or fails, the
+copies are removed and the torch executor shards the checkpoint (raising its error, if any).
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import os
 import queue
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,10 +38,12 @@ from pathlib import Path
 from typing import Callable
 
 from moetool.model.families import ModelSpec
-from moetool.convert.byte_plan import ByteFile, ByteSource, byte_files, coalesce, copy_groups, why_not_byte_copy
+from moetool.convert.byte_plan import (ByteFile, ByteSource, byte_files, coalesce, copy_groups, is_quantized,
+                                       why_not_byte_copy)
+from moetool.lazy import import_module
 from moetool.read.checkpoint import Checkpoint
 from moetool.read.safetensors import pread_exactly
-from moetool.convert.plan import Layout, Plan, Summary
+from moetool.convert.plan import ExpertLinear, Layout, Plan, Stacked, Summary
 from moetool.convert.output import finish_plan
 from moetool.convert.planning import checkpoint_files, checkpoint_plan, shard_plan
 from moetool.model.spec import ExpertPlacement
@@ -43,7 +54,7 @@ from moetool.convert.sink import WRITE_SLICE, WRITEBACK_STEP, naming_file, pwrit
 CHUNK = WRITE_SLICE
 #: buffers in flight per file between the copy loop and its hasher
 BUFFERS = 8
-#: the output format of a byte copy: the input's, which ``why_not_byte_copy`` requires to be dense
+#: the output format of a byte copy: the input's, dense (a quantized input's is its TorchCheck's)
 FORMAT = "dense"
 
 
@@ -61,22 +72,31 @@ def repack_by_copy(ckpt: Checkpoint, spec: ModelSpec, out, layout: Layout, *, ma
 
 def shard_by_copy(ckpt: Checkpoint, spec: ModelSpec, out, ep: int, placements: dict[int, ExpertPlacement], *,
                   layout: Layout, placement_name: str, redundant: int, max_shard_size: int | None, force: bool,
-                  progress: bool, plan_id: str, links: bool = True) -> Summary | None:
-    """``shard`` as a byte copy; None when the checkpoint does not qualify (``why_not_byte_copy``)."""
-    if why_not_byte_copy(ckpt, spec) is not None:
+                  progress: bool, plan_id: str, links: bool = True, expert_load: Path | None = None) -> Summary | None:
+    """``shard`` as a byte copy; None when the checkpoint does not qualify (``why_not_byte_copy``),
+    or, quantized, when the torch executor's plan of it differs (nothing is then committed)."""
+    if why_not_byte_copy(ckpt, spec, quantized=True, layout=layout) is not None:
         return None
     source = ByteSource(ckpt, spec)
     plan = shard_plan(ckpt, spec, ep, placements, layout, max_shard_size, placement_name, redundant,
                       copy_groups(ckpt, spec), source.specs, FORMAT, {})
+    check = None
+    if is_quantized(ckpt):
+        options = {"ep": ep, "placement": placement_name, "redundant": redundant, "layout": layout,
+                   "expert_load": str(expert_load) if expert_load else None, "max_shard_size": max_shard_size}
+        check = TorchCheck(ckpt.root, options, plan, source)
+        if check.settled and not check.agrees():
+            return None
     outdir = OutputDir(Path(out), inputs=[ckpt.root], force=force, plan_id=plan_id)
-    return run_byte_plan(plan, byte_files(plan, source), ckpt, outdir, progress=progress, links=links)
+    return run_byte_plan(plan, byte_files(plan, source), ckpt, outdir, progress=progress, links=links, check=check)
 
 
 def run_byte_plan(plan: Plan, files: list[ByteFile], ckpt: Checkpoint, out: OutputDir, *, progress: bool = True,
-                  workers: int | None = None, links: bool = True) -> Summary:
+                  workers: int | None = None, links: bool = True, check: TorchCheck | None = None) -> Summary | None:
     """Write ``files`` (the plan's files that are not ``same_as`` another; skipping those a
     previous run finished), then the ``same_as`` files (hard links, or copies with
-    ``links=False``), then what ``finish_plan`` writes."""
+    ``links=False``), then what ``finish_plan`` writes. With a ``check``, the files are
+    committed only once it agrees; otherwise they are removed and None is returned."""
     try:
         t0 = time.perf_counter()
         bar = None
@@ -90,7 +110,20 @@ def run_byte_plan(plan: Plan, files: list[ByteFile], ckpt: Checkpoint, out: Outp
             with lock:
                 bar.update(n)
 
-        written = copy_files(files, ckpt.root, out, workers=workers, on_bytes=on_bytes if bar else None)
+        pending: list[tuple[str, str]] = []
+        written = copy_files(files, ckpt.root, out, workers=workers, on_bytes=on_bytes if bar else None,
+                             pending=pending if check else None)
+        if check is not None:
+            if not check.agrees():
+                for name, _ in pending:
+                    out.incomplete_path(name)  # removes the copy
+                if bar is not None:
+                    bar.close()
+                return None
+            plan = dataclasses.replace(plan, out_format=check.format_name,
+                                       manifest_extra={**plan.manifest_extra, **check.format_entries})
+            for name, digest in pending:
+                out.commit(name, digest)
         for pf in (pf for pf in plan.files if pf.same_as):
             if not out.already_done(pf.name, pf.file_size(), pf.same_as):
                 out.same_file(pf.name, pf.same_as, link=links)
@@ -102,6 +135,8 @@ def run_byte_plan(plan: Plan, files: list[ByteFile], ckpt: Checkpoint, out: Outp
         finish_plan(plan, out)
     finally:
         out.close()  # the folder is released either way; without a manifest it stays unfinished
+        if check is not None:
+            check.close()
     return plan.summary(bytes_in=ckpt.files_bytes(), seconds=time.perf_counter() - t0, written=written)
 
 
@@ -110,10 +145,13 @@ class _Stopped(Exception):
 
 
 def copy_files(files: list[ByteFile], root: Path, out: OutputDir, *, workers: int | None = None,
-               on_bytes: Callable[[int], None] | None = None) -> int:
-    """Copy each file (in order, ``workers`` at a time) unless ``out`` already has it; the count written."""
+               on_bytes: Callable[[int], None] | None = None, pending: list[tuple[str, str]] | None = None) -> int:
+    """Copy each file (in order, ``workers`` at a time) unless ``out`` already has it; the count
+    written. With ``pending``, a copied file is left under its temporary name, uncommitted, and
+    (name, sha256) is appended there instead."""
     workers = workers or default_workers()
     inputs = _Inputs(root)
+    lock = threading.Lock()
 
     failed = threading.Event()  # after a failure no further file starts, and those being copied stop
 
@@ -125,7 +163,12 @@ def copy_files(files: list[ByteFile], root: Path, out: OutputDir, *, workers: in
                 if on_bytes is not None:
                     on_bytes(f.nbytes - len(f.header))  # the data bytes, as a copy counts them
                 return 0
-            _copy_file(f, inputs, out, on_bytes, failed)
+            digest = _copy_file(f, inputs, out, on_bytes, failed)
+            if pending is None:
+                out.commit(f.name, digest)
+            else:
+                with lock:
+                    pending.append((f.name, digest))
             return 1
         except _Stopped:
             return 0
@@ -214,7 +257,8 @@ class _Hasher:
 
 
 def _copy_file(f: ByteFile, inputs: _Inputs, out: OutputDir, on_bytes: Callable[[int], None] | None,
-               stop: threading.Event) -> None:
+               stop: threading.Event) -> str:
+    """``f`` written and fsync'd under its temporary name: its sha256."""
     free: queue.Queue = queue.Queue()
     for _ in range(BUFFERS):
         free.put(bytearray(CHUNK))
@@ -252,4 +296,117 @@ def _copy_file(f: ByteFile, inputs: _Inputs, out: OutputDir, on_bytes: Callable[
         if not ok and hasher is not None:
             hasher.q.put(None)
         os.close(fd)
-    out.commit(f.name, digest)
+    return digest
+
+
+# ---------------------------------------------------------------------------------- the check
+
+
+#: the module that builds the torch executor's plan of a shard (imports torch)
+CHECK_MODULE = "moetool.convert.byte_check"
+
+
+class TorchCheck:
+    """Whether the torch executor would write the byte copy's plan of a quantized shard: the
+    same file headers, manifest and JSON files, and the same bytes for one expert slice of each
+    layer shape. Where torch is loaded it is answered at once (``settled``); otherwise a child
+    process works it out while the files are copied (on an H100 host, ``import torch`` alone
+    takes 4 s there)."""
+
+    def __init__(self, root: Path, options: dict, plan: Plan, source: ByteSource):
+        self.plan, self.source = plan, source
+        self.samples = _samples(plan, source)
+        args = {"source": str(root), **options, "samples": self.samples}
+        self.facts: dict | None = None
+        self.proc: subprocess.Popen | None = None
+        self.settled = torch_loaded()
+        if self.settled:
+            try:
+                self.facts = _plain(import_module(CHECK_MODULE).shard_facts(**args))
+            except Exception:  # the torch executor raises it again as the command's error
+                self.facts = None
+        else:
+            self.proc = subprocess.Popen([sys.executable, "-m", CHECK_MODULE, json.dumps(args)],
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        self._answer: bool | None = None
+
+    def agrees(self) -> bool:
+        """Wait for the facts (once); True when they are the byte plan's."""
+        if self._answer is None:
+            if self.proc is not None:
+                out, _ = self.proc.communicate()
+                self.facts = json.loads(out) if self.proc.returncode == 0 and out.strip() else None
+                self.proc = None
+            self._answer = self.facts is not None and self.facts == self._expected()
+        return self._answer
+
+    def _expected(self) -> dict:
+        mine = _plain({"headers": {pf.name: hashlib.sha256(pf.header()).hexdigest() for pf in self.plan.files
+                                   if not pf.same_as},
+                       "manifest_extra": self.plan.manifest_extra, "json_files": self.plan.json_files,
+                       "samples": [self._sample_shas(name, index) for name, index in self.samples]})
+        for key in FORMAT_ENTRIES:  # the format is the check's to say
+            mine["manifest_extra"][key] = self.facts["manifest_extra"].get(key)
+        return mine
+
+    def _sample_shas(self, name: str, index: int) -> list[str]:
+        g = next(pf for pf in self.plan.files if pf.name == name).groups[index]
+        inputs = _Inputs(self.source.ckpt.root)
+        try:
+            shas = []
+            for spans in self.source.slice_spans(g, 0).values():
+                h = hashlib.sha256()
+                for span in spans:
+                    buf = bytearray(span.length)
+                    inputs.read_into(span.file, span.offset, memoryview(buf))
+                    h.update(buf)
+                shas.append(h.hexdigest())
+            return shas
+        finally:
+            inputs.close()
+
+    @property
+    def format_name(self) -> str:
+        return self.facts["manifest_extra"]["format"]
+
+    @property
+    def format_entries(self) -> dict:
+        return {k: self.facts["manifest_extra"][k] for k in FORMAT_ENTRIES}
+
+    def close(self) -> None:
+        """Stop the child process, if it still runs (the copy failed or was interrupted)."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+def torch_loaded() -> bool:
+    """Whether this process has imported torch (then the check costs no import)."""
+    return "torch" in sys.modules
+
+
+#: the manifest entries of a shard that name the format (the torch check's)
+FORMAT_ENTRIES = ("format", "format_params")
+
+
+def _samples(plan: Plan, source: ByteSource) -> list[list]:
+    """[file name, group index] of the first expert group of each kind and layer shape."""
+    seen, out = set(), []
+    for pf in plan.files:
+        if pf.same_as:
+            continue
+        for i, g in enumerate(pf.groups):
+            if isinstance(g, (Stacked, ExpertLinear)):
+                layer = source.layers[g.layer]
+                key = (layer.hidden, layer.intermediate, g.which if isinstance(g, Stacked) else g.role)
+                if key not in seen:
+                    seen.add(key)
+                    out.append([pf.name, i])
+    return out
+
+
+def _plain(obj):
+    """``obj`` as JSON gives it back (tuples as lists, keys as strings): comparable with facts
+    read from the child."""
+    return json.loads(json.dumps(obj, default=str))

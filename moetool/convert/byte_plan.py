@@ -13,21 +13,30 @@ output tensor of ``repack`` and ``shard`` is a concatenation of input bytes:
 so an output file is its safetensors header followed by a list of :class:`Span` (input file,
 offset, length). The groups, names and files are the same as the torch executor's
 (``moetool.convert.plan`` builds both); only the tensor specs come from the input headers here instead of
-probing converted experts. A checkpoint this module does not fully understand (quantized, fp8,
-input-first or interleaved fused experts, experts with biases or other tensors than ``weight``,
-mismatched shapes...) is not
-planned here: :func:`why_not_byte_copy` says why, and the torch executor takes it (and raises the
-error, where there is one).
+probing converted experts. A checkpoint this module does not fully understand (input-first or
+interleaved fused experts, experts with biases or other tensors than ``weight``, mismatched
+shapes...) is not planned here: :func:`why_not_byte_copy` says why, and the torch executor
+takes it (and raises the error, where there is one).
+
+A quantized checkpoint is planned here for ``shard`` (``quantized=True``) when its experts are
+stored per expert (or stacked, staying stacked), every expert alike: each linear's tensors
+(``weight`` + ``weight_scale_inv``...) are copied as they are, in the format's order (its
+card: ``moetool.formats.cards``), and a stacked w13's tensor of each suffix is the gate's rows
+then the up's, expert after expert, as ``cat_rows`` stacks them for every format whose tensors
+are all cut along N. That is taken on trust here (no torch); ``moetool.convert.byte_check``
+builds the torch executor's plan of the same shard and the copy is kept only where the two
+agree (headers, manifest, one expert's bytes per layer shape).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moetool.formats.cards import cards
 from moetool.model.families import ModelSpec, MoELayerSpec
 from moetool.read.checkpoint import Checkpoint
 from moetool.read.safetensors import DTYPE_SIZES, TensorInfo
 from moetool.errors import MoetoolError
-from moetool.convert.plan import QUANTIZED_ONLY_SUFFIXES, ROLES, Copy, ExpertLinear, Group, Plan, Stacked
+from moetool.convert.plan import QUANTIZED_ONLY_SUFFIXES, ROLES, Copy, ExpertLinear, Group, Layout, Plan, Stacked
 from moetool.convert.planning import non_expert_tensors
 
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
@@ -74,17 +83,14 @@ class ByteFile:
 # ---------------------------------------------------------------------------------- what qualifies
 
 
-def why_not_byte_copy(ckpt: Checkpoint, spec: ModelSpec) -> str | None:
+def why_not_byte_copy(ckpt: Checkpoint, spec: ModelSpec, *, quantized: bool = False,
+                      layout: Layout | None = None) -> str | None:
     """None when every expert and non-expert tensor of ``ckpt`` can be written as input bytes
     (dense weights, experts per expert, stacked or fused output-first, each expert like expert 0),
-    else the reason."""
-    if ckpt.config.get("quantization_config") is not None:
-        return "quantized checkpoint"
-    for name, info in ckpt.tensors.items():
-        if info.dtype_name.startswith("F8_"):
-            return f"{name}: fp8 tensor"
-        if name.rpartition(".")[2] in QUANTIZED_ONLY_SUFFIXES:
-            return f"{name}: part of a quantized linear"
+    else the reason. ``quantized``: a quantized checkpoint may qualify too (see the module
+    docstring), written in ``layout``."""
+    if is_quantized(ckpt):
+        return _quantized_reason(ckpt, spec, layout) if quantized else "quantized checkpoint"
     for layer in spec.moe_layers:
         kind = layer.storage.kind
         reason = (_per_expert_reason(ckpt, layer) if kind == "per-expert" else
@@ -142,6 +148,78 @@ def _fused_reason(ckpt: Checkpoint, layer: MoELayerSpec) -> str | None:
     return None
 
 
+def is_quantized(ckpt: Checkpoint) -> bool:
+    """A quantization_config, an fp8 tensor, or a tensor only quantized linears store."""
+    return ckpt.config.get("quantization_config") is not None or any(
+        info.dtype_name.startswith("F8_") or name.rpartition(".")[2] in QUANTIZED_ONLY_SUFFIXES
+        for name, info in ckpt.tensors.items())
+
+
+def suffix_order(stored: set[str]) -> list[str] | None:
+    """The order a format writes a linear's tensors in (its card's ``suffixes``, then its
+    optional ones), for the one format whose tensors ``stored`` are; None when no format, or
+    more than one, stores exactly these."""
+    orders = [[s for s in (*c["suffixes"], *c["optional_suffixes"]) if s in stored] for c in cards()
+              if set(c["suffixes"]) <= stored <= {*c["suffixes"], *c["optional_suffixes"]}]
+    return orders[0] if len(orders) == 1 else None
+
+
+def _quantized_reason(ckpt: Checkpoint, spec: ModelSpec, layout: Layout | None) -> str | None:
+    """Why a quantized checkpoint cannot be written as input bytes in ``layout`` (None: it can)."""
+    for name, info in ckpt.tensors.items():  # the torch path refuses these: leave the error to it
+        base, _, suffix = name.rpartition(".")
+        if suffix == "weight" and info.dtype_name.startswith("F8_") and ckpt.suffixes(base) == {"weight"}:
+            return f"{name}: fp8 weight without its scale"
+    for layer in spec.moe_layers:
+        st = layer.storage
+        if st.kind == "fused":
+            return f"{layer.prefix}: quantized fused experts"
+        if st.biased:
+            return f"{layer.prefix}: experts with biases"
+        if st.kind == "stacked" and layout != "stacked":
+            return f"{layer.prefix}: quantized stacked experts cut per expert"
+        reason = _quantized_per_expert_reason(ckpt, layer, layout) if st.kind == "per-expert" else \
+            _quantized_stacked_reason(ckpt, layer)
+        if reason:
+            return f"{layer.prefix}: {reason}"
+    return None
+
+
+def _quantized_per_expert_reason(ckpt: Checkpoint, layer: MoELayerSpec, layout: Layout | None) -> str | None:
+    bases = layer.storage.per_expert_bases(0)
+    want = [_signature(ckpt, b, ".") for b in bases]  # gate, up, down of expert 0
+    if want[0] != want[1] or not want[0]:
+        return f"{bases[1]} stores {want[1]}, the gate {want[0]}"
+    if set(want[2]) != set(want[0]) or suffix_order(set(want[0])) is None:
+        return f"{bases[0]} stores {sorted(want[0])}, no format's tensors"
+    if layout == "stacked":
+        for s, (dtype, shape) in want[0].items():  # stacking cuts every tensor along N
+            if len(shape) == 1 and dtype.startswith(("I", "U")):
+                return f"{bases[0]}.{s} is {dtype}{list(shape)}, a shape rather than rows"
+    for e in range(1, layer.n_stored):
+        for base, w in zip(layer.storage.per_expert_bases(e), want):
+            if _signature(ckpt, base, ".") != w:
+                return f"{base} differs from expert 0's"
+    return None
+
+
+def _quantized_stacked_reason(ckpt: Checkpoint, layer: MoELayerSpec) -> str | None:
+    st = layer.storage
+    gate_up, down = _signature(ckpt, st.gate_up, "_"), _signature(ckpt, st.down, "_")
+    if set(gate_up) != set(down) or suffix_order(set(gate_up)) is None:
+        return f"{st.gate_up} stores {sorted(gate_up)}, {st.down} {sorted(down)}"
+    for sig in (gate_up, down):
+        if any(not shape or shape[0] != layer.n_stored for _, shape in sig.values()):
+            return f"{st.gate_up}: a tensor without {layer.n_stored} experts in its first dimension"
+    return None
+
+
+def _signature(ckpt: Checkpoint, base: str, sep: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """{suffix: (dtype name, shape)} of the tensors stored under ``base``."""
+    return {s: (ckpt.tensors[f"{base}{sep}{s}"].dtype_name, ckpt.tensors[f"{base}{sep}{s}"].shape)
+            for s in sorted(ckpt.suffixes(base, sep))}
+
+
 def _experts_tensor(st, gate_up: bool) -> str:
     """The stacked (``w13_weight``) or fused (``gate_up_proj``) tensor holding every expert."""
     base = st.gate_up if gate_up else st.down
@@ -170,40 +248,79 @@ class ByteSource:
             info = self.ckpt.info(g.src)
             return [RawSpec(g.dst, info.dtype_name, info.shape)]
         if isinstance(g, Stacked):
-            dtype, shape = self._linear_sig(self.layers[g.layer], g.which)
-            return [RawSpec(f"{g.dst_base}_weight", dtype, (len(g.experts), *shape))]
+            return [RawSpec(f"{g.dst_base}_{s}", dtype, (len(g.experts), *shape))
+                    for s, (dtype, shape) in self._linear_sigs(self.layers[g.layer], g.which).items()]
         if isinstance(g, ExpertLinear):
-            dtype, shape = self._linear_sig(self.layers[g.layer], g.role)
-            return [RawSpec(f"{g.dst_base}.weight", dtype, shape)]
+            return [RawSpec(f"{g.dst_base}.{s}", dtype, shape)
+                    for s, (dtype, shape) in self._linear_sigs(self.layers[g.layer], g.role).items()]
         raise MoetoolError(f"{type(g).__name__}: not a byte copy")
 
     def spans(self, g: Group) -> list[Span]:
         if isinstance(g, Copy):
             return [_whole(self.ckpt.info(g.src))]
+        if isinstance(g, Stacked):  # each tensor of the format: every expert's slice in turn
+            slices = [self.slice_spans(g, i) for i in range(len(g.experts))]
+            return [span for s in self.suffixes(self.layers[g.layer]) for part in slices for span in part[s]]
+        return [span for part in self.slice_spans(g, 0).values() for span in part]
+
+    def slice_spans(self, g: Group, i: int) -> dict[str, list[Span]]:
+        """The spans of each tensor (by suffix, in the format's order) of expert ``i`` of a
+        stacked group, or of an expert linear (``i`` = 0)."""
         layer = self.layers[g.layer]
         if isinstance(g, Stacked):
+            e = g.experts[i]
             roles = ("gate", "up") if g.which == "w13" else ("down",)
-            return [s for e in g.experts for r in roles for s in self._expert_role(layer, e, r)]
-        return self._expert_role(layer, g.expert, g.role)
+            if layer.storage.kind != "per-expert" and g.which == "w13":
+                roles = ("gate_up",)  # the stored w13 slot as it is
+            return {s: [span for r in roles for span in self._role_spans(layer, e, r, s)]
+                    for s in self.suffixes(layer)}
+        return {s: self._role_spans(layer, g.expert, g.role, s) for s in self.suffixes(layer)}
 
-    def _linear_sig(self, layer: MoELayerSpec, which: str) -> tuple[str, tuple[int, ...]]:
-        """dtype and shape of one expert's linear: gate / up [N, H], down or w2 [H, N], w13 [2N, H]."""
-        n, h = layer.intermediate, layer.hidden
+    def suffixes(self, layer: MoELayerSpec) -> list[str]:
+        """The tensors of one expert linear, in the format's order (dense: ``weight``)."""
         st = layer.storage
-        if st.kind != "per-expert":
-            dtype = self.ckpt.tensors[_experts_tensor(st, which in ("w13", "gate", "up"))].dtype_name
-        else:
-            dtype = self.ckpt.tensors[f"{st.per_expert_bases(0)[0]}.weight"].dtype_name
-        return dtype, {"w13": (2 * n, h), "gate": (n, h), "up": (n, h), "down": (h, n), "w2": (h, n)}[which]
+        if st.kind == "fused":
+            return ["weight"]
+        stored = self.ckpt.suffixes(*((st.per_expert_bases(0)[0], ".") if st.kind == "per-expert"
+                                      else (st.gate_up, "_")))
+        return suffix_order(stored) or ["weight"]
 
-    def _expert_role(self, layer: MoELayerSpec, e: int, role: str) -> list[Span]:
+    def _linear_sigs(self, layer: MoELayerSpec, which: str) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """{suffix: (dtype, shape)} of one expert's linear: gate / up [N, ...], down or w2
+        [H, ...], w13 (gate rows then up rows) [2N, ...] for a dense weight."""
+        st = layer.storage
+        gate_up = which in ("w13", "gate", "up")
+        if st.kind == "fused":
+            dtype = self.ckpt.tensors[_experts_tensor(st, gate_up)].dtype_name
+            n, h = layer.intermediate, layer.hidden
+            return {"weight": (dtype, {"w13": (2 * n, h), "gate": (n, h), "up": (n, h), "down": (h, n), "w2": (h, n)}[which])}
+        out = {}
+        for s in self.suffixes(layer):
+            if st.kind == "per-expert":
+                bases = st.per_expert_bases(0)
+                info = self.ckpt.tensors[f"{bases[0 if gate_up else 2]}.{s}"]
+                rows = info.shape[0] * (2 if which == "w13" else 1)  # gate and up: the same shapes
+                out[s] = (info.dtype_name, (rows, *info.shape[1:]))
+            else:
+                info = self.ckpt.tensors[f"{st.gate_up if gate_up else st.down}_{s}"]
+                shape = info.shape[1:]
+                if which in ("gate", "up"):  # a dense weight's half (quantized stacked experts stay stacked)
+                    shape = (shape[0] // 2, *shape[1:])
+                out[s] = (info.dtype_name, shape)
+        return out
+
+    def _role_spans(self, layer: MoELayerSpec, e: int, role: str, suffix: str) -> list[Span]:
+        """Expert e's tensor ``suffix`` of ``role`` ("gate_up": a stacked w13 slot whole)."""
         st = layer.storage
         if st.kind == "per-expert":
-            return [_whole(self.ckpt.tensors[f"{st.per_expert_bases(e)[ROLES.index(role)]}.weight"])]
-        info = self.ckpt.tensors[_experts_tensor(st, role != "down")]
+            return [_whole(self.ckpt.tensors[f"{st.per_expert_bases(e)[ROLES.index(role)]}.{suffix}"])]
+        if st.kind == "fused":
+            info = self.ckpt.tensors[_experts_tensor(st, role != "down")]
+        else:
+            info = self.ckpt.tensors[f"{st.gate_up if role != 'down' else st.down}_{suffix}"]
         slot = info.nbytes // info.shape[0]
         begin = info.begin + e * slot
-        if role == "down":
+        if role in ("down", "gate_up"):
             return [Span(info.file, begin, slot)]
         half = slot // 2  # gate rows [0, N), then up rows [N, 2N)
         return [Span(info.file, begin + (half if role == "up" else 0), half)]

@@ -33,9 +33,11 @@ def shard(source, out, ep: int, *, placement: str = "linear", redundant: int = 0
           layout: Layout = "stacked", max_shard_size: int | None = None, dry_run: bool = False, force: bool = False,
           progress: bool = True, revision: str | None = None, byte_copy: bool = True,
           links: bool = True) -> Summary | Plan:
-    """Write one folder per EP rank and the manifest. An unquantized checkpoint whose experts
-    are stored per expert or stacked is copied byte range by byte range (``moetool.convert.byte_executor``,
-    no torch; ``byte_copy=False`` forces the torch executor, same output bytes). The
+    """Write one folder per EP rank and the manifest. A checkpoint whose experts are stored per
+    expert or stacked is copied byte range by byte range (``moetool.convert.byte_executor``, no
+    torch; a quantized one is checked against the torch executor's plan, in a child process,
+    before its files are committed; ``byte_copy=False`` forces the torch executor, same output
+    bytes). The
     non-expert tensors are written once, in rank 0's ``model-common`` files; the other ranks'
     are hard links to them (``links=False``, or a file system without hard links: copies)."""
     ckpt = open_checkpoint(source, revision)
@@ -47,7 +49,7 @@ def shard(source, out, ep: int, *, placement: str = "linear", redundant: int = 0
         if byte_copy and not dry_run:
             done = shard_by_copy(ckpt, spec, out, ep, placements, layout=layout, placement_name=placement,
                                  redundant=redundant, max_shard_size=max_shard_size, force=force,
-                                 progress=progress, plan_id=pid, links=links)
+                                 progress=progress, plan_id=pid, links=links, expert_load=expert_load)
             if done is not None:
                 return done
         conversion = import_module(TORCH_PATH)

@@ -1,0 +1,223 @@
+"""Conversion at disk speed: quantized checkpoints sharded as byte copies (checked against the
+torch executor's plan), files written several at a time, the GPU's start-up and the input's
+first reads off the critical path.
+
+The criterion is bit-exact: whichever executor, however many files at once, every file written
+is the one the torch executor writes one file at a time (``byte_copy=False``).
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moetool.convert import byte_executor as bytecopy
+from moetool.convert import conversion
+from moetool.convert import torch_executor as executor
+from moetool.convert.byte_plan import why_not_byte_copy
+from moetool.convert.quantize import quantize
+from moetool.convert.shard import shard
+from moetool.model.families import describe
+from moetool.read.checkpoint import open_checkpoint, prefetch
+from moetool.read.manifest import MANIFEST_NAME, verify_manifest
+from moeutil import tree_hashes
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory, tiny):
+    """quantized(fmt, layout="per-expert", family="mixtral", **kw) -> a quantize output (made once)."""
+    root = tmp_path_factory.mktemp("quantized")
+    made: dict = {}
+
+    def get(fmt: str, layout: str = "per-expert", family: str = "mixtral", intermediate: int = 192, **kw) -> Path:
+        key = (fmt, layout, family, intermediate, tuple(sorted(kw.items())))
+        if key not in made:
+            out = root / f"q{len(made)}"
+            quantize(tiny(family, intermediate=intermediate), out, fmt, layout=layout, progress=False, **kw)
+            made[key] = out
+        return made[key]
+
+    return get
+
+
+def shard_both(src: Path, tmp_path: Path, monkeypatch, *, byte_copy_expected: bool, **kw) -> tuple[dict, dict]:
+    """(files of ``shard``, files of the torch executor's shard, one file at a time); the torch
+    executor must not run in the first where ``byte_copy_expected``."""
+    ep = kw.pop("ep", 2)
+    with monkeypatch.context() as m:
+        if byte_copy_expected:
+            m.setattr(conversion, "shard_checkpoint", lambda *a, **k: pytest.fail("the torch executor ran"))
+        shard(src, tmp_path / "bytes", ep, progress=False, **kw)
+    with monkeypatch.context() as m:
+        m.setattr(executor, "files_at_once", lambda cores=None: 1)
+        shard(src, tmp_path / "torch", ep, progress=False, byte_copy=False, **kw)
+    return tree_hashes(tmp_path / "bytes"), tree_hashes(tmp_path / "torch")
+
+
+# ------------------------------------------------------------------------------ quantized shards by byte copy
+
+
+@pytest.mark.parametrize("fmt, kw", [("fp8-block", {}), ("fp8-block", {"intermediate": 256}), ("fp8-channel", {}),
+                                     ("mxfp4", {}), ("int4-group", {"group_size": 64})])
+@pytest.mark.parametrize("layout", ["stacked", "per-expert"])
+def test_quantized_shard_is_a_byte_copy_of_the_same_bytes(quantized, tmp_path, monkeypatch, fmt, kw, layout):
+    """Per-expert quantized experts (N = 192: fp8 block scales of two 192-row halves stacked as
+    they are) to stacked or per-expert EP shards; int4's per-linear weight_shape is not cut
+    along rows, so its stacked shard stays with the torch executor."""
+    src = quantized(fmt, **kw)
+    expected = not (fmt == "int4-group" and layout == "stacked")
+    with open_checkpoint(src) as ck:
+        reason = why_not_byte_copy(ck, describe(ck.config, ck.tensors), quantized=True, layout=layout)
+    assert (reason is None) == expected, reason
+    got, want = shard_both(src, tmp_path, monkeypatch, byte_copy_expected=expected, layout=layout)
+    assert got == want
+    verify_manifest(tmp_path / "bytes")
+
+
+def test_stacked_quantized_checkpoint_shards_stacked_by_byte_copy(quantized, tmp_path, monkeypatch):
+    src = quantized("fp8-block", layout="stacked")
+    got, want = shard_both(src, tmp_path, monkeypatch, byte_copy_expected=True, layout="stacked", ep=3)
+    assert got == want
+    with open_checkpoint(src) as ck:  # cut per expert: the format's split_rows, the torch executor's job
+        assert "cut per expert" in why_not_byte_copy(ck, describe(ck.config, ck.tensors), quantized=True,
+                                                     layout="per-expert")
+
+
+def test_disagreeing_check_leaves_the_shard_to_torch(quantized, tmp_path, monkeypatch):
+    """A stacked int4 shard planned as a byte copy all the same (its weight_shape let through as
+    rows): the torch check disagrees (a [4] weight_shape against its [2]) and the torch executor
+    writes the shard, the same bytes as alone, no copy left behind."""
+    q = quantized("int4-group", group_size=64)
+    monkeypatch.setattr(bytecopy, "why_not_byte_copy", lambda *a, **k: None)
+    ran = []
+    real = conversion.shard_checkpoint
+    monkeypatch.setattr(conversion, "shard_checkpoint", lambda *a, **k: ran.append(1) or real(*a, **k))
+    shard(q, tmp_path / "out", 2, progress=False)
+    assert ran
+    monkeypatch.undo()
+    shard(q, tmp_path / "ref", 2, progress=False, byte_copy=False)
+    assert tree_hashes(tmp_path / "out") == tree_hashes(tmp_path / "ref")
+
+
+def test_check_in_a_child_process_commits_after_it_agrees(quantized, tmp_path, monkeypatch):
+    """Without torch loaded the check runs in a child process while the files are copied; no
+    file has its final name before it answers, and the output is the torch executor's."""
+    src = quantized("fp8-block")
+    monkeypatch.setattr(bytecopy, "torch_loaded", lambda: False)
+    seen = []
+    real_agrees = bytecopy.TorchCheck.agrees
+
+    def agrees(self):
+        seen.append(sorted(p.name for p in (tmp_path / "bytes").rglob("*.safetensors")))
+        assert self.proc is not None or self._answer is not None
+        return real_agrees(self)
+
+    monkeypatch.setattr(bytecopy.TorchCheck, "agrees", agrees)
+    got, want = shard_both(src, tmp_path, monkeypatch, byte_copy_expected=True)
+    assert seen and seen[0] == []  # nothing committed while the check ran
+    assert got == want
+
+
+def test_failed_copy_stops_the_check_and_commits_nothing(quantized, tmp_path, monkeypatch):
+    src = quantized("fp8-block")
+    monkeypatch.setattr(bytecopy, "torch_loaded", lambda: False)
+    checks = []
+    real_init = bytecopy.TorchCheck.__init__
+
+    def init(self, *a, **k):
+        real_init(self, *a, **k)
+        checks.append(self)
+
+    def fail(*a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(bytecopy.TorchCheck, "__init__", init)
+    monkeypatch.setattr(bytecopy, "_copy_file", fail)
+    with pytest.raises(OSError, match="No space"):
+        shard(src, tmp_path / "out", 2, progress=False)
+    assert checks and checks[0].proc is None  # killed and reaped
+    assert not (tmp_path / "out" / MANIFEST_NAME).exists()
+    assert not list((tmp_path / "out").rglob("*.safetensors"))
+
+
+def test_check_process_loads_what_the_byte_copy_does_not(quantized, tmp_path):
+    """The byte copy itself never imports torch: a shard of a quantized checkpoint in a fresh
+    process ends without torch loaded there, its output complete."""
+    src = quantized("fp8-block")
+    code = ("import sys\nfrom moetool.convert.shard import shard\n"
+            f"shard({str(src)!r}, {str(tmp_path / 'out')!r}, 2, progress=False)\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    verify_manifest(tmp_path / "out")
+
+
+# ------------------------------------------------------------------------------ files at once
+
+
+def test_files_at_once_and_threads_by_cores():
+    assert [executor.files_at_once(c) for c in (1, 2, 7, 8, 16, 64)] == [1, 1, 1, 2, 4, 4]
+    assert executor.converting_threads(1, "cpu", 2) == 2 and executor.converting_threads(4, "cpu", 16) == 4
+    assert executor.converting_threads(4, "cuda", 16) == 2 and executor.converting_threads(2, "cpu", 3) == 1
+
+
+@pytest.mark.parametrize("fmt", ["fp8-block", "int4-group"])
+def test_several_files_at_once_write_the_same_bytes(tiny, tmp_path, monkeypatch, fmt):
+    src = tiny("deepseek_v3", shards=3)
+    monkeypatch.setattr(executor, "files_at_once", lambda cores=None: 3)
+    quantize(src, tmp_path / "three", fmt, progress=False, max_shard_size=200_000)
+    monkeypatch.setattr(executor, "files_at_once", lambda cores=None: 1)
+    quantize(src, tmp_path / "one", fmt, progress=False, max_shard_size=200_000)
+    got = tree_hashes(tmp_path / "three")
+    assert got == tree_hashes(tmp_path / "one") and sum(n.endswith(".safetensors") for n in got) > 3
+
+
+def test_a_failed_file_stops_the_others_and_leaves_the_output_unfinished(tiny, tmp_path, monkeypatch):
+    src = tiny("deepseek_v3", shards=3)
+    monkeypatch.setattr(executor, "files_at_once", lambda cores=None: 3)
+    real = executor.Source.convert
+    calls = []
+
+    def convert(self, lin, where, in_fmt=None):
+        calls.append(where)
+        if len(calls) == 10:
+            raise executor.MoetoolError(f"{where}: injected")
+        return real(self, lin, where, in_fmt)
+
+    monkeypatch.setattr(executor.Source, "convert", convert)
+    with pytest.raises(executor.MoetoolError, match="injected"):
+        quantize(src, tmp_path / "out", "fp8-block", progress=False, max_shard_size=200_000)
+    assert not (tmp_path / "out" / MANIFEST_NAME).exists()
+    assert len(calls) < 60  # the other files stopped instead of converting everything
+
+
+# ------------------------------------------------------------------------------ start-up
+
+
+def test_probes_run_on_the_cpu_and_restore_the_device(tiny):
+    import torch
+
+    with open_checkpoint(tiny("mixtral")) as ck:
+        src = executor.Source(ck, describe(ck.config, ck.tensors), None, executor.ErrorStats())
+        src.device, ck.pin_memory = torch.device("meta"), True  # stand-ins for cuda and pinned reads
+        with src.on_cpu():
+            assert src.device.type == "cpu" and not ck.pin_memory
+        assert src.device.type == "meta" and ck.pin_memory
+        src.ready()  # no GPU start-up to wait for
+
+
+def test_prefetch_reads_the_source_named_after_quantize(tiny, tmp_path, monkeypatch):
+    from moetool.cli import quantize as cli_quantize
+
+    src = tiny("mixtral")
+    thread = prefetch(src)
+    thread.join(10)
+    assert not thread.is_alive()
+    assert prefetch(tmp_path / "missing") is None
+    asked = []
+    monkeypatch.setattr(cli_quantize, "prefetch", asked.append)
+    cli_quantize._prefetch_source(["quantize", "--format", "fp8-block", str(src), str(tmp_path / "out")])
+    cli_quantize._prefetch_source(["shard", str(src), str(tmp_path / "out")])
+    assert asked == [src]
