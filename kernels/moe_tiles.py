@@ -162,11 +162,14 @@ def rule_config(scheme: str, E: int, N: int, H: int, top_k: int, T: int, act_dty
     DeepSeek-V3 EP8 at T=1 (~1.5 local experts) ran BLOCK_N 128 within 1.2 % of its best, while
     BLOCK_N 32 on all 256 experts ran 15 % slower. Split-K does not help the bf16 / fp8 GEMMs
     there (DeepSeek-V3 EP8 T=1, 3 active experts: GEMM1 at 2.3 TB/s bf16 with 1 to 8 slices, as
-    many programs as 384 or 3072), so they keep one slice. int4 and fp4 keep BLOCK_N 128,
-    BLOCK_K 64 (packed rows are BLOCK_K / 2 bytes long; narrower tiles ran 12-66 % slower) and,
-    dequantization-bound, want more programs than SMs: with fewer than DEQUANT_PROGRAMS per SM
-    (min(E, T*k) blocks of the narrower GEMM) GEMM1 splits K in 4, GEMM2 in 2 (DeepSeek-V3 EP8
-    T=1: int4 117 -> 98 us, nvfp4 150 -> 111 us).
+    many programs as 384 or 3072), so they keep one slice. int4 and fp4 take BLOCK_K 64 and 3
+    stages; dequantization-bound, they want more programs than SMs: with fewer than
+    DEQUANT_PROGRAMS per SM (min(E, T*k) blocks of the narrower GEMM's 128-wide tiles) they
+    split K. DeepSeek-V3 EP8 T=1 on an H100, to each cell's best: 64-wide tiles in 4 + 4
+    slices 1.00 for int4, nvfp4 and mxfp4 (int4 144 -> 98 us, nvfp4 165 -> 107, mxfp4 147 ->
+    96); 128-wide tiles in 8 + 4 slices 1.03-1.09, in 4 + 2 1.01-1.33. fp4 takes the first; int4
+    keeps BLOCK_N 128 (the second), wider without a split (narrower unsplit tiles ran 12-66 %
+    slower; T=16, one slice: 128 wide 1.00-1.07, 64 wide 1.08-1.10).
     Where the activations stay 16/32-bit (not W8A8) and GEMM1 is not split, silu(gate) * up is
     GEMM1's epilogue (``fuse_silu``): one kernel and one [P, 2N] round trip less.
 
@@ -186,7 +189,12 @@ def rule_config(scheme: str, E: int, N: int, H: int, top_k: int, T: int, act_dty
     if T <= DECODE_T:
         if kind == "int4":
             few = blocks * triton.cdiv(narrow, 128) < DEQUANT_PROGRAMS * num_sms
-            cfg = MoeConfig(16, 128, 64, 1, 4, 4, 4 if few else 1, 2 if few else 1, fuse and not few)
+            if few and sch.fp4_group:
+                cfg = MoeConfig(16, 64, 64, 1, 4, 3, 4, 4)
+            elif few:
+                cfg = MoeConfig(16, 128, 64, 1, 4, 3, 8, 4)
+            else:
+                cfg = MoeConfig(16, 128, 64, 1, 4, 3, fuse_silu=fuse)
         else:
             bn = next((b for b in (128, 64, 32) if blocks * triton.cdiv(narrow, b) >= num_sms), 32)
             cfg = MoeConfig(16, bn, 128, 1, 4, 4, fuse_silu=fuse)

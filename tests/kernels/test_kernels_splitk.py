@@ -221,13 +221,16 @@ DSV3_EP8, MIXTRAL = (32, 2048, 7168, 8), (8, 14336, 4096, 2)
 def test_rules_split_dequantizing_gemms_with_few_programs(scheme):
     """int4 / fp4 at decode are dequantization-bound: fewer than DEQUANT_PROGRAMS programs per SM
     (min(E, T*k) blocks of the narrower GEMM's 128-wide tiles) split K (H100, DeepSeek-V3 EP8
-    T=1: int4 117 -> 98 us, nvfp4 150 -> 111 us); with more, one slice and silu fused."""
+    T=1: int4 144 -> 98 us, nvfp4 165 -> 107 us); with more, one slice and silu fused."""
+    fp4 = scheme != "int4-group"
     for (E, N, H, k), T, split in ((DSV3_EP8, 1, True), (DSV3_EP8, 16, False), (MIXTRAL, 1, True),
                                    (MIXTRAL, 16, True)):
         cfg = mt.rule_config(scheme, E, N, H, k, T, torch.bfloat16, 128, H100_SMS)
         blocks = min(E, T * k) * -(-min(2 * N, H) // 128)
         assert split == (blocks < mt.DEQUANT_PROGRAMS * H100_SMS)
-        assert (cfg.split_w13, cfg.split_w2, cfg.fuse_silu) == ((4, 2, False) if split else (1, 1, True)), (T, cfg)
+        want = ((64, 4, 4) if fp4 else (128, 8, 4)) if split else (128, 1, 1)
+        assert (cfg.block_n, cfg.split_w13, cfg.split_w2) == want and cfg.fuse_silu == (not split), (T, cfg)
+        assert (cfg.block_m, cfg.block_k, cfg.num_stages) == (16, 64, 3)
 
 
 def test_rules_fuse_silu_where_the_activations_stay_float():
