@@ -272,6 +272,8 @@ def candidates(scheme: str, layer: Layer, T: int) -> list:
             out += [MoeConfig(256, bn, bk, 8, 8, stages) for bn in (64, 128) for bk in (64, 128) for stages in (2, 3)]
     if T > DECODE_T and scheme not in ("fp8-block", "fp8-channel"):
         out += [replace(c, fuse_silu=True) for c in out]
+    if dequant and ppe > 48:  # BLOCK_M 256 first: what a --budget-s cut should reach (best for nvfp4 T=4096)
+        out.sort(key=lambda c: c.block_m != 256)
     E, P = layer.E, T * layer.k
     out += [default_config(scheme, P / E, torch.bfloat16, False, INT4_GROUP),
             rule_config(scheme, E, layer.N, layer.H, layer.k, T, torch.bfloat16, INT4_GROUP)]
