@@ -41,7 +41,7 @@ from moetool.model.families import ModelSpec
 from moetool.convert.byte_plan import (ByteFile, ByteSource, byte_files, coalesce, copy_groups, is_quantized,
                                        why_not_byte_copy)
 from moetool.lazy import import_module
-from moetool.read.checkpoint import Checkpoint
+from moetool.read.checkpoint import Checkpoint, prefetch
 from moetool.read.safetensors import pread_exactly
 from moetool.convert.plan import ExpertLinear, Layout, Plan, Stacked, Summary
 from moetool.convert.output import finish_plan
@@ -96,7 +96,10 @@ def run_byte_plan(plan: Plan, files: list[ByteFile], ckpt: Checkpoint, out: Outp
     """Write ``files`` (the plan's files that are not ``same_as`` another; skipping those a
     previous run finished), then the ``same_as`` files (hard links, or copies with
     ``links=False``), then what ``finish_plan`` writes. With a ``check``, the files are
-    committed only once it agrees; otherwise they are removed and None is returned."""
+    committed only once it agrees; otherwise they are removed and None is returned.
+    The kernel reads the input ahead meanwhile (``prefetch``): from a cold page cache, 256 KiB
+    reads missing the cache one after another left shard at 1.02x a cp on an H100 host."""
+    prefetch(ckpt.root)
     try:
         t0 = time.perf_counter()
         bar = None

@@ -16,7 +16,7 @@ from moetool.errors import MoetoolError
 from moetool.formats.base import WeightFormat
 from moetool.model.families import ModelSpec, describe
 from moetool.model.spec import ExpertPlacement
-from moetool.read.checkpoint import open_checkpoint
+from moetool.read.checkpoint import open_checkpoint, prefetch
 from moetool.read.safetensors import TensorSpec
 
 
@@ -126,6 +126,7 @@ def convert_checkpoint(
                           changed_format=not src.passthrough)
         if dry_run:
             return plan
+        prefetch(ckpt.root)  # quantize's command asked already, before importing torch: cached by now, or queued
         outdir = OutputDir(Path(out), inputs=[ckpt.root], force=force,
                            plan_id=plan_id(ckpt, fmt=src.out_fmt.name, params=vars(src.out_fmt), layout=layout,
                                            shared=include_shared, max=max_shard_size))
@@ -152,5 +153,6 @@ def shard_checkpoint(ckpt, spec: ModelSpec, out, ep: int, placements: dict[int, 
     plan = build_shard_plan(src, ep, placements, layout, max_shard_size, placement_name, redundant)
     if dry_run:
         return plan
+    prefetch(ckpt.root)
     outdir = OutputDir(Path(out), inputs=[ckpt.root], force=force, plan_id=plan_id)
     return run_plan(plan, [src], outdir, bytes_in=ckpt.files_bytes(), progress=progress, links=links)

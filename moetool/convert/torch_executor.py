@@ -75,18 +75,19 @@ class Source:
         self._layers = {m.index: m for m in spec.moe_layers}
         self._warming: threading.Thread | None = None
         if self.device.type == "cuda":
-            self._warming = threading.Thread(target=self._warm_up, name="moetool-cuda-start", daemon=True)
+            self._warming = threading.Thread(target=self._warm_up, args=(self.device,), name="moetool-cuda-start",
+                                             daemon=True)
             self._warming.start()
 
-    def _warm_up(self) -> None:
+    def _warm_up(self, device: torch.device) -> None:
         """Create the CUDA context and load the output format's kernel (a tiny conversion) while
         the main thread plans on the CPU: ~1.3 s of the first conversion on an H100 host, 2.9 s
         when Triton compiles. A failure here is left to the real conversion to report."""
         try:
-            w = torch.randn(256, 256, device=self.device)
+            w = torch.randn(256, 256, device=device)
             if not self.passthrough:
                 gpu_quantize(self.out_fmt, w, self.dtype)
-            torch.cuda.synchronize(self.device)
+            torch.cuda.synchronize(device)
         except Exception:
             pass
 
