@@ -47,7 +47,9 @@ CHUNK = 8
 
 def _cases(dps, group_sizes, routers, extra=None):
     """Per dp and dispatcher: a bit-exact probe case, each router in several chunks (CHUNK,
-    experts alternately weight-and-reduce or delegating it), the first router in one chunk."""
+    experts alternately weight-and-reduce or delegating it), the first router in one chunk.
+    all2all-mapped sends the rows all2all packs, through shared memory: the first two routers
+    (both experts modes, shared experts on its combined rows), more would test all2all again."""
     cases = []
     for dp in dps:
         sizes = group_sizes[dp]
@@ -55,7 +57,7 @@ def _cases(dps, group_sizes, routers, extra=None):
             base = dict(dp=dp, dispatcher=d, group_sizes=sizes, extra=extra)
             if not vw.ROUTERS[routers[0]][0].apply_weight_on_input:
                 cases.append(dict(base, router=routers[0], chunk_size=CHUNK, probe=True))
-            for i, router in enumerate(routers):
+            for i, router in enumerate(routers[:2] if d == "all2all-mapped" else routers):
                 cases.append(dict(base, router=router, chunk_size=CHUNK, reduce=i % 2 == 0, shared=i == 1,
                                   shared_gate=i == 1, seed=i))
             cases.append(dict(base, router=routers[0], chunk_size=4096, reduce=False))
@@ -81,9 +83,13 @@ WORLDS = {
     # ep=4: dp 1 (tp 4), dp 2 (uneven groups, different chunk counts, an empty group), dp 4 (tp 1)
     "ep4": (4, _cases([1, 2, 4], {1: [21], 2: [13, 0], 4: [9, 3, 7, 5]}, ["v3-grouped", "softmax"])
             + _cases([2], {2: [13, 6]}, ["llama4"])
-            # tokens and returned sums in bf16, as served; 21 tokens over tp 4 pad the all-gather
+            # tokens and returned sums in bf16, as served; 21 tokens over tp 4 pad the all-gather.
+            # all2all-mapped sends the rows all2all packs (tests/kernels: packed into and combined
+            # from peer buffers byte for byte): once, for its bf16 results buffers, in chunks at tp 2
             + [dict(dp=dp, router="softmax", dispatcher=d, group_sizes=sizes, comm_dtype="bfloat16", chunk_size=c)
-               for d in DISPATCHERS for dp, sizes in ((1, [21]), (2, [13, 6])) for c in (4096, CHUNK)]),
+               for d in ("allgather", "all2all") for dp, sizes in ((1, [21]), (2, [13, 6])) for c in (4096, CHUNK)]
+            + [dict(dp=2, router="softmax", dispatcher="all2all-mapped", group_sizes=[13, 6], comm_dtype="bfloat16",
+                    chunk_size=CHUNK)]),
     # 7 experts on 3 ranks (linear: 2, 2, 3) plus replicas of experts 0 and 5
     "ep3": (3, _cases([1, 3], {1: [23], 3: [9, 4, 10]}, ["softmax-noren", "llama4"],
                       extra={0: [2], 5: [0, 1]})),
