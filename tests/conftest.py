@@ -17,6 +17,11 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/moeutil.py
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the network
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# The tensors are tiny and pytest-xdist runs a worker per core: torch's intra-op threads only
+# contend for the cores and spin while they wait (two workers of two threads on 2 cores: ~25 %
+# more CPU time than of one). One thread, read when torch is imported, here and in every process
+# a test starts (the command-line runs, the benchmark scripts; CPU ranks take one anyway)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # Triton reads TRITON_INTERPRET when it is first imported, and collecting tests/formats imports
 # it (compressed_tensors -> torch._dynamo -> triton) before tests/kernels/conftest.py can set it
