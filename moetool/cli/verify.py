@@ -10,7 +10,7 @@ from moetool.cli import command_app
 from moetool.cli.options import Json, Revision
 from moetool.errors import MoetoolError
 from moetool.lazy import import_module
-from moetool.verify.driver import VerifyOptions, under_torchrun, verify, verify_torchrun
+from moetool.read.prefetch import advise_ranges, expert_ranges
 from moetool.verify.report import raise_if_failed
 
 
@@ -72,7 +72,7 @@ def verify_cmd(
     if whole_model:
         if layers:
             raise MoetoolError("--layers: --whole-model runs every layer (the MoE-only mode takes --layers)")
-        if under_torchrun():
+        if import_module("moetool.verify.driver").under_torchrun():
             raise MoetoolError("--whole-model spawns its own ranks on one node; it does not run under torchrun yet")
         wm = import_module("moetool.verify.whole_model")
         wopts = wm.WholeModelOptions(dp=dp, ep=ep, tokens=tokens, seq_len=seq_len, text=None if text is None else str(text),
@@ -86,16 +86,19 @@ def verify_cmd(
         return
     if text is not None:
         raise MoetoolError("--text is an option of --whole-model")
-
-    opts = VerifyOptions(dp=dp, ep=ep, dispatch=dispatch, experts=experts, tokens=tokens, layers=parse_layers(layers),
+    layer_ids = parse_layers(layers)
+    # the reference's experts are the largest read: the disk starts on them while torch imports
+    advise_ranges(expert_ranges(ref, layer_ids))
+    driver = import_module("moetool.verify.driver")  # torch
+    opts = driver.VerifyOptions(dp=dp, ep=ep, dispatch=dispatch, experts=experts, tokens=tokens, layers=layer_ids,
                          backend=backend, chunk_size=chunk_size, seed=seed, max_rel_err=max_rel_err,
                          max_expert_rel_err=max_expert_rel_err, timeout_s=timeout, warmup=warmup,
                          repeat=repeat, transport=transport, numerics=numerics)
-    if under_torchrun():
-        report = verify_torchrun(shards, ref, opts, revision=revision)
+    if driver.under_torchrun():
+        report = driver.verify_torchrun(shards, ref, opts, revision=revision)
         if report is None:  # not rank 0: rank 0 prints the report
             return
     else:
-        report = verify(shards, ref, opts, revision=revision)
+        report = driver.verify(shards, ref, opts, revision=revision)
     typer.echo(json.dumps(report.to_json(), indent=2) if json_out else report.render())
     raise_if_failed(report)

@@ -130,6 +130,7 @@ def compute_references(ref_ckpt, spec, opts: VerifyOptions, layer_ids: list[int]
 
 
 def _metrics(y: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float]:
+    y, ref = y.float(), ref.float()  # a rank sends bf16 where that is exact (rank.compact)
     noise = float((y - ref).pow(2).sum())
     sig = float(ref.pow(2).sum())
     rel = math.sqrt(noise / sig) if sig > 0 else (0.0 if noise == 0 else float("inf"))

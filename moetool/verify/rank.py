@@ -130,12 +130,23 @@ def _run_job(rank: int, shards: EPShards, ckpt, spec, opts: VerifyOptions, layer
             probe = _probe_slots(experts, local, probe_tokens(i, layer.hidden, opts.seed, nw, numerics), device)
             timeline["probed"] = time.time()
             stats["timeline"] = timeline
-            results[i] = {"y": y.cpu() if topo.tp_index == 0 else None, "group": topo.group_index,
-                          "probe": probe.cpu(), "slots": list(local.slot_to_global), "stats": stats}
+            results[i] = {"y": compact(y) if topo.tp_index == 0 else None, "group": topo.group_index,
+                          "probe": compact(probe), "slots": list(local.slot_to_global), "stats": stats}
             experts.release()
     finally:
         ckpt.close()
     return results
+
+
+def compact(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the CPU for the parent, in bf16 where that holds every value exactly (served
+    outputs are rounded to bf16 already; at full size the rows and probe outputs are ~0.5 GB,
+    and the pipe to the parent takes seconds per GB), else as it is."""
+    if t.dtype == torch.float32 and t.numel():
+        half = t.to(torch.bfloat16)
+        if torch.equal(half.float(), t):
+            return half.cpu()
+    return t.cpu()
 
 
 def load_local_experts(reader: ExpertReader, layer: MoELayerSpec, slot_to_global: list[int],
