@@ -33,6 +33,36 @@ if not torch.cuda.is_available():
 
 from moeutil import run_cli, save_hf_model  # noqa: E402
 
+#: the files that keep a worker longest (spawned ranks, Triton-interpreted matrices, fsync'd
+#: outputs: 10 to 40 s each on 2 cores), longest first. pytest-xdist hands out one file at a
+#: time in collection order (--dist=loadfile --no-loadscope-reorder, pyproject.toml): started
+#: first, they run beside each other and the short files fill the end of the run, instead of
+#: one long file running alone at the end while the other workers wait. The rest keep their order.
+LONGEST_FIRST = (
+    "tests/kernels/test_kernels_fused_moe.py",
+    "tests/hostile/test_hostile_output.py",
+    "tests/verify/test_verify_dispatch.py",
+    "tests/hostile/test_hostile_cli.py",
+    "tests/verify/test_verify_e2e.py",
+    "tests/verify/test_verify_whole_model.py",
+    "tests/cli/test_cli_verify.py",
+    "tests/kernels/test_kernels_ep_dispatch.py",
+    "tests/bench/test_bench_scripts.py",
+    "tests/verify/test_verify_gpt_oss.py",
+    "tests/kernels/test_kernels_splitk.py",
+    "tests/convert/test_convert_layouts.py",
+    "tests/kernels/test_kernels_int4_quant.py",
+    "tests/convert/test_convert_quantize.py",
+    "tests/hostile/test_hostile_orphans.py",
+    "tests/convert/test_convert_shard.py",
+    "tests/verify/test_verify_launch.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.partition("::")[0], len(rank)))  # stable: files stay whole
+
 
 @pytest.fixture
 def cli(capsys):
