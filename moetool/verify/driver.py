@@ -2,13 +2,14 @@
 compare every layer with the unquantized single-process reference.
 
 Per selected MoE layer, every rank loads only its own shard folder (its files' sha256 checked
-against the manifest), builds its local experts, and runs
+against the manifest on threads meanwhile), builds its local experts, and runs
 route -> quantize + dispatch -> experts -> combine (+ shared experts) on deterministic tokens
 (seeded, scaled by the layer's own post-attention norm like real hidden states; different
 tokens per dp group). Each rank also runs every one of its local expert slots alone on a
 fixed probe batch, so a wrong expert is named even when the layer output hides it.
-The parent computes the reference from the original checkpoint (per-expert loop, fp32, one
-expert in memory at a time) and reports per layer: relative error, SQNR, max abs error,
+While the ranks run, the parent computes the reference from the original checkpoint on a
+thread (per-expert loop, fp32, each expert read once for every dp group and the probe, the
+next read ahead) and reports per layer: relative error, SQNR, max abs error,
 tokens per rank, the worst expert, pass/fail against thresholds kept as data.
 """
 from __future__ import annotations
