@@ -77,10 +77,16 @@ def output_config(config: dict, out_fmt: WeightFormat, changed: bool, specs: lis
     return cfg
 
 
+#: the linears the planner probes per layer shape, by output layout
+PROBES = {"per-expert": ("gate", "up", "down"), "stacked": ("w13", "w2"), "fused": ("w13", "w2")}
+
+
 def build_plan(src: Source, *, layout: Layout, include_shared: bool, max_shard_size: int | None,
                changed_format: bool) -> Plan:
     planner = Planner([src])
     planner.validate_experts(src)
+    if changed_format:
+        planner.probe_ahead(PROBES[layout])
     files = checkpoint_files(src.ckpt, src.spec, layout, non_expert_groups(src, include_shared=include_shared),
                              planner.specs, max_shard_size)
     config = output_config(src.ckpt.config, src.out_fmt, changed_format or _layout_config_changes(src, layout),

@@ -221,3 +221,29 @@ def test_prefetch_reads_the_source_named_after_quantize(tiny, tmp_path, monkeypa
     cli_quantize._prefetch_source(["quantize", "--format", "fp8-block", str(src), str(tmp_path / "out")])
     cli_quantize._prefetch_source(["shard", str(src), str(tmp_path / "out")])
     assert asked == [src]
+
+
+def test_probes_ahead_give_the_probes_one_by_one(tiny, monkeypatch):
+    """Parallel probes fill the planner's cache with what sequential probing finds; a probe
+    that fails is left out, for ``specs`` to raise in plan order."""
+    from moetool.formats import get_format
+
+    with open_checkpoint(tiny("deepseek_v3")) as ck:
+        spec = describe(ck.config, ck.tensors)
+        src = executor.Source(ck, spec, get_format("fp8-block"), executor.ErrorStats())
+        ahead, one_by_one = executor.Planner([src]), executor.Planner([src])
+        ahead.probe_ahead(("gate", "up", "down"))
+        layer = spec.moe_layers[0]
+        assert ahead._probe_cache == {
+            one_by_one._probe_key(0, layer, w): one_by_one._probe(0, layer, w) for w in ("gate", "up", "down")}
+        real = executor.Planner._probe_linear
+
+        def failing(src, layer, what):
+            if what == "down":
+                raise executor.MoetoolError("down: injected")
+            return real(src, layer, what)
+
+        monkeypatch.setattr(executor.Planner, "_probe_linear", staticmethod(failing))
+        partial = executor.Planner([src])
+        partial.probe_ahead(("gate", "up", "down"))
+        assert len(partial._probe_cache) == 2 and src.stats.count == 0
