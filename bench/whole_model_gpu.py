@@ -15,8 +15,8 @@ and the extrapolation to the 61-layer model.
    prints the report's per-phase seconds, the MoE block's own phases, memory, and per layer;
 4. with ``--moe-only-tokens T``: MoE-only `moetool verify --ep 1 --all2all all2all --experts
    triton --tokens T`, page cache dropped first, wall time and peak RSS of its process tree,
-   against the read floor (`cat` of the model and the shards, cold); ``--old DIR`` runs the
-   same with the moetool of another checkout (PYTHONPATH=DIR) in the same call, for a before/after.
+   against the read floor (`cat` of the model and the shards, cold); ``--old DIR...`` runs the
+   same with the moetool of other checkouts (PYTHONPATH=DIR) in the same call, for a before/after.
 
 Extrapolation to 61 layers (3 dense + 58 MoE) is printed from the measured per-layer times:
 the reference side reads the whole bf16 layer on the reporting rank, the converted side
@@ -151,7 +151,7 @@ def moe_only(moetool: list[str], sh: Path, src: Path, args, w: Path, res: dict) 
 
     floor = res["read_floor_s"] + res["shards_read_s"]
     out = {"read_floor_s": floor, "tokens": args.moe_only_tokens}
-    for name, path in (("old", args.old), ("new", None)) if args.old else (("new", None),):
+    for name, path in [*((p.name, p) for p in args.old), ("new", None)]:
         env = dict(os.environ)
         if path is not None:
             env["PYTHONPATH"] = str(path)
@@ -195,7 +195,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--small", action="store_true", help="toy dimensions (try the script on a CPU)")
     ap.add_argument("--moe-only-tokens", type=int, default=0, help="also time MoE-only verify with T tokens")
-    ap.add_argument("--old", type=Path, default=None, help="a checkout whose moetool to time too (MoE-only)")
+    ap.add_argument("--old", type=Path, nargs="*", default=[],
+                    help="checkouts whose moetool to time too (MoE-only), each before this one")
     ap.add_argument("--skip-whole-model", action="store_true")
     args = ap.parse_args()
     w = args.workdir
