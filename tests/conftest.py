@@ -23,9 +23,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # a test starts (the command-line runs, the benchmark scripts; CPU ranks take one anyway)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# Triton reads TRITON_INTERPRET when it is first imported, and collecting tests/formats imports
-# it (compressed_tensors -> torch._dynamo -> triton) before tests/kernels/conftest.py can set it
-# under a plain `pytest`; set it here, in the first conftest loaded, as that one does.
+# Triton reads TRITON_INTERPRET when it is first imported, and collecting tests/bench imports it
+# (moetool.kernels) before tests/kernels/conftest.py can set it under a plain `pytest`; set it
+# here, in the first conftest loaded, as that one does.
 import torch  # noqa: E402
 
 if not torch.cuda.is_available():

@@ -2,28 +2,38 @@
 dequantization read our bytes the way we do."""
 from __future__ import annotations
 
+import functools
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from moetool.formats import Fp8Channel, Int4Group, pack_int4
 
-ct = pytest.importorskip("compressed_tensors")
-from compressed_tensors.compressors import BaseCompressor  # noqa: E402
-from compressed_tensors.compressors.pack_quantized.helpers import (  # noqa: E402
-    pack_to_int32,
-    unpack_from_int32,
-)
-from compressed_tensors.quantization import QuantizationConfig  # noqa: E402
-
 IGNORE = ["lm_head", "model.layers.0.self_attn.q_proj"]
 
 
-def parse(fmt) -> QuantizationConfig:
-    return QuantizationConfig.model_validate(fmt.quantization_config(IGNORE))
+@functools.cache
+def ct() -> SimpleNamespace:
+    """compressed-tensors' config, compressor registry and int4 packers, imported when a test here
+    runs (skipped without the package): the import (transformers, torch._dynamo) takes over a
+    second, which every pytest-xdist worker would pay while collecting."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+    from compressed_tensors.quantization import QuantizationConfig
+
+    return SimpleNamespace(BaseCompressor=BaseCompressor, QuantizationConfig=QuantizationConfig,
+                           pack_to_int32=pack_to_int32, unpack_from_int32=unpack_from_int32)
 
 
-def compressor(config: QuantizationConfig):
-    return BaseCompressor.get_value_from_registry(config.format)
+def parse(fmt):
+    """fmt's quantization_config as compressed-tensors' QuantizationConfig."""
+    return ct().QuantizationConfig.model_validate(fmt.quantization_config(IGNORE))
+
+
+def compressor(config):
+    return ct().BaseCompressor.get_value_from_registry(config.format)
 
 
 def random_weight(shape, seed=0) -> torch.Tensor:
@@ -58,11 +68,11 @@ def test_int4_config_parses(symmetric):
 def test_our_packing_is_byte_identical_to_compressed_tensors(shape):
     q = torch.randint(-8, 8, shape, generator=torch.Generator().manual_seed(shape[1]),
                       dtype=torch.int8)
-    assert torch.equal(pack_int4(q), pack_to_int32(q, 4))
-    assert torch.equal(pack_int4(q, packed_dim=0), pack_to_int32(q, 4, packed_dim=0))
-    assert torch.equal(unpack_from_int32(pack_int4(q), 4, torch.Size(shape)), q)
+    assert torch.equal(pack_int4(q), ct().pack_to_int32(q, 4))
+    assert torch.equal(pack_int4(q, packed_dim=0), ct().pack_to_int32(q, 4, packed_dim=0))
+    assert torch.equal(ct().unpack_from_int32(pack_int4(q), 4, torch.Size(shape)), q)
     assert torch.equal(
-        unpack_from_int32(pack_int4(q, packed_dim=0), 4, torch.Size(shape), packed_dim=0), q
+        ct().unpack_from_int32(pack_int4(q, packed_dim=0), 4, torch.Size(shape), packed_dim=0), q
     )
 
 
