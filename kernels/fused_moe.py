@@ -11,7 +11,8 @@ Each step is a kernel module with its torch reference beside it:
    to BM: sorted_ids int32 [EM], expert_ids int32 [EM/BM], num_post_pad int32 [1].
 2. :mod:`moe_gemm`    cache1[p] = w13[e] @ x[p // k]                              [P, 2N]
    (split-K, ``MoeConfig.split_w13`` S > 1: S fp32 partials [S, P, 2N] over slices of H, which
-   step 3 sums and rounds to the act dtype first; keeps every SM busy when few experts are)
+   step 3 sums and rounds to the act dtype first: more programs for the dequantizing int4 / fp4
+   GEMMs when few experts have tokens)
 3. :mod:`moe_silu`    cache2[p] = silu(gate) * up                                [P, N]
    (``MoeConfig.fuse_silu`` with 16/32-bit activations: in step 2's epilogue instead)
    (W8A8: rounded to the act dtype, then quantized to e4m3 + fp32 scales per the scheme's
