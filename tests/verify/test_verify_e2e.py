@@ -28,9 +28,11 @@ pytestmark = pytest.mark.slow  # process worlds of 2 to 4 ranks
 
 FORMATS = ("dense", "fp8-block", "fp8-channel", "int4-group")
 BACKENDS = ("allgather", "all2all")
-#: tokens per dp group: every rank still gets tokens at --dp 2 --ep 4 (16 per rank), and the
-#: all2all dispatcher's kernels, interpreted on CPU, cost time per token
-TOKENS = 32
+#: tokens per dp group: every rank still gets tokens at --dp 2 --ep 4 (8 per rank), and the
+#: all2all dispatcher's kernels, interpreted on CPU, cost time per token. From 32 tokens the
+#: layer errors moved < 3 % and each fault failed by the same margin (its expert is found on
+#: the per-expert probe batch)
+TOKENS = 16
 
 
 def _opts(**kw) -> VerifyOptions:
