@@ -16,7 +16,7 @@ import pytest
 pytestmark = pytest.mark.slow  # each command starts rank processes
 
 #: tokens per dp group (the all2all dispatcher's kernels, interpreted on CPU, cost time per token)
-TOKENS = 32
+TOKENS = 16
 
 
 def test_missing_truncated_and_modified_files_are_named(verify_chain, verify_shards, tmp_path, cli):
