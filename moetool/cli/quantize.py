@@ -20,7 +20,7 @@ from moetool.cli import command_app
 from moetool.cli.options import DryRun, Force, MaxShardSize, Out, Quiet, Revision, Source, CONVERT_LAYOUTS, check_layout, parse_size
 from moetool.errors import MoetoolError
 from moetool.lazy import import_module
-from moetool.read.checkpoint import prefetch
+from moetool.read.prefetch import prefetch
 
 HELP = "Requantize routed-expert weights; everything else passes through bit-identical."
 

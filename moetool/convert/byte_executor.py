@@ -41,7 +41,8 @@ from moetool.model.families import ModelSpec
 from moetool.convert.byte_plan import (ByteFile, ByteSource, byte_files, coalesce, copy_groups, is_quantized,
                                        why_not_byte_copy)
 from moetool.lazy import import_module
-from moetool.read.checkpoint import Checkpoint, prefetch
+from moetool.read.checkpoint import Checkpoint
+from moetool.read.prefetch import prefetch
 from moetool.read.safetensors import pread_exactly
 from moetool.convert.plan import ExpertLinear, Layout, Plan, Stacked, Summary
 from moetool.convert.output import finish_plan

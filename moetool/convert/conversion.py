@@ -16,7 +16,8 @@ from moetool.errors import MoetoolError
 from moetool.formats.base import WeightFormat
 from moetool.model.families import ModelSpec, describe
 from moetool.model.spec import ExpertPlacement
-from moetool.read.checkpoint import open_checkpoint, prefetch
+from moetool.read.checkpoint import open_checkpoint
+from moetool.read.prefetch import prefetch
 from moetool.read.safetensors import TensorSpec
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -125,72 +124,6 @@ class Checkpoint:
 
     def __repr__(self) -> str:
         return f"Checkpoint({self.root}, {len(self.tensors)} tensors in {len(self.files)} files)"
-
-
-#: share of the memory available (MemAvailable) that ``prefetch`` may fill with the input
-PREFETCH_SHARE = 0.5
-#: bytes per prefetching call: one GIL hand-over per call while another thread imports torch
-PREFETCH_STEP = 64 << 20
-
-
-def prefetch(root: Path) -> threading.Thread | None:
-    """Read the ``*.safetensors`` files of the folder ``root`` into the page cache, in name
-    order (the order conversions read them), on a daemon thread, up to ``PREFETCH_SHARE`` of
-    the memory available: a command that imports torch before its first read (quantize: 4-5 s
-    on an H100 host, time the disk would otherwise idle) then finds its input in memory, and a
-    byte copy's small reads stop waiting on the disk one after another.
-
-    The bytes go from the file to /dev/null inside the kernel (``sendfile``, 64 MiB a call,
-    the GIL released meanwhile); an input already cached is swept at ~30 GB/s. (Linux caps
-    ``POSIX_FADV_WILLNEED`` at the device's readahead window: 8 MiB of a whole file here.)
-    A hint: any failure ends it quietly."""
-    sendfile = getattr(os, "sendfile", None)
-    if sendfile is None or not root.is_dir():
-        return None
-    files = sorted(root.glob("*.safetensors"))
-    budget = int(_available_memory() * PREFETCH_SHARE)
-
-    def run() -> None:
-        left = budget
-        try:
-            null = os.open(os.devnull, os.O_WRONLY)
-        except OSError:
-            return
-        try:
-            for path in files:
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    offset = 0
-                    while left > 0:
-                        n = sendfile(null, fd, offset, min(PREFETCH_STEP, left))
-                        if n <= 0:
-                            break
-                        offset += n
-                        left -= n
-                finally:
-                    os.close(fd)
-                if left <= 0:
-                    return
-        except OSError:
-            return
-        finally:
-            os.close(null)
-
-    thread = threading.Thread(target=run, name="moetool-prefetch", daemon=True)
-    thread.start()
-    return thread
-
-
-def _available_memory() -> int:
-    """MemAvailable (Linux), or 0 where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
 
 
 def resolve_source(source: str | os.PathLike, revision: str | None = None) -> Path:

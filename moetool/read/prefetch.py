@@ -1,9 +1,12 @@
-"""Ask the kernel to read parts of a checkpoint into the page cache while this process does
-something else (imports torch: 4-5 s on a GPU host, time the disk would otherwise idle).
+"""Read parts of a checkpoint into the page cache on a thread while this process does
+something else (imports torch: 4-5 s on a GPU host, time the disk would otherwise idle), so
+the reads that follow find the bytes in memory.
 
-``POSIX_FADV_WILLNEED`` queues the reads in the kernel, so the thread that asks holds no
-GIL while they run and no process memory fills. A hint only: every failure is ignored, and
-the reads that follow find the bytes in memory or read them as they would have. Torch-free.
+The bytes go from the file to /dev/null inside the kernel (``sendfile``, 64 MiB a call, the
+GIL released meanwhile): no process memory fills, and cached bytes are swept at ~30 GB/s.
+(Linux caps ``POSIX_FADV_WILLNEED`` at the device's readahead window: 8 MiB of a whole file
+on the H100 hosts, so asking is not enough.) A hint only: any failure ends it quietly, and
+the reads that follow read what it did not. Torch-free.
 """
 from __future__ import annotations
 
@@ -16,10 +19,15 @@ from moetool.errors import MoetoolError
 from moetool.model.families import describe
 from moetool.read.checkpoint import expert_tensor_names, open_checkpoint
 
-#: at most this share of the memory available, and at most ``PREFETCH_MAX`` bytes, are asked
-#: for: enough to cover a start-up, little enough that nothing asked for is evicted unread
-PREFETCH_SHARE = 0.25
-PREFETCH_MAX = 8 << 30
+#: share of the memory available (MemAvailable) a folder's prefetch may fill
+PREFETCH_SHARE = 0.5
+#: bytes per call: one GIL hand-over per call while another thread imports torch
+PREFETCH_STEP = 64 << 20
+#: a prefetch of chosen ranges (verify's reference) asks at most this share of the memory
+#: available and this many bytes: enough to cover a start-up, little enough that nothing read
+#: ahead is evicted before it is used
+RANGES_SHARE = 0.25
+RANGES_MAX = 8 << 30
 
 
 def available_memory() -> int:
@@ -34,37 +42,66 @@ def available_memory() -> int:
     return 0
 
 
-def advise_ranges(ranges: Iterable[tuple[Path, int, int]], budget: int | None = None) -> threading.Thread | None:
-    """On a daemon thread, ``POSIX_FADV_WILLNEED`` each (file, offset, length) in order until
-    ``budget`` bytes (default: ``PREFETCH_SHARE`` of the memory available, at most
-    ``PREFETCH_MAX``) have been asked for. Returns the thread, or None where there is no fadvise."""
-    advise = getattr(os, "posix_fadvise", None)
-    if advise is None:
+def read_ahead_ranges(ranges: Iterable[tuple[Path, int, int]], budget: int) -> threading.Thread | None:
+    """On a daemon thread, read each (file, offset, length) in order into the page cache until
+    ``budget`` bytes are read. Returns the thread, or None where there is no ``sendfile``."""
+    sendfile = getattr(os, "sendfile", None)
+    if sendfile is None:
         return None
     ranges = list(ranges)
-    left = budget if budget is not None else min(int(available_memory() * PREFETCH_SHARE), PREFETCH_MAX)
 
     def run() -> None:
-        nonlocal left
-        fds: dict[Path, int] = {}
+        left = budget
+        try:
+            null = os.open(os.devnull, os.O_WRONLY)
+        except OSError:
+            return
         try:
             for path, offset, length in ranges:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    end = offset + length
+                    while left > 0 and offset < end:
+                        n = sendfile(null, fd, offset, min(PREFETCH_STEP, left, end - offset))
+                        if n <= 0:
+                            break
+                        offset += n
+                        left -= n
+                finally:
+                    os.close(fd)
                 if left <= 0:
                     return
-                if path not in fds:
-                    fds[path] = os.open(path, os.O_RDONLY)
-                length = min(length, left)
-                advise(fds[path], offset, length, os.POSIX_FADV_WILLNEED)
-                left -= length
         except OSError:
             return
         finally:
-            for fd in fds.values():
-                os.close(fd)
+            os.close(null)
 
     thread = threading.Thread(target=run, name="moetool-prefetch", daemon=True)
     thread.start()
     return thread
+
+
+def prefetch(root: Path) -> threading.Thread | None:
+    """The ``*.safetensors`` files of the folder ``root`` into the page cache, in name order
+    (the order conversions read them), up to ``PREFETCH_SHARE`` of the memory available: a
+    command that imports torch before its first read (quantize) then finds its input in
+    memory, and a byte copy's small reads stop waiting on the disk one after another."""
+    if not root.is_dir():
+        return None
+    files = sorted(root.glob("*.safetensors"))
+    try:
+        ranges = [(f, 0, f.stat().st_size) for f in files]
+    except OSError:
+        return None
+    return read_ahead_ranges(ranges, int(available_memory() * PREFETCH_SHARE))
+
+
+def prefetch_experts(source: str | os.PathLike, layers: Iterable[int] | None = None) -> threading.Thread | None:
+    """The routed experts of ``layers`` of a local checkpoint (``expert_ranges``) into the page
+    cache, up to ``RANGES_SHARE`` of the memory available and ``RANGES_MAX`` bytes: verify's
+    reference pass reads them first, so the disk starts on them while torch imports."""
+    ranges = expert_ranges(source, layers)
+    return read_ahead_ranges(ranges, min(int(available_memory() * RANGES_SHARE), RANGES_MAX)) if ranges else None
 
 
 def expert_ranges(source: str | os.PathLike, layers: Iterable[int] | None = None) -> list[tuple[Path, int, int]]:

@@ -20,7 +20,8 @@ from moetool.convert.byte_plan import why_not_byte_copy
 from moetool.convert.quantize import quantize
 from moetool.convert.shard import shard
 from moetool.model.families import describe
-from moetool.read.checkpoint import open_checkpoint, prefetch
+from moetool.read.checkpoint import open_checkpoint
+from moetool.read.prefetch import prefetch
 from moetool.read.manifest import MANIFEST_NAME, verify_manifest
 from moeutil import tree_hashes
 

@@ -1,9 +1,9 @@
-"""The read-ahead hint verify gives the kernel while torch imports: exactly the experts' bytes,
-in the order the reference pass reads them, within a budget; nothing for what is not a local
-checkpoint."""
+"""What verify reads ahead while torch imports: exactly the experts' bytes, in the order the
+reference pass reads them, within a budget; nothing for what is not a local checkpoint."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +11,7 @@ import torch
 from moetool.demo.tiny import make_tiny_checkpoint
 from moetool.model.families import describe
 from moetool.read.checkpoint import expert_tensor_names, open_checkpoint
-from moetool.read.prefetch import advise_ranges, expert_ranges
+from moetool.read.prefetch import expert_ranges, read_ahead_ranges
 
 
 @pytest.fixture(scope="module")
@@ -46,14 +46,19 @@ def test_expert_ranges_are_empty_for_what_is_not_a_local_checkpoint(tmp_path):
     assert expert_ranges(tmp_path) == []
 
 
-def test_advise_ranges_asks_in_order_within_the_budget(model, monkeypatch):
-    asked = []
-    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, how: asked.append((off, n, how)), raising=False)
+def test_read_ahead_reads_the_ranges_in_order_within_the_budget(model, monkeypatch):
+    calls = []
+    real = os.sendfile
+
+    def recording(out, fd, offset, count):
+        calls.append((os.readlink(f"/proc/self/fd/{fd}"), offset, count))
+        return real(out, fd, offset, count)
+
+    monkeypatch.setattr(os, "sendfile", recording)
     ranges = expert_ranges(model)
     total = sum(n for *_, n in ranges)
-    advise_ranges(ranges, budget=total).join()
-    assert [(off, n) for off, n, _ in asked] == [(off, n) for _, off, n in ranges]
-    assert {how for *_, how in asked} == {os.POSIX_FADV_WILLNEED}
-    asked.clear()
-    advise_ranges(ranges, budget=ranges[0][2] + 1).join()
-    assert sum(n for _, n, _ in asked) == ranges[0][2] + 1
+    read_ahead_ranges(ranges, budget=total).join()
+    assert [(Path(f).name, off, n) for f, off, n in calls] == [(p.name, off, n) for p, off, n in ranges]
+    calls.clear()
+    read_ahead_ranges(ranges, budget=ranges[0][2] + 1).join()
+    assert sum(n for *_, n in calls) == ranges[0][2] + 1
