@@ -10,7 +10,6 @@ from moetool.cli import command_app
 from moetool.cli.options import Json, Revision
 from moetool.errors import MoetoolError
 from moetool.lazy import import_module
-from moetool.read.prefetch import prefetch_experts
 from moetool.verify.report import raise_if_failed
 
 
@@ -87,9 +86,7 @@ def verify_cmd(
     if text is not None:
         raise MoetoolError("--text is an option of --whole-model")
     layer_ids = parse_layers(layers)
-    # the reference's experts are the largest read: the disk starts on them while torch imports
-    prefetch_experts(ref, layer_ids)
-    driver = import_module("moetool.verify.driver")  # torch
+    driver = import_module("moetool.verify.driver")  # torch, once the arguments are parsed
     opts = driver.VerifyOptions(dp=dp, ep=ep, dispatch=dispatch, experts=experts, tokens=tokens, layers=layer_ids,
                          backend=backend, chunk_size=chunk_size, seed=seed, max_rel_err=max_rel_err,
                          max_expert_rel_err=max_expert_rel_err, timeout_s=timeout, warmup=warmup,

@@ -15,19 +15,11 @@ import threading
 from pathlib import Path
 from typing import Iterable
 
-from moetool.errors import MoetoolError
-from moetool.model.families import describe
-from moetool.read.checkpoint import expert_tensor_names, open_checkpoint
 
 #: share of the memory available (MemAvailable) a folder's prefetch may fill
 PREFETCH_SHARE = 0.5
 #: bytes per call: one GIL hand-over per call while another thread imports torch
 PREFETCH_STEP = 64 << 20
-#: a prefetch of chosen ranges (verify's reference) asks at most this share of the memory
-#: available and this many bytes: enough to cover a start-up, little enough that nothing read
-#: ahead is evicted before it is used
-RANGES_SHARE = 0.25
-RANGES_MAX = 8 << 30
 
 
 def available_memory() -> int:
@@ -94,38 +86,3 @@ def prefetch(root: Path) -> threading.Thread | None:
     except OSError:
         return None
     return read_ahead_ranges(ranges, int(available_memory() * PREFETCH_SHARE))
-
-
-def prefetch_experts(source: str | os.PathLike, layers: Iterable[int] | None = None) -> threading.Thread | None:
-    """The routed experts of ``layers`` of a local checkpoint (``expert_ranges``) into the page
-    cache, up to ``RANGES_SHARE`` of the memory available and ``RANGES_MAX`` bytes: verify's
-    reference pass reads them first, so the disk starts on them while torch imports."""
-    ranges = expert_ranges(source, layers)
-    return read_ahead_ranges(ranges, min(int(available_memory() * RANGES_SHARE), RANGES_MAX)) if ranges else None
-
-
-def expert_ranges(source: str | os.PathLike, layers: Iterable[int] | None = None) -> list[tuple[Path, int, int]]:
-    """(file, offset, length) of the routed experts' tensors of the MoE layers ``layers`` (all
-    when None) of a local checkpoint, in the order a pass over them reads: layer by layer, each
-    layer's in file order, adjacent tensors merged. [] for anything that is not a readable local
-    checkpoint (a Hub id, a bad folder: the command itself says what is wrong)."""
-    if not Path(source).is_dir():
-        return []
-    try:
-        with open_checkpoint(source) as ckpt:
-            spec = describe(ckpt.config, ckpt.tensors)
-            wanted = set(layers) if layers is not None else None
-            out: list[tuple[Path, int, int]] = []
-            for layer in spec.moe_layers:
-                if wanted is not None and layer.index not in wanted:
-                    continue
-                infos = sorted((ckpt.info(n) for n in expert_tensor_names(ckpt, layer)), key=lambda i: (i.file, i.begin))
-                for info in infos:
-                    path = ckpt.root / info.file
-                    if out and out[-1][0] == path and out[-1][1] + out[-1][2] == info.begin:
-                        out[-1] = (path, out[-1][1], out[-1][2] + info.nbytes)
-                    else:
-                        out.append((path, info.begin, info.nbytes))
-            return out
-    except (MoetoolError, OSError, ValueError, KeyError):
-        return []
