@@ -88,8 +88,14 @@ def shard_by_copy(ckpt: Checkpoint, spec: ModelSpec, out, ep: int, placements: d
         check = TorchCheck(ckpt.root, options, plan, source)
         if check.settled and not check.agrees():
             return None
-    outdir = OutputDir(Path(out), inputs=[ckpt.root], force=force, plan_id=plan_id)
-    return run_byte_plan(plan, byte_files(plan, source), ckpt, outdir, progress=progress, links=links, check=check)
+    try:
+        outdir = OutputDir(Path(out), inputs=[ckpt.root], force=force, plan_id=plan_id)
+        files = byte_files(plan, source)
+    except BaseException:  # a refused output: the check's child is not left running
+        if check is not None:
+            check.close()
+        raise
+    return run_byte_plan(plan, files, ckpt, outdir, progress=progress, links=links, check=check)
 
 
 def run_byte_plan(plan: Plan, files: list[ByteFile], ckpt: Checkpoint, out: OutputDir, *, progress: bool = True,

@@ -100,7 +100,11 @@ class Checkpoint:
 
         fd = self._fds.get(file)
         if fd is None:
-            fd = self._fds[file] = os.open(self.root / file, os.O_RDONLY)
+            # threads read one checkpoint at once (read-ahead, writers): one fd per file kept
+            opened = os.open(self.root / file, os.O_RDONLY)
+            fd = self._fds.setdefault(file, opened)
+            if fd != opened:
+                os.close(opened)
         if scratch is not None:
             buf = scratch_buffer(scratch, nbytes, torch.uint8, pin_memory=self.pin_memory)
         else:

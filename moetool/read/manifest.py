@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from concurrent.futures import ThreadPoolExecutor
+import threading
 from pathlib import Path
 from typing import Iterable
 
@@ -63,14 +63,41 @@ def verify_manifest(root: Path, names: Iterable[str] | None = None, workers: int
             raise MoetoolError(f"{p}: missing (listed in {MANIFEST_NAME})")
         if p.stat().st_size != rec["size"]:
             raise MoetoolError(f"{p}: size {p.stat().st_size} bytes, manifest says {rec['size']} (truncated or modified)")
-    # the largest files first: they bound the time
-    order = sorted(names, key=lambda n: -files[n]["size"])
-    with ThreadPoolExecutor(max(1, min(workers, len(names))), thread_name_prefix="moetool-sha256") as pool:
-        digests = dict(zip(order, pool.map(lambda n: sha256_file(Path(root) / n), order)))
-    for name in names:
-        if digests[name] != files[name]["sha256"]:
+    digests = _hash_files([Path(root) / n for n in names], [files[n]["size"] for n in names], workers)
+    for name, digest in zip(names, digests):
+        if isinstance(digest, OSError):
+            raise MoetoolError(f"{Path(root) / name}: cannot be read ({digest.strerror or digest})")
+        if digest != files[name]["sha256"]:
             raise MoetoolError(f"{Path(root) / name}: sha256 does not match {MANIFEST_NAME} (file modified or corrupt)")
     return manifest
+
+
+def _hash_files(paths: list[Path], sizes: list[int], workers: int) -> list:
+    """sha256 hex digest (or the OSError reading it raised) of each path, on up to ``workers``
+    daemon threads taking the largest files first (they bound the time): a process that is
+    interrupted leaves at once, not when the hashing ends."""
+    todo = sorted(range(len(paths)), key=lambda i: -sizes[i])
+    out: list = [None] * len(paths)
+    lock = threading.Lock()
+
+    def work() -> None:
+        while True:
+            with lock:
+                if not todo:
+                    return
+                i = todo.pop(0)
+            try:
+                out[i] = sha256_file(paths[i])
+            except OSError as err:
+                out[i] = err
+
+    threads = [threading.Thread(target=work, name="moetool-sha256", daemon=True)
+               for _ in range(max(1, min(workers, len(paths))))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
 
 
 RANK_DIR_RE = re.compile(r"rank-(\d{5})-of-(\d{5})")

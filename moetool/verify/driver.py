@@ -106,6 +106,8 @@ def compute_references(ref_ckpt, spec, opts: VerifyOptions, layer_ids: list[int]
     reader = ExpertReader(ref_ckpt, spec)
     out: dict[int, LayerReference] = {}
     for i in layer_ids:
+        if stop is not None and stop.is_set():
+            break
         layer = spec.layer(i)
         nw_name = norm_weight_name(layer)
         nw = ref_ckpt.get(nw_name) if nw_name in ref_ckpt else None

@@ -25,8 +25,9 @@ PHASES = ("route", "dispatch", "experts", "combine", "shared")
 
 
 class PhaseTimer:
-    """Wall time per phase (time.perf_counter); on CUDA also CUDA-event time, with a
-    synchronize around each phase so the wall time belongs to that phase."""
+    """Wall time per phase (time.perf_counter); on CUDA also CUDA-event time, with the current
+    stream synchronized around each phase so the wall time belongs to that phase (a side
+    stream's work, the shared expert's, runs on across phases: ``side``)."""
 
     def __init__(self, device: torch.device, align_ranks: bool = False):
         self.cuda = device.type == "cuda"
@@ -172,6 +173,8 @@ def run_moe_layer(x_group: torch.Tensor, gate_weight: torch.Tensor,
                     y_c = y_c.float() + shared_forward(x_served[lo:lo + sizes[g]], shared, nm.round,
                                                        local.activation)
             y[lo:lo + sizes[g]] = nm.round(y_c)
+    if side is not None:  # the side stream's timing events are read below
+        torch.cuda.current_stream().synchronize()
     stats.settle()
     stats.pairs_computed = sum(stats.expert_tokens)
     return y, _stats(topo, dispatcher, experts, stats, timer, x_group.shape[0], chunks,
@@ -191,8 +194,8 @@ def _shared_on_side(side: torch.cuda.Stream, x: torch.Tensor, shared: SharedWeig
         # the activation in float32, rounded once (an engine's fused silu-and-mul)
         h = local.activation.apply((xs @ gate.t()).float(), (xs @ up.t()).float()).to(nm.act_dtype)  # [t, Ns]
         y = h @ down.t()  # [t, H]
-        if sgate is not None:
-            y = (torch.sigmoid((xs @ sgate.t()).float()) * y.float()).to(nm.act_dtype)
+        if sgate is not None:  # the gate's logit in float32, as the emulation's
+            y = (torch.sigmoid(xs.float() @ sgate.float().t()) * y.float()).to(nm.act_dtype)
         end.record()
     timer.side("shared", start, end)
     y.record_stream(torch.cuda.current_stream())  # read there later: keep the block until then

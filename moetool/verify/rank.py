@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from concurrent.futures import ThreadPoolExecutor
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
@@ -63,26 +63,34 @@ def run_job(rank: int, shards_root: str, opts: VerifyOptions, layer_ids: list[in
 
 @contextmanager
 def opened_and_checked(shards: EPShards, rank: int) -> Iterator[tuple]:
-    """(checkpoint, spec) of this rank's shard, its files' sha256 checked on threads while the
+    """(checkpoint, spec) of this rank's shard, its files' sha256 checked on a thread while the
     caller reads and runs them (hashing is slower than the disk: done first, it doubled the
     rank's time). The check's verdict stands before anything leaves: on leaving, a mismatch
-    raises; when the caller failed, a damaged file is named rather than what it broke."""
-    pool = ThreadPoolExecutor(1, thread_name_prefix="moetool-check")
-    check = pool.submit(verify_manifest, shards.root, shards.rank_files(rank))
+    raises; when the caller failed, a damaged file is named rather than what it broke. The
+    thread is a daemon: an interrupted rank leaves at once, not after the hashing."""
+    verdict: list[BaseException | None] = []
+    check = threading.Thread(target=_check_into, args=(shards, rank, verdict), name="moetool-check", daemon=True)
+    check.start()
     try:
         ckpt, spec = shards.open_rank(rank, check=False)
         with ckpt:
             yield ckpt, spec
     except Exception:
-        damaged = check.exception()
-        if damaged is not None:
-            raise damaged from None
+        check.join()
+        if verdict[0] is not None:
+            raise verdict[0] from None
         raise
-    except BaseException:  # interrupted: leave at once, the hashing thread ends with the process
-        pool.shutdown(wait=False, cancel_futures=True)
-        raise
-    check.result()
-    pool.shutdown()
+    check.join()
+    if verdict[0] is not None:
+        raise verdict[0]
+
+
+def _check_into(shards: EPShards, rank: int, verdict: list) -> None:
+    try:
+        verify_manifest(shards.root, shards.rank_files(rank))
+        verdict.append(None)
+    except BaseException as err:  # noqa: BLE001 - handed to the rank's thread
+        verdict.append(err)
 
 
 def _run_job(rank: int, shards: EPShards, ckpt, spec, opts: VerifyOptions, layer_ids: list[int],
@@ -139,13 +147,14 @@ def _run_job(rank: int, shards: EPShards, ckpt, spec, opts: VerifyOptions, layer
 
 
 def compact(t: torch.Tensor) -> torch.Tensor:
-    """``t`` on the CPU for the parent, in bf16 where that holds every value exactly (served
-    outputs are rounded to bf16 already; at full size the rows and probe outputs are ~0.5 GB,
-    and the pipe to the parent takes seconds per GB), else as it is."""
+    """``t`` on the CPU for the parent, in bf16 or fp16 where that holds every value exactly
+    (served outputs are rounded to the served dtype already; at full size the rows and probe
+    outputs are ~0.5 GB, and the pipe to the parent takes seconds per GB), else as it is."""
     if t.dtype == torch.float32 and t.numel():
-        half = t.to(torch.bfloat16)
-        if torch.equal(half.float(), t):
-            return half.cpu()
+        for half in (torch.bfloat16, torch.float16):
+            h = t.to(half)
+            if torch.equal(h.float(), t):  # NaN never compares equal: such a tensor goes as it is
+                return h.cpu()
     return t.cpu()
 
 
@@ -164,11 +173,16 @@ def load_local_experts(reader: ExpertReader, layer: MoELayerSpec, slot_to_global
         w2 = {s: _stacked_on(ckpt, f"{st.down}_{s}", device) for s in reader.fmt.suffixes if f"{st.down}_{s}" in ckpt}
     else:
         w13, w2 = {}, {}
-        for i, (a, b) in enumerate(read_ahead(lambda i: (reader.w13(layer, i), reader.down(layer, i)), layer.n_stored)):
-            for dst, part in ((w13, a), (w2, b)):
+        for i, (a, b) in enumerate(read_ahead(lambda i: _w13_down(reader, layer, i), layer.n_stored)):
+            for name, dst, part in (("w13", w13, a), ("w2", w2, b)):
                 if i == 0:
                     dst.update({s: torch.empty((layer.n_stored, *v.shape), dtype=v.dtype, device=device)
                                 for s, v in part.items()})
+                want = {s: (tuple(t.shape[1:]), t.dtype) for s, t in dst.items()}
+                got = {s: (tuple(v.shape), v.dtype) for s, v in part.items()}
+                if got != want:  # each expert alike, as a stack of them would require
+                    raise MoetoolError(f"{layer.prefix}: local slot {i} (expert {slot_to_global[i]}) has {name} "
+                                       f"tensors {_describe(got)}, slot 0 {_describe(want)}")
                 for s, v in part.items():
                     dst[s][i].copy_(v, non_blocking=True)
     biases = reader.stacked_biases(layer)  # (w13 [L, 2N], w2 [L, H]) or None
@@ -184,6 +198,16 @@ def load_local_experts(reader: ExpertReader, layer: MoELayerSpec, slot_to_global
     b13, b2 = (w13.pop("bias"), w2.pop("bias")) if biases is not None else (None, None)
     return LocalExperts(reader.fmt, w13, w2, list(slot_to_global), layer.intermediate, layer.hidden,
                         bias13=b13, bias2=b2, activation=layer.activation)
+
+
+def _w13_down(reader: ExpertReader, layer: MoELayerSpec, i: int) -> tuple[dict, dict]:
+    """Stored expert i's (w13 [2N, H] gate rows first, w2 [H, N]) linears, read once."""
+    gate, up, down = reader.gate_up_down(layer, i)
+    return reader.fmt.cat_rows([gate, up]), down
+
+
+def _describe(specs: dict) -> str:
+    return ", ".join(f"{s} {list(shape)} {str(dtype).replace('torch.', '')}" for s, (shape, dtype) in sorted(specs.items()))
 
 
 def _stacked_on(ckpt, name: str, device: torch.device) -> torch.Tensor:

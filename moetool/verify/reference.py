@@ -1,7 +1,8 @@
 """The single-process MoE forward the distributed run is compared against.
 
-Deliberately the plainest code path: one loop over experts, 2-D per-expert weights, no
-stacking, no placement, no dispatch, no quantized formats. Letters: T = tokens,
+Deliberately the plainest code path: one loop over experts (each expert's tokens found by
+sorting the routing once), 2-D per-expert float32 weights, no stacking, no placement, no
+dispatch, no quantized formats. Letters: T = tokens,
 H = hidden, N = expert intermediate, E = experts, k = top-k.
 """
 from __future__ import annotations

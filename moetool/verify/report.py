@@ -34,8 +34,10 @@ class VerifyReport:
     options: dict
     thresholds: dict
     layers: list[LayerReport]
-    #: seconds of the run's parts: ranks_s (spawn to the ranks' results), reference_s (the
-    #: parent's reference, concurrent with the ranks), wall_s (both)
+    #: seconds of the run's parts: startup_s (this process's start to the spawn), ranks_s
+    #: (spawn to the ranks' results), reference_s (the parent's reference, concurrent with the
+    #: ranks), wall_s (both), rank_<step>_s (spawn to the last rank's end of start, loaded,
+    #: forward, probed, checked)
     timings_s: dict = field(default_factory=dict)
 
     @property

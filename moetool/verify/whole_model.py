@@ -351,8 +351,7 @@ def _rank_jobs(rank: int, world_size: int, jobs: list[dict]) -> list[dict]:
 
 
 def _rank_job(rank: int, topo, job: dict) -> dict:
-    # the rank runtime loads Triton, which the parent must never load
-    from moetool.verify.rank import opened_and_checked
+    from moetool.verify.rank import opened_and_checked  # loads Triton: ranks only
 
     shards = EPShards(Path(job["shards"]), check=False)
     with opened_and_checked(shards, rank) as (ckpt, spec):
