@@ -337,7 +337,8 @@ class TorchCheck:
                 self.facts = None
         else:
             self.proc = subprocess.Popen([sys.executable, "-m", CHECK_MODULE, json.dumps(args)],
-                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                         env=_child_env())
         self._answer: bool | None = None
 
     def agrees(self) -> bool:
@@ -389,6 +390,14 @@ class TorchCheck:
             self.proc.kill()
             self.proc.wait()
             self.proc = None
+
+
+def _child_env() -> dict:
+    """The environment of the check's ``python -m``: this moetool found first, and (Python 3.11+)
+    not the working directory, where a ``moetool`` or ``torch`` folder would shadow them."""
+    here = str(Path(__file__).resolve().parents[2])  # the folder holding this moetool package
+    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "PYTHONSAFEPATH": "1"}
 
 
 def torch_loaded() -> bool:
