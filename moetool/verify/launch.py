@@ -2,9 +2,9 @@
 
 Two ways in:
 
-- ``spawn_world(fn, world_size, ...)``: single node; the parent spawns the ranks
-  (``multiprocessing`` spawn context), watches them and the result queue, and returns the
-  per-rank results. A rank that raises or dies stops the whole run within a bounded time
+- ``spawn_world(fn, world_size, ...)``: single node; the parent starts the ranks (on Linux
+  forked by a ``multiprocessing`` fork server that imported torch once, elsewhere spawned),
+  watches them and the result queue, and returns the per-rank results. A rank that raises or dies stops the whole run within a bounded time
   with one ``MoetoolError`` naming the rank.
 - ``run_under_torchrun(fn, args)``: the process was started by ``torchrun`` (one node or
   many); RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT come from the env.
@@ -14,7 +14,8 @@ CPU, NCCL on ``cuda:LOCAL_RANK``) and must be a module-level function (spawn pic
 What it returns travels to the parent by value (CPU tensors, numbers, dicts, lists...).
 
 No rank outlives its parent (``_die_with_parent``): a rank dies within a second of the
-process that started it (the spawning ``moetool``, or torchrun's agent), however that one
+process that started it (the spawning ``moetool``, through the fork server, which ends with
+it; or torchrun's agent), however that one
 ended (SIGKILL, the OOM killer; a rank still importing torch then exits when it reaches its
 entry point); an interrupted ``spawn_world`` stops its ranks before it returns.
 """
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import multiprocessing as mp
+import multiprocessing.forkserver as mp_forkserver
 import os
 import pickle
 import queue as queue_mod
@@ -88,6 +91,50 @@ def _setup_rank(backend: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def _rank_context():
+    """Linux: a fork server that imported torch and this module once starts every rank of this
+    process's worlds by forking (a rank up in ~0.1 s, where a fresh interpreter importing torch
+    takes 1-5 s); it never touches CUDA, so its children may. Elsewhere: spawn."""
+    if sys.platform.startswith("linux") and "forkserver" in mp.get_all_start_methods():
+        ctx = tmp.get_context("forkserver")
+        ctx.set_forkserver_preload([__name__])
+        return ctx
+    return tmp.get_context("spawn")
+
+
+def _release_fork_server() -> None:
+    """Close this forked child's copy of the fork server's "alive" pipe (multiprocessing gives
+    every child one, so that it may start processes through the server too: ranks never do)."""
+    server = getattr(mp_forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        server._forkserver_alive_fd = None
+
+
+def _parent_of(pid: int) -> int | None:
+    """The parent pid of ``pid`` (Linux /proc), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _name_process(name: str) -> None:
+    """Linux: this process's name in ps / top / /proc/PID/comm (15 bytes at most)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(15, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
 def _set_pdeathsig(sig: int) -> int | None:
     """Linux: the signal this process gets when its parent dies (prctl PR_SET_PDEATHSIG, 0 for
     none); returns the previous one. None where there is no prctl (other systems)."""
@@ -147,10 +194,24 @@ def _die_with_parent(parent_pid: int) -> Iterator[None]:
 
 
 def _rank_main(rank: int, world_size: int, backend: str, host: str, port: int,
-               pg_timeout_s: float, parent_pid: int, fn: Callable, args: tuple, q) -> None:
-    """Entry point of a spawned rank: tied to the parent first thing, then init, run, report,
-    always destroy the group."""
-    with _die_with_parent(parent_pid):
+               pg_timeout_s: float, parent_pid: int, env: dict, fn: Callable, args: tuple, q) -> None:
+    """Entry point of a rank: tied to the parent first thing, then init, run, report, always
+    destroy the group. ``env``: the spawning process's environment when it started the world
+    (a rank forked by the fork server would otherwise have the server's, from its start)."""
+    watched = os.getppid()
+    if watched != parent_pid:
+        # forked by the fork server: that server is this process's parent, and it must be the
+        # spawning process's child. It ends when every holder of its "alive" pipe has closed
+        # it: the spawning process, and each forked child, which this rank must not stay
+        # (else the server, and through it this rank, would outlive a killed moetool)
+        _release_fork_server()
+        if _parent_of(watched) != parent_pid:
+            os._exit(_ORPHANED)
+    _name_process(f"moetool-rank{rank}")
+    with _die_with_parent(watched):
+        for key in set(os.environ) - set(env):
+            del os.environ[key]
+        os.environ.update(env)
         os.environ.update(MASTER_ADDR=host, MASTER_PORT=str(port), RANK=str(rank),
                           WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                           LOCAL_WORLD_SIZE=str(world_size))
@@ -208,11 +269,12 @@ def spawn_world(fn: Callable, world_size: int, backend: str = "gloo", args: tupl
     # the parent owns the rendezvous store: port 0 lets the OS pick a free port, no race
     store = dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=collective_timeout_s))
-    ctx = tmp.get_context("spawn")
+    ctx = _rank_context()
     q = ctx.Queue()
+    env = dict(os.environ)
     procs = [ctx.Process(target=_rank_main, name=f"moetool-rank{r}", daemon=True,
                          args=(r, world_size, backend, host, store.port, collective_timeout_s,
-                               os.getpid(), fn, args, q))
+                               os.getpid(), env, fn, args, q))
              for r in range(world_size)]
     reports: dict[int, _Report] = {}
     failure: str | None = None

@@ -3,8 +3,8 @@ SIGTERM from ``timeout`` or a scheduler), its rank processes end within seconds,
 their work or the process-group timeout (minutes); under torchrun, a worker ends with its agent.
 
 The verify runs here are made slow on purpose (one-token chunks: each rank would run for
-minutes), so a rank that outlives its parent shows. Rank processes are found as the parent's
-children running ``multiprocessing.spawn``; a rank that holds its shard open is in the run (past
+minutes), so a rank that outlives its parent shows. Rank processes are found below the parent
+(its children, or its fork server's) by their name, ``moetool-rankR``; a rank that holds its shard open is in the run (past
 the process group's set-up, which needs the parent's store and fails fast without it).
 Linux only (/proc).
 """
@@ -67,15 +67,29 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 def _ranks(parent: int) -> list[int]:
-    """The spawned rank processes among ``parent``'s children (not multiprocessing's resource tracker)."""
-    kids = []
+    """The rank processes below ``parent``: named ``moetool-rankR`` (they are its children, or
+    its fork server's), not multiprocessing's resource tracker or fork server."""
+    children: dict[int, list[int]] = {}
     for name in os.listdir("/proc"):
         if name.isdigit():
             st = _stat(int(name))
-            if st is not None and st[1] == parent and "spawn_main" in _cmdline(int(name)):
-                kids.append(int(name))
-    return sorted(kids)
+            if st is not None:
+                children.setdefault(st[1], []).append(int(name))
+    below, todo = [], list(children.get(parent, []))
+    while todo:
+        pid = todo.pop()
+        below.append(pid)
+        todo += children.get(pid, [])
+    return sorted(pid for pid in below if _comm(pid).startswith("moetool-rank"))
 
 
 def _holds_file_under(pid: int, folder: Path) -> bool:
@@ -119,7 +133,7 @@ def reap():
     pids: list[int] = []
     yield pids.append
     for pid in pids:
-        if _alive(pid) and ("spawn_main" in _cmdline(pid) or "moetool" in _cmdline(pid)):
+        if _alive(pid) and (_comm(pid).startswith("moetool-rank") or "moetool" in _cmdline(pid)):
             os.kill(pid, signal.SIGKILL)
 
 
