@@ -91,11 +91,18 @@ def _setup_rank(backend: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+#: environment variable: ``spawn`` starts every rank as a fresh interpreter, as before the fork
+#: server (a way around it, should a system's fork server misbehave)
+START_ENV = "MOETOOL_RANK_START"
+
+
 def _rank_context():
     """Linux: a fork server that imported torch and this module once starts every rank of this
     process's worlds by forking (a rank up in ~0.1 s, where a fresh interpreter importing torch
-    takes 1-5 s); it never touches CUDA, so its children may. Elsewhere: spawn."""
-    if sys.platform.startswith("linux") and "forkserver" in mp.get_all_start_methods():
+    takes 1-5 s); it never touches CUDA, so its children may. Elsewhere, or with
+    ``MOETOOL_RANK_START=spawn``: spawn."""
+    if (sys.platform.startswith("linux") and "forkserver" in mp.get_all_start_methods()
+            and os.environ.get(START_ENV, "forkserver") != "spawn"):
         ctx = tmp.get_context("forkserver")
         ctx.set_forkserver_preload([__name__])
         return ctx

@@ -102,3 +102,25 @@ def test_run_under_torchrun_single_rank_layer(monkeypatch):
     for res in results:
         torch.testing.assert_close(res["y"], ref, rtol=1e-6, atol=1e-6 * float(ref.abs().max()))
         assert res["stats"]["chunks"] == 3 and res["stats"]["pairs_computed"] == 27
+
+
+def test_spawn_start_method_on_request(monkeypatch):
+    """MOETOOL_RANK_START=spawn: ranks are fresh interpreters (the way around the fork server),
+    and a world still runs; their environment is the spawning process's either way."""
+    from moetool.verify import launch
+
+    monkeypatch.setenv("MOETOOL_RANK_START", "spawn")
+    assert launch._rank_context().get_start_method() == "spawn"
+    monkeypatch.setenv("MOETOOL_SEEN_BY_RANKS", "yes")
+    assert launch.spawn_world(_env_value, 2, "gloo", args=("MOETOOL_SEEN_BY_RANKS",), timeout_s=120) == ["yes", "yes"]
+    monkeypatch.delenv("MOETOOL_RANK_START")
+    assert launch._rank_context().get_start_method() == "forkserver"
+    assert launch.spawn_world(_env_value, 2, "gloo", args=("MOETOOL_SEEN_BY_RANKS",), timeout_s=120) == ["yes"] * 2
+    monkeypatch.setenv("MOETOOL_SEEN_BY_RANKS", "later")  # set after the fork server started
+    assert launch.spawn_world(_env_value, 2, "gloo", args=("MOETOOL_SEEN_BY_RANKS",), timeout_s=120) == ["later"] * 2
+
+
+def _env_value(rank: int, world_size: int, key: str) -> str | None:
+    import os
+
+    return os.environ.get(key)
