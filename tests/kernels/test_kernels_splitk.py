@@ -19,7 +19,7 @@ from moetool.kernels.moe_weights import SCHEMES, dequantize_stacked, parse_weigh
 
 from moetool.errors import MoetoolError
 
-from test_kernels_fused_moe import CASES, fused_ref, make_hidden, make_routing, make_weights, rel_err, weight_format
+from test_kernels_fused_moe import CASES, _to, fused_ref, make_hidden, make_routing, make_weights, rel_err, weight_format
 
 # (case of test_kernels_fused_moe.CASES, (T, E, H, N, k, g), split_w13, split_w2): K spans
 # several tiles (fp8-block: 128 wide) and does not always divide into the slices (H 320 / 32 =
@@ -46,8 +46,7 @@ def _problem(case, shape, device):
     ids, tw = make_routing(T, E, k)
     x, xs = make_hidden(T, H, hdtype, SCHEMES[fmt].act_group)
     ref = fused_ref(x, w13, w2, fmt, ids, tw, group or 128, bool(symmetric), hidden_scale=xs)
-    to = lambda d: {key: v.to(device) for key, v in d.items()}  # noqa: E731
-    args = (x.to(device), to(w13), to(w2), fmt, ids.to(device), tw.to(device))
+    args = (x.to(device), _to(w13, device), _to(w2, device), fmt, ids.to(device), tw.to(device))
     xs_ = xs.to(device) if xs is not None else None
 
     def run(cfg):
@@ -137,8 +136,7 @@ def test_split_keeps_biases_once_and_the_clamped_swiglu(device):
     b13, b2 = torch.randn(E, 2 * N), torch.randn(E, H)
     kw = dict(activation="clamped-swiglu", swiglu=(1.702, 7.0))
     ref = fused_ref(x, w13, w2, "dense", ids, tw, w13_bias=b13, w2_bias=b2, **kw)
-    to = lambda d: {key: v.to(device) for key, v in d.items()}  # noqa: E731
-    out = fm.fused_experts(x.to(device), to(w13), to(w2), "dense", ids.to(device), tw.to(device),
+    out = fm.fused_experts(x.to(device), _to(w13, device), _to(w2, device), "dense", ids.to(device), tw.to(device),
                            w13_bias=b13.to(device), w2_bias=b2.to(device), config=MoeConfig(16, 32, 32, 1, 4, 1, 4, 2),
                            **kw)
     assert rel_err(out, ref) < CASES["dense-fp16"][3]
@@ -172,8 +170,7 @@ def test_fused_silu_keeps_biases_and_the_clamped_swiglu(device):
     x = torch.randn(T, H).half()
     b13, b2 = torch.randn(E, 2 * N), torch.randn(E, H)
     kw = dict(activation="clamped-swiglu", swiglu=(1.702, 1.5), w13_bias=b13.to(device), w2_bias=b2.to(device))
-    to = lambda d: {key: v.to(device) for key, v in d.items()}  # noqa: E731
-    args = (x.to(device), to(w13), to(w2), "dense", ids.to(device), tw.to(device))
+    args = (x.to(device), _to(w13, device), _to(w2, device), "dense", ids.to(device), tw.to(device))
     fused = fm.fused_experts(*args, config=MoeConfig(16, 32, 32, 1, 4, 1, fuse_silu=True), **kw)
     assert torch.equal(fused, fm.fused_experts(*args, config=MoeConfig(16, 32, 32, 1, 4, 1), **kw))
     ref = fused_ref(x, w13, w2, "dense", ids, tw, activation="clamped-swiglu", swiglu=(1.702, 1.5), w13_bias=b13,
