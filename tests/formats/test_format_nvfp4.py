@@ -1,6 +1,6 @@
 """nvfp4: the global scale (a divisor, one per fused w13), the quantization formula, the banded
 CPU quantizer and the Triton kernel against it, rows, the config, what compressed-tensors and
-transformers read back, and `moetool quantize --format nvfp4` through repack, shard and verify."""
+transformers read back (transformers: test_format_transformers_load.py), and `moetool quantize --format nvfp4` through repack, shard and verify."""
 from __future__ import annotations
 
 import json
@@ -198,7 +198,7 @@ def test_a_checkpoint_without_its_config_is_recognized_by_the_global_scale():
                    for cls in FORMATS.values())
 
 
-# ---------------------------------------------------------------------- readers: compressed-tensors, transformers
+# ---------------------------------------------------------------------- reader: compressed-tensors
 
 
 def test_compressed_tensors_reads_and_writes_our_bytes():
@@ -221,36 +221,6 @@ def test_compressed_tensors_reads_and_writes_our_bytes():
 
 
 @pytest.mark.filterwarnings("ignore:You passed `quantization_config`:UserWarning")
-def test_transformers_loads_a_checkpoint_through_compressed_tensors(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("compressed_tensors")
-    from safetensors.torch import save_file
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1)
-    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
-    tensors, expected, ignore = {}, {}, []
-    for name, weight in model.state_dict().items():
-        if ".mlp." in name:
-            stored = FMT.quantize(weight, torch.bfloat16)
-            tensors.update({f"{name.removesuffix('weight')}{s}": v for s, v in stored.items()})
-            expected[name] = FMT.dequantize(stored)
-        else:
-            tensors[name] = weight.contiguous()
-            if name.endswith("_proj.weight") or name == "lm_head.weight":
-                ignore.append(name.removesuffix(".weight"))
-    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
-    config_dict = {**config.to_dict(), "architectures": ["LlamaForCausalLM"], "torch_dtype": "bfloat16",
-                   "quantization_config": FMT.quantization_config(ignore)}
-    (tmp_path / "config.json").write_text(json.dumps(config_dict))
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path, dtype=torch.bfloat16, quantization_config=transformers.CompressedTensorsConfig(dequantize=True)
-    ).state_dict()
-    for name, weight in expected.items():
-        assert torch.equal(loaded[name], weight.to(torch.bfloat16)), name
-
-
 # ---------------------------------------------------------------------- the commands, end to end
 
 

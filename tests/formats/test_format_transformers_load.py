@@ -16,7 +16,7 @@ import json
 import pytest
 import torch
 
-from moetool.formats import Fp8Block, Fp8Channel, Int4Group
+from moetool.formats import Fp8Block, Fp8Channel, Int4Group, Mxfp4, Nvfp4
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -31,6 +31,8 @@ FORMATS = [
     pytest.param(Int4Group(), id="int4-sym"),
     pytest.param(Int4Group(group_size=64, symmetric=False), id="int4-asym"),
     pytest.param(Int4Group(clip="mse"), id="int4-sym-mse"),
+    pytest.param(Mxfp4(), id="mxfp4"),
+    pytest.param(Nvfp4(), id="nvfp4"),
 ]
 
 
