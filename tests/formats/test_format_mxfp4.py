@@ -1,6 +1,7 @@
 """mxfp4: the bytes (nibble order, e8m0 exponents), the quantization formula, the banded CPU
 quantizer and the Triton kernel against it, rows, the config, what compressed-tensors and
-transformers read back (transformers: test_format_transformers_load.py), and `moetool quantize --format mxfp4` through repack, shard and verify."""
+transformers read back (transformers: test_format_transformers_load.py), and
+`moetool quantize --format mxfp4` through repack, shard and verify."""
 from __future__ import annotations
 
 import json
