@@ -103,46 +103,43 @@ def _run_job(rank: int, shards: EPShards, ckpt, spec, opts: VerifyOptions, layer
     dispatcher = get_dispatcher(opts.dispatch, topo, comm_dtype=numerics.wire_dtype,
                                 **({"transport": transport, "timeout_s": opts.timeout_s} if transport else {}))
     results: dict[int, dict] = {}
-    try:
-        for i in layer_ids:
-            layer = spec.layer(i)
-            placement = shards.placements[i]
-            t_load = time.perf_counter()
-            local = load_local_experts(reader, layer, placement.slots[rank], device)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            load_s = time.perf_counter() - t_load
-            timeline = {"loaded": time.time()}
-            gate = ckpt.get(layer.router_weight).float()
-            bias = ckpt.get(layer.correction_bias).float() if layer.correction_bias else None
-            rbias = ckpt.get(layer.router_bias).float().to(device) if layer.router_bias else None
-            shared = reader.shared_fp32(layer)
-            nw_name = norm_weight_name(layer)
-            nw = ckpt.get(nw_name) if nw_name in ckpt else None
-            x = make_tokens(i, topo.group_index, opts.tokens, layer.hidden, opts.seed, nw, numerics).to(device)
-            # everything on the rank's device before the timed runs (no host copies inside)
-            gate = gate.to(device)
-            bias = None if bias is None else bias.to(device)
-            shared = None if shared is None else tuple(None if w is None else w.float().to(device) for w in shared)
-            for _ in range(opts.warmup):
-                run_moe_layer(x, gate, bias, layer.router, local, placement, shared, dispatcher, experts,
-                              opts.chunk_size, router_bias=rbias)
-            timed = []
-            for _ in range(opts.repeat):
-                y, stats = run_moe_layer(x, gate, bias, layer.router, local, placement, shared, dispatcher,
-                                         experts, opts.chunk_size, align_phases=opts.warmup > 0, router_bias=rbias)
-                timed.append({k: v for k, v in stats.items() if k.startswith(("time_", "cuda_"))})
-            stats.update({k: statistics.median(t[k] for t in timed) for k in timed[0]}, transport=transport,
-                         time_load_s=load_s)
-            timeline["forward"] = time.time()
-            probe = _probe_slots(experts, local, probe_tokens(i, layer.hidden, opts.seed, nw, numerics), device)
-            timeline["probed"] = time.time()
-            stats["timeline"] = timeline
-            results[i] = {"y": compact(y) if topo.tp_index == 0 else None, "group": topo.group_index,
-                          "probe": compact(probe), "slots": list(local.slot_to_global), "stats": stats}
-            experts.release()
-    finally:
-        ckpt.close()
+    for i in layer_ids:
+        layer = spec.layer(i)
+        placement = shards.placements[i]
+        t_load = time.perf_counter()
+        local = load_local_experts(reader, layer, placement.slots[rank], device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        load_s = time.perf_counter() - t_load
+        timeline = {"loaded": time.time()}
+        gate = ckpt.get(layer.router_weight).float()
+        bias = ckpt.get(layer.correction_bias).float() if layer.correction_bias else None
+        rbias = ckpt.get(layer.router_bias).float().to(device) if layer.router_bias else None
+        shared = reader.shared_fp32(layer)
+        nw_name = norm_weight_name(layer)
+        nw = ckpt.get(nw_name) if nw_name in ckpt else None
+        x = make_tokens(i, topo.group_index, opts.tokens, layer.hidden, opts.seed, nw, numerics).to(device)
+        # everything on the rank's device before the timed runs (no host copies inside)
+        gate = gate.to(device)
+        bias = None if bias is None else bias.to(device)
+        shared = None if shared is None else tuple(None if w is None else w.float().to(device) for w in shared)
+        for _ in range(opts.warmup):
+            run_moe_layer(x, gate, bias, layer.router, local, placement, shared, dispatcher, experts,
+                          opts.chunk_size, router_bias=rbias)
+        timed = []
+        for _ in range(opts.repeat):
+            y, stats = run_moe_layer(x, gate, bias, layer.router, local, placement, shared, dispatcher,
+                                     experts, opts.chunk_size, align_phases=opts.warmup > 0, router_bias=rbias)
+            timed.append({k: v for k, v in stats.items() if k.startswith(("time_", "cuda_"))})
+        stats.update({k: statistics.median(t[k] for t in timed) for k in timed[0]}, transport=transport,
+                     time_load_s=load_s)
+        timeline["forward"] = time.time()
+        probe = _probe_slots(experts, local, probe_tokens(i, layer.hidden, opts.seed, nw, numerics), device)
+        timeline["probed"] = time.time()
+        stats["timeline"] = timeline
+        results[i] = {"y": compact(y) if topo.tp_index == 0 else None, "group": topo.group_index,
+                      "probe": compact(probe), "slots": list(local.slot_to_global), "stats": stats}
+        experts.release()
     return results
 
 
