@@ -306,13 +306,14 @@ def verify_many(jobs: list[tuple], *, revision: str | None = None) -> list[Verif
 
 def _rank_timeline(per_rank: list[dict], t0_epoch: float) -> dict:
     """{"rank_<step>_s": seconds from the spawn until the last rank ended that step} over the
-    ranks' timelines (start, loaded, forward, probed, checked) of the last layer."""
+    ranks' timelines (start, rehearsed, loaded, forward, probed, checked), each step's time
+    from the last layer that has it (the rehearsal is the first layer's)."""
     out: dict = {}
     for result in per_rank:
-        if not result:
-            continue
-        last = result[max(result)]["stats"].get("timeline", {})
-        for step, at in last.items():
+        steps: dict = {}
+        for i in sorted(result or {}):
+            steps.update(result[i]["stats"].get("timeline", {}))
+        for step, at in steps.items():
             out[f"rank_{step}_s"] = max(out.get(f"rank_{step}_s", 0.0), at - t0_epoch)
     return out
 

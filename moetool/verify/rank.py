@@ -7,12 +7,14 @@ Letters: L = local expert slots, P = probe tokens, H = hidden, T_g = tokens per 
 """
 from __future__ import annotations
 
+import itertools
+import os
 import statistics
-import time
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -103,44 +105,75 @@ def _run_job(rank: int, shards: EPShards, ckpt, spec, opts: VerifyOptions, layer
     dispatcher = get_dispatcher(opts.dispatch, topo, comm_dtype=numerics.wire_dtype,
                                 **({"transport": transport, "timeout_s": opts.timeout_s} if transport else {}))
     results: dict[int, dict] = {}
-    for i in layer_ids:
+    rehearse = _rehearses(device)
+    for n, i in enumerate(layer_ids):
         layer = spec.layer(i)
         placement = shards.placements[i]
-        t_load = time.perf_counter()
-        local = load_local_experts(reader, layer, placement.slots[rank], device)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        load_s = time.perf_counter() - t_load
-        timeline = {"loaded": time.time()}
-        gate = ckpt.get(layer.router_weight).float()
-        bias = ckpt.get(layer.correction_bias).float() if layer.correction_bias else None
+        gate = ckpt.get(layer.router_weight).float().to(device)
+        bias = ckpt.get(layer.correction_bias).float().to(device) if layer.correction_bias else None
         rbias = ckpt.get(layer.router_bias).float().to(device) if layer.router_bias else None
         shared = reader.shared_fp32(layer)
+        shared = None if shared is None else tuple(None if w is None else w.float().to(device) for w in shared)
         nw_name = norm_weight_name(layer)
         nw = ckpt.get(nw_name) if nw_name in ckpt else None
         x = make_tokens(i, topo.group_index, opts.tokens, layer.hidden, opts.seed, nw, numerics).to(device)
-        # everything on the rank's device before the timed runs (no host copies inside)
-        gate = gate.to(device)
-        bias = None if bias is None else bias.to(device)
-        shared = None if shared is None else tuple(None if w is None else w.float().to(device) for w in shared)
+        probe_x = probe_tokens(i, layer.hidden, opts.seed, nw, numerics)
+
+        def forward(local: LocalExperts, timed: bool = False):
+            return run_moe_layer(x, gate, bias, layer.router, local, placement, shared, dispatcher, experts,
+                                 opts.chunk_size, align_phases=timed and opts.warmup > 0, router_bias=rbias)
+
+        timeline: dict[str, float] = {}
+        spent: dict[str, float] = {}
+
+        def rehearsal(local: LocalExperts) -> None:
+            """The layer once on zero weights, before they are read: every kernel is compiled, the
+            transport's buffers made and its graphs captured while the disk is busy with the
+            parent's reference (and the next reads), not after the weights are in."""
+            t = time.perf_counter()
+            forward(local)
+            _probe_slots(experts, local, probe_x, device, slots=1)
+            experts.release()  # the torch backend keeps dequantized copies of the zero weights
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            timeline["rehearsed"] = time.time()
+            spent["rehearse_s"] = time.perf_counter() - t
+
+        t_load = time.perf_counter()
+        local = load_local_experts(reader, layer, placement.slots[rank], device,
+                                   before_fill=rehearsal if rehearse and n == 0 else None)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        load_s = time.perf_counter() - t_load - spent.get("rehearse_s", 0.0)
+        timeline["loaded"] = time.time()
         for _ in range(opts.warmup):
-            run_moe_layer(x, gate, bias, layer.router, local, placement, shared, dispatcher, experts,
-                          opts.chunk_size, router_bias=rbias)
+            forward(local)
         timed = []
         for _ in range(opts.repeat):
-            y, stats = run_moe_layer(x, gate, bias, layer.router, local, placement, shared, dispatcher,
-                                     experts, opts.chunk_size, align_phases=opts.warmup > 0, router_bias=rbias)
+            y, stats = forward(local, timed=True)
             timed.append({k: v for k, v in stats.items() if k.startswith(("time_", "cuda_"))})
         stats.update({k: statistics.median(t[k] for t in timed) for k in timed[0]}, transport=transport,
-                     time_load_s=load_s)
+                     time_load_s=load_s, time_rehearse_s=spent.get("rehearse_s", 0.0))
         timeline["forward"] = time.time()
-        probe = _probe_slots(experts, local, probe_tokens(i, layer.hidden, opts.seed, nw, numerics), device)
+        probe = _probe_slots(experts, local, probe_x, device)
         timeline["probed"] = time.time()
         stats["timeline"] = timeline
         results[i] = {"y": compact(y) if topo.tp_index == 0 else None, "group": topo.group_index,
                       "probe": compact(probe), "slots": list(local.slot_to_global), "stats": stats}
         experts.release()
     return results
+
+
+#: environment variable: 1 rehearses the first layer on every device, 0 never (default: on GPUs,
+#: where the kernels' first calls compile; on the CPU nothing is compiled and it would only cost)
+REHEARSE_ENV = "MOETOOL_REHEARSE"
+
+
+def _rehearses(device: torch.device) -> bool:
+    """Whether the ranks run their first layer once on zero weights before reading them; every
+    rank takes the same answer (one device type and one environment in a world)."""
+    forced = os.environ.get(REHEARSE_ENV)
+    return device.type == "cuda" if forced not in ("0", "1") else forced == "1"
 
 
 def compact(t: torch.Tensor) -> torch.Tensor:
@@ -156,25 +189,43 @@ def compact(t: torch.Tensor) -> torch.Tensor:
 
 
 def load_local_experts(reader: ExpertReader, layer: MoELayerSpec, slot_to_global: list[int],
-                       device: torch.device | None = None) -> LocalExperts:
+                       device: torch.device | None = None,
+                       before_fill: Callable[[LocalExperts], None] | None = None) -> LocalExperts:
     """This rank's experts of ``layer`` in the stacked layout of the shard's format, on ``device``
     (default CPU). On a GPU they go there an expert at a time through page-locked buffers while
-    the next expert is read: host memory holds two experts' stored bytes, never the layer."""
+    the next expert is read: host memory holds two experts' stored bytes, never the layer.
+
+    ``before_fill(local)``: called once the stacked tensors exist on ``device`` and before
+    the experts are read into them, which hold zeros then. Nothing reads the checkpoint
+    meanwhile but for expert 0 of a per-expert storage (its tensors give the stack's shapes).
+    Without it, on the CPU, a stacked storage's tensors are the checkpoint's own (no copy)."""
     ckpt, st = reader.ckpt, layer.storage
     device = device or torch.device("cpu")
     if device.type == "cuda":  # page-locked reads: the copies to the GPU run at full speed
         ckpt.pin_memory = True
+    biases = reader.stacked_biases(layer)  # (w13 [L, 2N], w2 [L, H]) or None
+    if biases is not None:
+        biases = tuple(b.to(device) for b in biases)
     if st.kind == "stacked":
-        w13 = {s: _stacked_on(ckpt, f"{st.gate_up}_{s}", device) for s in reader.fmt.suffixes
-               if f"{st.gate_up}_{s}" in ckpt}
-        w2 = {s: _stacked_on(ckpt, f"{st.down}_{s}", device) for s in reader.fmt.suffixes if f"{st.down}_{s}" in ckpt}
+        names = [{s: f"{base}_{s}" for s in reader.fmt.suffixes if f"{base}_{s}" in ckpt} for base in (st.gate_up, st.down)]
+        separate = device.type == "cuda" or before_fill is not None  # else the checkpoint's own tensors
+        w13, w2 = ({s: _stacked_empty(ckpt, n, device) if separate else ckpt.get(n) for s, n in part.items()}
+                   for part in names)
+        first = None
     else:
-        w13, w2 = {}, {}
-        for i, (a, b) in enumerate(read_ahead(lambda i: _w13_down(reader, layer, i), layer.n_stored)):
+        first = _w13_down(reader, layer, 0) if layer.n_stored else ({}, {})
+        w13, w2 = ({s: _zeros((layer.n_stored, *v.shape), v.dtype, device) for s, v in part.items()} for part in first)
+    local = _local_experts(reader, layer, slot_to_global, w13, w2, biases)
+    if before_fill is not None:
+        before_fill(local)
+    if st.kind == "stacked":
+        for part, tensors in zip(names, (w13, w2)) if separate else ():
+            for s, name in part.items():
+                _fill_stacked(ckpt, name, tensors[s])
+    elif layer.n_stored:
+        rest = read_ahead(lambda i: _w13_down(reader, layer, i + 1), layer.n_stored - 1)
+        for i, (a, b) in enumerate(itertools.chain([first], rest)):
             for name, dst, part in (("w13", w13, a), ("w2", w2, b)):
-                if i == 0:
-                    dst.update({s: torch.empty((layer.n_stored, *v.shape), dtype=v.dtype, device=device)
-                                for s, v in part.items()})
                 want = {s: (tuple(t.shape[1:]), t.dtype) for s, t in dst.items()}
                 got = {s: (tuple(v.shape), v.dtype) for s, v in part.items()}
                 if got != want:  # each expert alike, as a stack of them would require
@@ -182,17 +233,18 @@ def load_local_experts(reader: ExpertReader, layer: MoELayerSpec, slot_to_global
                                        f"tensors {_describe(got)}, slot 0 {_describe(want)}")
                 for s, v in part.items():
                     dst[s][i].copy_(v, non_blocking=True)
-    biases = reader.stacked_biases(layer)  # (w13 [L, 2N], w2 [L, H]) or None
-    if biases is not None:
-        biases = tuple(b.to(device) for b in biases)
-    if biases is not None:
-        w13, w2 = {**w13, "bias": biases[0]}, {**w2, "bias": biases[1]}  # checked with the weights below
-    for name, t in (("w13", w13), ("w2", w2)):
+    return local
+
+
+def _local_experts(reader: ExpertReader, layer: MoELayerSpec, slot_to_global: list[int], w13: dict, w2: dict,
+                   biases: tuple | None) -> LocalExperts:
+    """The LocalExperts over stacked tensors, each checked to hold one row per placed slot."""
+    b13, b2 = biases if biases is not None else (None, None)
+    for name, t in (("w13", {**w13, "bias": b13}), ("w2", {**w2, "bias": b2})):
         for s, v in t.items():
-            if v.shape[0] != len(slot_to_global):
+            if v is not None and v.shape[0] != len(slot_to_global):
                 raise MoetoolError(f"{layer.prefix}.experts.{name}_{s}: {v.shape[0]} experts stored, "
                                    f"the manifest places {len(slot_to_global)} on this rank")
-    b13, b2 = (w13.pop("bias"), w2.pop("bias")) if biases is not None else (None, None)
     return LocalExperts(reader.fmt, w13, w2, list(slot_to_global), layer.intermediate, layer.hidden,
                         bias13=b13, bias2=b2, activation=layer.activation)
 
@@ -207,24 +259,32 @@ def _describe(specs: dict) -> str:
     return ", ".join(f"{s} {list(shape)} {str(dtype).replace('torch.', '')}" for s, (shape, dtype) in sorted(specs.items()))
 
 
-def _stacked_on(ckpt, name: str, device: torch.device) -> torch.Tensor:
-    """A stacked [L, ...] tensor of the shard on ``device``: on a GPU, one slot at a time."""
-    if device.type != "cuda":
-        return ckpt.get(name)
+def _zeros(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros: what a rehearsal before the fill computes on (deterministic, never NaN)."""
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def _stacked_empty(ckpt, name: str, device: torch.device) -> torch.Tensor:
+    """Zeros of a stacked [L, ...] tensor's shape and dtype on ``device``."""
     info = ckpt.info(name)
-    out = torch.empty(tuple(info.shape), dtype=info.dtype, device=device)
-    for i, row in enumerate(read_ahead(lambda i: ckpt.get_rows(name, i), info.shape[0])):
+    return _zeros(tuple(info.shape), info.dtype, device)
+
+
+def _fill_stacked(ckpt, name: str, out: torch.Tensor) -> None:
+    """A stacked tensor of the shard into ``out``, one slot at a time while the next is read."""
+    for i, row in enumerate(read_ahead(lambda i: ckpt.get_rows(name, i), out.shape[0])):
         out[i].copy_(row, non_blocking=True)
-    return out
 
 
-def _probe_slots(experts: ExpertsBackend, local: LocalExperts, x: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Each local slot alone on the probe batch: [L, P, H] float32 (weight 1, no routing)."""
+def _probe_slots(experts: ExpertsBackend, local: LocalExperts, x: torch.Tensor, device: torch.device,
+                 slots: int | None = None) -> torch.Tensor:
+    """Each local slot (the first ``slots`` of them; default all) alone on the probe batch:
+    [L, P, H] float32 (weight 1, no routing)."""
     experts.bind(local, device)
     x = x.to(device)
     P = x.shape[0]
     outs = []
-    for s in range(len(local.slot_to_global)):
+    for s in range(len(local.slot_to_global) if slots is None else min(slots, len(local.slot_to_global))):
         ids = torch.full((P, 1), s, dtype=torch.int64, device=device)
         w = torch.ones(P, 1, dtype=torch.float32, device=device)
         counts = torch.zeros(len(local.slot_to_global), dtype=torch.int64, device=device)

@@ -104,3 +104,40 @@ def test_an_interrupted_rank_does_not_wait_for_its_hashing(monkeypatch, verify_s
             raise KeyboardInterrupt
     assert time.monotonic() - t0 < 5
     release.set()
+
+
+def test_before_fill_sees_the_stack_before_the_experts_are_read(per_expert, monkeypatch):
+    ckpt, spec = per_expert
+    reader = ExpertReader(ckpt, spec)
+    layer = spec.moe_layers[0]
+    reads: list[int] = []
+    original = ExpertReader.gate_up_down
+    monkeypatch.setattr(ExpertReader, "gate_up_down", lambda self, lay, e: reads.append(e) or original(self, lay, e))
+    seen = {}
+
+    def before_fill(local):
+        seen["reads"] = list(reads)
+        seen["w13"] = local.w13["weight"].clone()
+
+    local = load_local_experts(reader, layer, list(range(layer.num_experts)), before_fill=before_fill)
+    assert seen["reads"] == [0]  # expert 0 gives the shapes; nothing else is read before the rehearsal
+    assert seen["w13"].shape == local.w13["weight"].shape and not seen["w13"].any()
+    assert reads == list(range(layer.num_experts)) and local.w13["weight"].any()
+
+
+def test_a_rehearsal_on_zero_weights_leaves_the_checked_run_as_it_was(monkeypatch, verify_chain, verify_shards):
+    """The first layer run once on zero weights before they are read (on GPUs by default; forced
+    here): the report is the one without it. The torch backend caches its dequantized weights
+    at bind: a rehearsal that left them would check the zeros."""
+    model, _ = verify_chain
+    shards = verify_shards("fp8-block", 2)
+    opts = driver.VerifyOptions(ep=2, tokens=16, dispatch="all2all", experts="torch", layers=(1, 2))
+    reports = {}
+    for forced in ("0", "1"):
+        monkeypatch.setenv(rank.REHEARSE_ENV, forced)
+        reports[forced] = driver.verify(shards, model, opts)
+    plain, rehearsed = reports["0"], reports["1"]
+    assert plain.passed and rehearsed.passed
+    for a, b in zip(plain.layers, rehearsed.layers):
+        assert (a.rel_err, a.max_abs_err, a.worst_expert_rel_err) == (b.rel_err, b.max_abs_err, b.worst_expert_rel_err)
+    assert "rank_rehearsed_s" in rehearsed.timings_s and "rank_rehearsed_s" not in plain.timings_s
