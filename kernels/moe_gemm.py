@@ -65,6 +65,48 @@ def _fp4_half(codes, sb, gs, HAS_GS: tl.constexpr, FP4_GROUP: tl.constexpr, BLOC
 
 
 @triton.jit
+def _fp4_tile_t(packed, sb, gs, HAS_GS: tl.constexpr, FP4_GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+                BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Swapped operands: bytes [BN, BK/2] of one K tile (byte j: K columns 2j, its low nibble,
+    and 2j + 1) and the scale bits sb [BN, BK/g] -> the dequantized tile [BN, BK] DOT_DTYPE in K
+    order, the values of :func:`_fp4_half` (the two nibbles of a byte stay in one thread: the
+    dot's register operand holds K columns 2j and 2j + 1 side by side)."""
+    v = tl.join(_e2m1_times_2_14(packed & 0xF), _e2m1_times_2_14(packed >> 4))  # [BN, BK/2, 2]
+    v = tl.reshape(v, [BLOCK_N, BLOCK_K // FP4_GROUP, FP4_GROUP])
+    if HAS_GS:
+        s = tl.math.div_rn(_e4m3_decode(sb), gs[:, None]) * 16384.0  # as the format: s / gs
+        b = v * s[:, :, None]
+    else:
+        b = (v * 16384.0) * _e8m0_decode(sb)[:, :, None]
+    return tl.reshape(b, [BLOCK_N, BLOCK_K]).to(DOT_DTYPE)
+
+
+@triton.jit
+def _swap_scales(b_scale_ptr, b_zp_ptr, s_rows, z_rows, z_shift, k0, K, group_k, stride_sk, stride_zk,
+                 FMT: tl.constexpr, HAS_ZP: tl.constexpr, GROUP_TILE: tl.constexpr, FP4_GROUP: tl.constexpr,
+                 BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Swapped operands: the scales of the K tile at k0 (nothing past K), loaded one tile ahead of
+    their use (a few bytes a row, too narrow for the pipeliner's asynchronous copies) -> (s, z):
+    fp4 s = scale bits int32 [BN, BK/g]; int4 with one group per K tile s = fp32 [BN] and z
+    int32 [BN], what q + 8 loses (the zero point + 8, or 8); per-element int4 groups: unused."""
+    if FMT == 4:
+        kg = k0 // FP4_GROUP + tl.arange(0, BLOCK_K // FP4_GROUP)  # [BK/g]
+        sb = tl.load(s_rows[:, None] + kg[None, :] * stride_sk, mask=(kg < K // FP4_GROUP)[None, :], other=0)
+        return sb.to(tl.int32), tl.zeros([BLOCK_N], dtype=tl.int32)
+    elif GROUP_TILE:
+        grp = k0 // group_k
+        inside = tl.zeros([BLOCK_N], dtype=tl.int32) + k0 < K  # [BN]
+        s = tl.load(s_rows + grp * stride_sk, mask=inside, other=0.0).to(tl.float32)
+        if HAS_ZP:
+            zw = tl.load(z_rows + grp * stride_zk, mask=inside, other=0)
+            return s, (zw >> z_shift) & 0xF
+        else:
+            return s, tl.full([BLOCK_N], 8, tl.int32)
+    else:
+        return tl.zeros([BLOCK_N], dtype=tl.float32), tl.zeros([BLOCK_N], dtype=tl.int32)
+
+
+@triton.jit
 def _moe_gemm_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, b_zp_ptr, b_gs_ptr, c_ptr, topk_weights_ptr, bias_ptr,
     sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr,
@@ -76,7 +118,7 @@ def _moe_gemm_kernel(
     stride_gse, stride_bias_e,
     stride_cs, stride_cm, stride_cn, alpha, limit,
     FMT: tl.constexpr, HAS_ZP: tl.constexpr, GROUP_TILE: tl.constexpr, EVEN_K: tl.constexpr,
-    FP4_GROUP: tl.constexpr, HAS_GS: tl.constexpr, SPLIT: tl.constexpr,
+    FP4_GROUP: tl.constexpr, HAS_GS: tl.constexpr, SPLIT: tl.constexpr, SWAP_AB: tl.constexpr,
     SILU: tl.constexpr, CLAMPED: tl.constexpr, ROUND: tl.constexpr,
     MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, SOFT_BF16: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PREC: tl.constexpr,
@@ -107,6 +149,12 @@ def _moe_gemm_kernel(
     to nearest even with integer math instead (the GPU's cast does that itself).
     EVEN_K: K % BLOCK_K == 0, no K masks. Weight rows are read modulo N (always in bounds, no
     N masks on weight loads); the extra columns are dropped by the masked store.
+    SWAP_AB (FMT 3 / 4): the weight tile is dequantized as [BN, BK] and is the dot's first
+    operand, acc^T [BN, BM] = W @ A^T: the tensor cores read it from registers (Hopper's wgmma
+    takes only its first operand there), so it needs no trip through shared memory and the
+    dot can run while the next tile is dequantized; the activations [BM, BK] stream through
+    shared memory as the second operand. acc is transposed back before the epilogue. The weight
+    scales of each K tile are loaded one tile ahead (:func:`_swap_scales`).
     SPLIT (split-K): program (i, s) sums only K columns [s * k_split, (s + 1) * k_split) (k_split
     a multiple of BLOCK_K) and stores its fp32 partial in C's slice s (C [S, P, N], stride_cs);
     the bias is added by slice 0 alone, the top-k weight by every slice (both are linear).
@@ -165,13 +213,49 @@ def _moe_gemm_kernel(
     else:
         k_lo = 0
         k_hi = K
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # acc^T
+        s_rows = b_scale_ptr + expert * stride_se + offs_bn64 * stride_sn  # [BN]
+        z_rows = b_zp_ptr + expert * stride_ze + (offs_bn64 // 8) * stride_zn  # [BN] (int4 zero points)
+        z_shift = (offs_bn % 8) * 4
+        s_next, z_next = _swap_scales(b_scale_ptr, b_zp_ptr, s_rows, z_rows, z_shift, k_lo, K, group_k, stride_sk,
+                                      stride_zk, FMT, HAS_ZP, GROUP_TILE, FP4_GROUP, BLOCK_K, BLOCK_N)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + offs_k  # [BK]
         k_mask = kk < K
         a = _load_k(a_ptr + a_rows[:, None] * stride_am + kk[None, :] * stride_ak,
                     m_mask[:, None], m_mask[:, None] & k_mask[None, :], EVEN_K)  # [BM, BK]
-        if FMT == 3:
+        if SWAP_AB:
+            s_cur, z_cur = s_next, z_next
+            s_next, z_next = _swap_scales(b_scale_ptr, b_zp_ptr, s_rows, z_rows, z_shift, k0 + BLOCK_K, K, group_k,
+                                          stride_sk, stride_zk, FMT, HAS_ZP, GROUP_TILE, FP4_GROUP, BLOCK_K, BLOCK_N)
+            if FMT == 4:
+                kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # [BK/2] bytes
+                packed = _load_k(b_base + offs_bn64[:, None] * stride_bn + kb[None, :] * stride_bk,
+                                 None, (kb < K // 2)[None, :], EVEN_K).to(tl.int32)  # [BN, BK/2]
+                w = _fp4_tile_t(packed, s_cur, gs, HAS_GS, FP4_GROUP, BLOCK_K, BLOCK_N, DOT_DTYPE)
+            else:
+                kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # [BK/8] words: k = 8 * w + i
+                words = _load_k(b_base + offs_bn64[:, None] * stride_bn + kw[None, :] * stride_bk,
+                                None, (kw < tl.cdiv(K, 8))[None, :], EVEN_K)  # [BN, BK/8] int32
+                shifts = tl.arange(0, 8) * 4
+                q = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 0xF, [BLOCK_N, BLOCK_K])  # q + 8
+                if GROUP_TILE:
+                    w = ((q - z_cur[:, None]).to(tl.float32) * s_cur[:, None]).to(DOT_DTYPE)
+                else:
+                    grp = kk // group_k
+                    s = tl.load(b_scale_ptr + expert * stride_se + offs_bn64[:, None] * stride_sn
+                                + grp[None, :] * stride_sk, mask=k_mask[None, :], other=0.0).to(tl.float32)
+                    if HAS_ZP:
+                        zw = tl.load(z_rows[:, None] + grp[None, :] * stride_zk, mask=k_mask[None, :], other=0)
+                        q = q - ((zw >> z_shift[:, None]) & 0xF)
+                    else:
+                        q = q - 8
+                    w = (q.to(tl.float32) * s).to(DOT_DTYPE)
+            acc = tl.dot(w, tl.trans(a.to(DOT_DTYPE)), acc, input_precision=PREC)
+        elif FMT == 3:
             # one load per int32 word (contiguous along K), then 8 nibbles each: k = 8 * w + i
             kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # [BK/8]
             words = _load_k(b_base + offs_bn64[None, :] * stride_bn + kw[:, None] * stride_bk,
@@ -234,6 +318,8 @@ def _moe_gemm_kernel(
                         None, k_mask[:, None], EVEN_K)
             acc += tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), input_precision=PREC)
 
+    if SWAP_AB:
+        acc = tl.trans(acc)  # [BM, BN]
     if FMT == 2:
         a_s = tl.load(a_scale_ptr + a_rows * stride_asm, mask=m_mask, other=0.0)
         cs = tl.load(b_scale_ptr + expert * stride_se + offs_bn64 * stride_sn)
@@ -287,7 +373,8 @@ def moe_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, wts: StackedWeights,
     silu (a w13, R = 2N: gate rows then up rows): c [P, N] 16/32-bit float gets silu(gate) * up
     (clamp = (alpha, limit): gpt-oss's clamped SwiGLU) of the product rounded to c's dtype, as
     :func:`moetool.kernels.moe_silu.silu_and_mul` of the unfused product (not for W8A8 a, nor
-    split-K).
+    split-K). cfg.swap_ab (int4 / fp4): the same product as W @ A^T, the weights the dot's
+    first operand (the kernel's SWAP_AB).
     """
     check(a.dim() == 2 and a.stride(1) == 1 and c.dim() in (2, 3),
           "moe_gemm: a must be 2-D with contiguous rows, c [P, R] or [S, P, R]")
@@ -318,6 +405,8 @@ def moe_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, wts: StackedWeights,
     scale_ = scale if scale is not None else main
     zp_ = wts.zp if wts.zp is not None else main
     gs_ = wts.global_scale if wts.global_scale is not None else main
+    check(not cfg.swap_ab or wts.fmt in (3, 4),
+          "moe_gemm: swap_ab is for the weight-only int4 / fp4 schemes (the dequantized tile in registers)")
     if wts.fp4_group is not None:
         check(cfg.block_k % wts.fp4_group == 0 and cfg.block_k >= 32,
               f"moe_gemm: block_k {cfg.block_k} is not whole fp4 groups of {wts.fp4_group} (and >= 32: two half "
@@ -351,7 +440,7 @@ def moe_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, wts: StackedWeights,
         float(clamp[0]) if clamp else 1.0, float(clamp[1]) if clamp else 0.0,
         FMT=wts.fmt, HAS_ZP=wts.zp is not None, GROUP_TILE=group_size % cfg.block_k == 0,
         EVEN_K=K % cfg.block_k == 0, FP4_GROUP=wts.fp4_group or 16, HAS_GS=wts.global_scale is not None,
-        SPLIT=splits > 1, SILU=silu, CLAMPED=clamp is not None, ROUND=ROUND_CODE[c.dtype] if silu else 0,
+        SPLIT=splits > 1, SWAP_AB=cfg.swap_ab, SILU=silu, CLAMPED=clamp is not None, ROUND=ROUND_CODE[c.dtype] if silu else 0,
         MUL_WEIGHT=bool(mul_weight), HAS_BIAS=bias is not None, SOFT_BF16=c.dtype == torch.bfloat16 and is_interpreted(_moe_gemm_kernel),
         DOT_DTYPE=dot_dtype, PREC=prec,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,

@@ -43,7 +43,11 @@ class MoeConfig:
     partial [P, R], the next step sums them; 1 = no split): ``split_w13`` for x @ w13^T (K = H),
     ``split_w2`` for h @ w2^T (K = N), and ``fuse_silu``: GEMM1 computes silu(gate) * up in its
     epilogue (a tile of block_n w13 rows is block_n / 2 gate and up rows; taken where the
-    activations stay 16/32-bit and GEMM1 is not split, ignored elsewhere)."""
+    activations stay 16/32-bit and GEMM1 is not split, ignored elsewhere). ``swap_ab`` (the
+    weight-only int4 / fp4 schemes): both GEMMs compute C^T = W @ A^T, the dequantized weight
+    tile [block_n, block_k] the dot's first operand, which the tensor cores read from registers,
+    so it never goes through shared memory and the next tile is dequantized while the last one
+    multiplies; block_m is then the MMA's N (pairs) and block_n its M (weight rows)."""
 
     block_m: int = 64
     block_n: int = 128
@@ -54,11 +58,12 @@ class MoeConfig:
     split_w13: int = 1
     split_w2: int = 1
     fuse_silu: bool = False
+    swap_ab: bool = False
 
 
-#: the fields every table tile names; the others (split factors, fuse_silu) may be left out
+#: the fields every table tile names; the others (split factors, fuse_silu, swap_ab) may be left out
 TILE_FIELDS = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")
-OPTIONAL_FIELDS = ("split_w13", "split_w2", "fuse_silu")
+OPTIONAL_FIELDS = ("split_w13", "split_w2", "fuse_silu", "swap_ab")
 #: most K slices a GEMM may split into
 MAX_SPLIT = 32
 
@@ -134,6 +139,10 @@ def config_problem(scheme: str, cfg: MoeConfig, group_size: int = 128) -> str | 
             return f"{f} = {v!r} is not in 1..{MAX_SPLIT}"
     if not isinstance(cfg.fuse_silu, bool):
         return f"fuse_silu = {cfg.fuse_silu!r} is not true or false"
+    if not isinstance(cfg.swap_ab, bool):
+        return f"swap_ab = {cfg.swap_ab!r} is not true or false"
+    if cfg.swap_ab and not (SCHEMES[scheme].groups or SCHEMES[scheme].fp4_group):
+        return f"swap_ab is for the weight-only int4 / fp4 schemes, not {scheme}"
     if SCHEMES[scheme].act_group == FP8_BLOCK and FP8_BLOCK % cfg.block_k:
         return f"block_k = {cfg.block_k} does not divide the fp8 block of {FP8_BLOCK}"
     if SCHEMES[scheme].groups and group_size & (group_size - 1) == 0 and cfg.block_k > max(group_size, 16):
