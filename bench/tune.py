@@ -223,11 +223,15 @@ def candidates(scheme: str, layer: Layer, T: int) -> list:
     the pipeline depth at BLOCK_M 16, and split-K of both GEMMs (DECODE_SPLITS, at the first
     BLOCK_K, 4 warps, 3 or 4 stages); more tokens vary BLOCK_M around the expected pairs per
     expert (T*k/E_global), BLOCK_N, warps, stages and the M grouping; the old default and the
-    rules' choice always included. Where the activations stay 16-bit (not W8A8), each unsplit
+    rules' choice and the shipped table's entry always included. Where the activations stay 16-bit (not W8A8), each unsplit
     candidate also runs with silu in GEMM1's epilogue (``fuse_silu``; at decode those with 4
     warps, also BLOCK_N 256: 128 gate and 128 up rows), and the dequantizing schemes (int4,
     fp4) also try BLOCK_M 256 at many pairs per expert (one M tile an expert: each weight tile
-    dequantized once)."""
+    dequantized once). The dequantizing schemes also run every shape of tile with swapped
+    operands (``swap_ab``: the weight tile the dot's register operand; at decode BLOCK_N 64 / 128
+    and split-K, at many pairs per expert BLOCK_M 128 / 256 pairs against 64-256 weight rows),
+    swept first. fp8-block also tries 6 and 8 stages at decode (its 128-wide K tiles carry few
+    bytes a stage) and, at many pairs per expert, 32-row tiles, 5 stages and group 16 / 64."""
     from dataclasses import replace
 
     from moetool.kernels.moe_tiles import DECODE_T, MoeConfig, config_problem, default_config, rule_config
@@ -270,13 +274,22 @@ def candidates(scheme: str, layer: Layer, T: int) -> list:
                             out.append(MoeConfig(bm, bn, bk, gm, warps, stages))
         if dequant:
             out += [MoeConfig(256, bn, bk, 8, 8, stages) for bn in (64, 128) for bk in (64, 128) for stages in (2, 3)]
+    if scheme == "fp8-block" and T <= DECODE_T:
+        out += [MoeConfig(16, bn, 128, 1, 4, stages) for bn in (32, 64) for stages in (6, 8)]
+    elif scheme == "fp8-block" and ppe > 48:
+        out += [MoeConfig(bm, 128, 128, gm, 4, stages) for bm in (32, 64) for gm in (16, 32, 64) for stages in (3, 4, 5)]
     if T > DECODE_T and scheme not in ("fp8-block", "fp8-channel"):
         out += [replace(c, fuse_silu=True) for c in out]
+    if dequant:
+        out = _swapped(T, ppe) + out
     if dequant and ppe > 48:  # BLOCK_M 256 first: what a --budget-s cut should reach (best for nvfp4 T=4096)
-        out.sort(key=lambda c: c.block_m != 256)
+        out.sort(key=lambda c: (not c.swap_ab, c.block_m != 256))
     E, P = layer.E, T * layer.k
     out += [default_config(scheme, P / E, torch.bfloat16, False, INT4_GROUP),
             rule_config(scheme, E, layer.N, layer.H, layer.k, T, torch.bfloat16, INT4_GROUP)]
+    table = _table_config(scheme, layer, T)
+    if table is not None:
+        out.append(table)
     seen, keep = set(), []
     for c in out:
         if c not in seen and config_problem(scheme, c, INT4_GROUP) is None \
@@ -284,6 +297,58 @@ def candidates(scheme: str, layer: Layer, T: int) -> list:
             seen.add(c)
             keep.append(c)
     return keep
+
+
+def _swapped(T: int, ppe: float) -> list:
+    """Candidates with swapped operands (``swap_ab``) for the dequantizing schemes: BLOCK_M is the
+    MMA's N (pairs), BLOCK_N its M (weight rows: 64 a warpgroup)."""
+    from moetool.kernels.moe_tiles import DECODE_T, MoeConfig
+
+    out = []
+    if T <= DECODE_T:
+        for bn in (64, 128):
+            for bk in (64, 128):
+                for stages in (3, 4):
+                    out.append(MoeConfig(16, bn, bk, 1, 4, stages, fuse_silu=True, swap_ab=True))
+                    out += [MoeConfig(16, bn, bk, 1, 4, stages, s13, s2, swap_ab=True) for s13, s2 in ((2, 2), (4, 4), (8, 4))]
+    elif ppe <= 48:
+        for bm in (16, 32):
+            for bn in (64, 128):
+                for bk in (64, 128):
+                    for stages in (3, 4):
+                        out += [MoeConfig(bm, bn, bk, 1 if bm == 16 else 8, 4, stages, fuse_silu=fuse, swap_ab=True)
+                                for fuse in (False, True)]
+    else:  # (block_m, block_n, num_warps, block_k, stages): 64 or 128 accumulator registers a thread
+        for bm, bn, warps, bk, stages in ((256, 128, 8, 64, 2), (256, 128, 8, 64, 3), (256, 128, 8, 64, 4),
+                                          (256, 128, 8, 128, 2), (256, 64, 4, 64, 3), (256, 64, 4, 64, 4),
+                                          (128, 128, 4, 64, 3), (128, 128, 4, 64, 4), (128, 128, 4, 128, 2),
+                                          (128, 128, 4, 128, 3), (128, 128, 8, 64, 3), (128, 128, 8, 64, 4),
+                                          (128, 256, 8, 64, 3)):
+            out += [MoeConfig(bm, bn, bk, 8, warps, stages, fuse_silu=fuse, swap_ab=True) for fuse in (False, True)]
+    return out
+
+
+def _table_config(scheme: str, layer: Layer, T: int):
+    """The shipped table's tiles for this cell on the current GPU (None without one, or CUDA)."""
+    from moetool.kernels.moe_tiles import table_config
+
+    if not torch.cuda.is_available():
+        return None
+    return table_config(torch.cuda.get_device_name(), scheme, layer.E, layer.N, layer.H, layer.k, T, INT4_GROUP)
+
+
+def only_filter(specs: list[str] | None):
+    """--only FIELD=V[,V...] (each a MoeConfig field) -> a predicate on candidates: every FIELD
+    must hold one of its values (true / false for the flags)."""
+    from moetool.kernels.moe_tiles import MoeConfig
+
+    want = {}
+    for spec in specs or ():
+        field, _, values = spec.partition("=")
+        if field not in MoeConfig.__dataclass_fields__ or not values:
+            raise SystemExit(f"tune.py: --only {spec!r} is not FIELD=V[,V] with a MoeConfig field")
+        want[field] = {v == "true" if v in ("true", "false") else int(v) for v in values.split(",")}
+    return lambda cfg: all(getattr(cfg, f) in vs for f, vs in want.items())
 
 
 def cells(args) -> list[tuple[str, str, int]]:
@@ -355,12 +420,24 @@ def precompile(todo, jobs: int) -> None:
           f" ({failed} failed)", flush=True)
 
 
+def _chosen(args, scheme: str, layer: Layer, T: int) -> list:
+    """The cell's candidates that pass --only; the old default, the rules' and the table's tiles
+    always (what a new entry must beat)."""
+    from moetool.kernels.moe_tiles import default_config, rule_config
+
+    keep = only_filter(args.only)
+    always = {default_config(scheme, T * layer.k / layer.E, torch.bfloat16, False, INT4_GROUP),
+              rule_config(scheme, layer.E, layer.N, layer.H, layer.k, T, torch.bfloat16, INT4_GROUP),
+              _table_config(scheme, layer, T)}
+    return [c for c in candidates(scheme, layer, T) if keep(c) or c in always]
+
+
 def sweep(args) -> list[dict]:
     from moetool.kernels.moe_tiles import default_config, rule_config
 
     t_start = time.time()
     deadline = t_start + args.budget_s
-    todo = [(layer, scheme, T, c) for layer, scheme, T in cells(args) for c in candidates(scheme, LAYERS[layer], T)]
+    todo = [(layer, scheme, T, c) for layer, scheme, T in cells(args) for c in _chosen(args, scheme, LAYERS[layer], T)]
     if args.jobs > 1:
         precompile(todo, args.jobs)
     if args.compile_only:
@@ -380,7 +457,7 @@ def sweep(args) -> list[dict]:
         rule = rule_config(scheme, layer.E, layer.N, layer.H, layer.k, T, torch.bfloat16, INT4_GROUP)
         times = {}
         with fixed_align():
-            for cfg in candidates(scheme, layer, T):
+            for cfg in _chosen(args, scheme, layer, T):
                 if time.time() > deadline:
                     break
                 try:
@@ -471,6 +548,9 @@ def main(argv=None):
                     help="stop sweeping this many seconds after the start (cells not reached keep their entry)")
     ap.add_argument("--table-dir", type=Path, default=ROOT / "kernels" / "tiles")
     ap.add_argument("--json", type=Path, default=None, help="also write every cell's times here")
+    ap.add_argument("--only", nargs="+", default=None, metavar="FIELD=V[,V]",
+                    help="sweep only candidates with these MoeConfig fields (e.g. swap_ab=true num_stages=6,8); "
+                         "the old default, the rules' and the table's tiles always")
     ap.add_argument("--list", action="store_true", help="print the candidates per cell and exit (no GPU)")
     ap.add_argument("--compile-only", action="store_true",
                     help="only fill Triton's cache with every candidate (--jobs workers), e.g. while tests run; "
@@ -479,7 +559,7 @@ def main(argv=None):
     if args.list:
         total = 0
         for layer, scheme, T in cells(args):
-            cands = candidates(scheme, LAYERS[layer], T)
+            cands = _chosen(args, scheme, LAYERS[layer], T)
             total += len(cands)
             print(f"{layer:9} {scheme:10} T={T:5d}: {len(cands)} candidates")
         print(f"total {total}")
