@@ -9,8 +9,11 @@ tokens per dp group). Each rank also runs every one of its local expert slots al
 fixed probe batch, so a wrong expert is named even when the layer output hides it.
 While the ranks run, the parent computes the reference from the original checkpoint on a
 thread (per-expert loop, fp32, each expert read once for every dp group and the probe, the
-next read ahead) and reports per layer: relative error, SQNR, max abs error,
-tokens per rank, the worst expert, pass/fail against thresholds kept as data.
+next read ahead). Each layer is compared as soon as the ranks' outputs and the reference are
+both in (``LayerCollector``; neither side runs more than ``COMPARE_WINDOW`` layers ahead, so
+the parent's memory does not grow with the layers checked), and reported: relative error,
+SQNR, max abs error, tokens per rank, the worst expert, pass/fail against thresholds kept as
+data. The report stands only once every rank's files passed their sha256 check.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -42,6 +46,8 @@ from moetool.verify.tokens import make_tokens, norm_weight_name, probe_tokens
 #: pass thresholds per shard format, for a whole layer and for one expert alone on the probe
 #: batch: each format's ``verify_tolerances`` (measured values in its module)
 THRESHOLDS: dict[str, dict[str, float]] = {name: dict(cls.verify_tolerances) for name, cls in FORMATS.items()}
+#: layers each side (the ranks, the parent's reference) may run ahead of the comparisons
+COMPARE_WINDOW = 2
 
 
 @dataclass(frozen=True)
@@ -95,19 +101,16 @@ def reference_device(ep: int) -> torch.device:
     return torch.device("cuda", min(ep, torch.cuda.device_count() - 1))
 
 
-def compute_references(ref_ckpt, spec, opts: VerifyOptions, layer_ids: list[int], numerics: Numerics,
-                       device: torch.device, stop: threading.Event | None = None,
-                       timings: dict | None = None) -> dict[int, LayerReference]:
-    """The reference of every layer in ``layer_ids``: the checkpoint's experts read once, an
-    expert at a time while the next is read (``ExpertReader.iter_fp32``), each run on every dp
-    group's tokens and on the probe batch. ``stop``: set by another thread to end early (returns
-    what is done). ``timings``: gets "reference_s" (seconds, all layers)."""
-    t0 = time.perf_counter()
+def iter_references(ref_ckpt, spec, opts: VerifyOptions, layer_ids: list[int], numerics: Numerics,
+                    device: torch.device, stop: threading.Event | None = None) -> Iterator[tuple[int, LayerReference]]:
+    """(layer, its reference) for every layer in ``layer_ids`` in order: the checkpoint's experts
+    read once, an expert at a time while the next is read (``ExpertReader.iter_fp32``), each run
+    on every dp group's tokens and on the probe batch. ``stop``: set by another thread to end
+    early."""
     reader = ExpertReader(ref_ckpt, spec)
-    out: dict[int, LayerReference] = {}
     for i in layer_ids:
         if stop is not None and stop.is_set():
-            break
+            return
         layer = spec.layer(i)
         nw_name = norm_weight_name(layer)
         nw = ref_ckpt.get(nw_name) if nw_name in ref_ckpt else None
@@ -125,11 +128,93 @@ def compute_references(ref_ckpt, spec, opts: VerifyOptions, layer_ids: list[int]
         for e, (g, u, d) in reader.iter_fp32(layer, device, stop=stop):
             ref.add(e, g, u, d, None if biases is None else biases[e])
         if stop is not None and stop.is_set():
-            break
-        out[i] = LayerReference([y.cpu() for y in ref.finish(shared)], {e: y.cpu() for e, y in ref.probe_out.items()})
+            return
+        yield i, LayerReference([y.cpu() for y in ref.finish(shared)], {e: y.cpu() for e, y in ref.probe_out.items()})
+
+
+def compute_references(ref_ckpt, spec, opts: VerifyOptions, layer_ids: list[int], numerics: Numerics,
+                       device: torch.device, stop: threading.Event | None = None,
+                       timings: dict | None = None) -> dict[int, LayerReference]:
+    """``iter_references`` of every layer at once: {layer: its reference} (what is done when
+    ``stop`` is set). ``timings``: gets "reference_s" (seconds, all layers)."""
+    t0 = time.perf_counter()
+    out = dict(iter_references(ref_ckpt, spec, opts, layer_ids, numerics, device, stop))
     if timings is not None:
         timings["reference_s"] = time.perf_counter() - t0
     return out
+
+
+@dataclass
+class LayerOutcome:
+    """One layer's comparison, the tensors gone: the layer's rel err, SQNR (dB) and max abs err
+    over every dp group, the worst expert alone on the probe batch (expert, rank, rel err:
+    every copy of it, replicas too; (-1, -1, 0.0) where no rank holds one), each rank's stats."""
+
+    rel_err: float
+    sqnr_db: float
+    max_abs_err: float
+    worst: tuple[int, int, float]
+    stats: list[dict]
+
+
+def compare_layer(reference: LayerReference, per_rank: list[dict], dp: int) -> LayerOutcome:
+    """``reference`` against the ranks' outputs of the layer (rank order: see ``rank.run_job``)."""
+    ys = []
+    for g in range(dp):
+        ys.append(next(r for r in per_rank if r["group"] == g and r["y"] is not None)["y"])
+    rel, sqnr, mx = _metrics(torch.cat(ys), torch.cat(reference.groups))
+    worst = None  # (expert, rank, rel err): the first of the largest (every expert is on a rank)
+    for rank, r in enumerate(per_rank):
+        for s, e in enumerate(r["slots"]):
+            erel, _, _ = _metrics(r["probe"][s], reference.probe[e])
+            if worst is None or not erel <= worst[2] and not (math.isnan(erel) and math.isnan(worst[2])):
+                worst = (e, rank, erel)
+    return LayerOutcome(rel, sqnr, mx, worst or (-1, -1, 0.0), [r["stats"] for r in per_rank])
+
+
+class LayerCollector:
+    """Meets each layer's rank outputs (``on_message`` of ``spawn_world``) with its reference
+    (the reference thread) as both arrive, compares them and drops the tensors at once. Each
+    side waits before running more than ``window`` layers ahead of the comparisons: the
+    parent holds at most that many layers' outputs and references, however many are checked.
+
+    Keys are (job, layer). ``stop``: set when the run failed; a waiting side then returns."""
+
+    def __init__(self, ep: int, dps: list[int], window: int, stop: threading.Event):
+        self.ep, self.dps, self.window, self.stop = ep, dps, window, stop
+        self.outcomes: dict[tuple[int, int], LayerOutcome] = {}
+        self._refs: dict[tuple[int, int], LayerReference] = {}
+        self._outputs: dict[tuple[int, int], dict[int, tuple[dict, Callable[[], None]]]] = {}
+        self._cond = threading.Condition()
+
+    def add_rank_output(self, rank: int, message: tuple, release: Callable[[], None]) -> None:
+        job, layer, outputs = message
+        with self._cond:
+            self._outputs.setdefault((job, layer), {})[rank] = (outputs, release)
+        self._compare_if_ready((job, layer))
+
+    def add_reference(self, job: int, layer: int, reference: LayerReference) -> None:
+        """Waits while ``window`` references wait for their ranks' outputs (or until ``stop``)."""
+        with self._cond:
+            self._refs[(job, layer)] = reference
+        self._compare_if_ready((job, layer))
+        with self._cond:
+            while len(self._refs) >= self.window and not self.stop.is_set():
+                self._cond.wait(0.5)
+
+    def _compare_if_ready(self, key: tuple[int, int]) -> None:
+        with self._cond:
+            outputs = self._outputs.get(key, {})
+            if key not in self._refs or len(outputs) < self.ep:
+                return
+            reference = self._refs.pop(key)
+            del self._outputs[key]
+        outcome = compare_layer(reference, [outputs[r][0] for r in range(self.ep)], self.dps[key[0]])
+        with self._cond:
+            self.outcomes[key] = outcome
+            self._cond.notify_all()
+        for _, release in outputs.values():
+            release()
 
 
 def _metrics(y: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float]:
@@ -270,49 +355,60 @@ def verify_many(jobs: list[tuple], *, revision: str | None = None) -> list[Verif
         ep, backend = eps.pop(), backends.pop()
         timeout = sum(p[2].timeout_s for p in prepared)
         device = reference_device(ep)
-        stop = threading.Event()
+        stop, abort = threading.Event(), threading.Event()
         timings = [{} for _ in prepared]
+        collector = LayerCollector(ep, [p[2].dp for p in prepared], COMPARE_WINDOW, stop)
 
-        def references() -> list[dict[int, LayerReference]]:
-            return [compute_references(ref_ckpt, spec, p[2], job[2], p[4], device, stop, t)
-                    for p, ref_ckpt, spec, job, t in zip(prepared, refs, specs, rank_jobs, timings)]
+        def references() -> None:
+            for j, (p, ref_ckpt, spec, job, t) in enumerate(zip(prepared, refs, specs, rank_jobs, timings)):
+                t_ref = time.perf_counter()
+                for i, reference in iter_references(ref_ckpt, spec, p[2], job[2], p[4], device, stop):
+                    collector.add_reference(j, i, reference)
+                t["reference_s"] = time.perf_counter() - t_ref
 
         # the parent reads and runs the reference while the ranks start, read their shards
-        # and run: the two sides' reads overlap (one pass over each checkpoint, at the disk's rate)
+        # and run: the two sides' reads overlap (one pass over each checkpoint, at the disk's
+        # rate), and each layer is compared as soon as both sides have it
         t0, t0_epoch = time.perf_counter(), time.time()
         with ThreadPoolExecutor(1, thread_name_prefix="moetool-reference") as pool:
             pending = pool.submit(references)
+            pending.add_done_callback(lambda f: f.exception() is not None and abort.set())
             try:
-                results = spawn_world(_rank_jobs, ep, backend, args=(rank_jobs,), timeout_s=timeout)
+                results = spawn_world(_rank_jobs, ep, backend, args=(rank_jobs,), timeout_s=timeout,
+                                      on_message=collector.add_rank_output, window=COMPARE_WINDOW, abort=abort)
             except BaseException:
                 stop.set()
+                if pending.done() and pending.exception() is not None:
+                    raise pending.exception() from None  # the reference failed first: the cause
                 raise
             ranks_s = time.perf_counter() - t0
-            layer_refs = pending.result()
+            pending.result()
         reports = []
         for j, ((shards, _, opts, _, numerics), ref_ckpt, spec) in enumerate(zip(prepared, refs, specs)):
             per_rank = [r[j] for r in results]
-            timings[j].update(ranks_s=ranks_s, wall_s=time.perf_counter() - t0, **_rank_timeline(per_rank, t0_epoch))
+            outcomes = {i: collector.outcomes[(j, i)] for i in rank_jobs[j][2]}
+            timings[j].update(ranks_s=ranks_s, wall_s=time.perf_counter() - t0,
+                              **_rank_timeline(per_rank, outcomes, t0_epoch))
             started = _process_started()
             if started is not None:
                 timings[j]["startup_s"] = t0_epoch - started  # this process's start to the ranks' spawn
-            reports.append(build_report(shards, ref_ckpt, spec, opts, backend, rank_jobs[j][2], per_rank, numerics,
-                                        layer_refs[j], timings[j]))
+            reports.append(build_report(shards, ref_ckpt, spec, opts, backend, rank_jobs[j][2], outcomes, numerics,
+                                        timings[j]))
         return reports
     finally:
         for r in refs:
             r.close()
 
 
-def _rank_timeline(per_rank: list[dict], t0_epoch: float) -> dict:
-    """{"rank_<step>_s": seconds from the spawn until the last rank ended that step} over the
-    ranks' timelines (start, rehearsed, loaded, forward, probed, checked), each step's time
-    from the last layer that has it (the rehearsal is the first layer's)."""
+def _rank_timeline(per_rank: list[dict], outcomes: dict[int, LayerOutcome], t0_epoch: float) -> dict:
+    """{"rank_<step>_s": seconds from the spawn until the last rank ended that step}: each rank's
+    start and check (``run_job``'s timeline) and its layers' steps (rehearsed, loaded, forward,
+    probed), each from the last layer that has it (the rehearsal is the first layer's)."""
     out: dict = {}
-    for result in per_rank:
-        steps: dict = {}
-        for i in sorted(result or {}):
-            steps.update(result[i]["stats"].get("timeline", {}))
+    for r, result in enumerate(per_rank):
+        steps = dict(result["timeline"])
+        for i in sorted(outcomes):
+            steps.update(outcomes[i].stats[r].get("timeline", {}))
         for step, at in steps.items():
             out[f"rank_{step}_s"] = max(out.get(f"rank_{step}_s", 0.0), at - t0_epoch)
     return out
@@ -337,8 +433,7 @@ def shards_numerics(shards: EPShards, opts: VerifyOptions) -> Numerics:
 
 
 def build_report(shards: EPShards, ref_ckpt, spec, opts: VerifyOptions, backend: str, layer_ids: list[int],
-                 results: list[dict], numerics: Numerics, references: dict[int, LayerReference],
-                 timings: dict | None = None) -> VerifyReport:
+                 outcomes: dict[int, LayerOutcome], numerics: Numerics, timings: dict | None = None) -> VerifyReport:
     fmt = shards.manifest["format"]
     th = dict(THRESHOLDS.get(fmt, THRESHOLDS["dense"]))
     if opts.max_rel_err is not None:
@@ -348,23 +443,10 @@ def build_report(shards: EPShards, ref_ckpt, spec, opts: VerifyOptions, backend:
     reports = []
     for i in layer_ids:
         layer = spec.layer(i)
-        reference = references[i]
-        ys, refs = [], []
-        for g in range(opts.dp):
-            rank0 = next(r for r in results if r[i]["group"] == g and r[i]["y"] is not None)
-            refs.append(reference.groups[g])
-            ys.append(rank0[i]["y"])
-        rel, sqnr, mx = _metrics(torch.cat(ys), torch.cat(refs))
-        # each expert alone on the probe batch, every copy of it (replicas too)
-        worst = None  # (expert, rank, rel err): the first of the largest (every expert is on a rank)
-        for rank, r in enumerate(results):
-            for s, e in enumerate(r[i]["slots"]):
-                erel, _, _ = _metrics(r[i]["probe"][s], reference.probe[e])
-                if worst is None or not erel <= worst[2] and not (math.isnan(erel) and math.isnan(worst[2])):
-                    worst = (e, rank, erel)
-        worst = worst or (-1, -1, 0.0)
+        out = outcomes[i]
+        rel, sqnr, mx, worst, stats = out.rel_err, out.sqnr_db, out.max_abs_err, out.worst, out.stats
         reasons = []
-        served = results[0][i]["stats"].get("activation")
+        served = stats[0].get("activation")
         if served is not None and served != layer.activation.describe():
             reasons.append(f"the shards' config.json runs the experts with {served}, --ref with "
                            f"{layer.activation.describe()}")
@@ -372,12 +454,14 @@ def build_report(shards: EPShards, ref_ckpt, spec, opts: VerifyOptions, backend:
             reasons.append(f"layer rel err {rel:.3g} > {th['rel_err']:g}")
         if not worst[2] <= th["expert_rel_err"]:
             reasons.append(f"expert {worst[0]} on rank {worst[1]} rel err {worst[2]:.3g} > {th['expert_rel_err']:g}")
-        stats = [r[i]["stats"] for r in results]
         timing = {"total": max(s["time_total_s"] for s in stats) * 1e3}
         for phase in ("route", "dispatch", "experts", "combine", "shared"):
             key = f"cuda_{phase}_s" if f"cuda_{phase}_s" in stats[0] else f"time_{phase}_s"
             timing[phase] = max(s[key] for s in stats) * 1e3
         timing["load"] = max(s.get("time_load_s", 0.0) for s in stats) * 1e3  # the layer's experts onto the device
+        rehearse = max(s.get("time_rehearse_s", 0.0) for s in stats)  # the first layer on zeros, where run
+        if rehearse:
+            timing["rehearse"] = rehearse * 1e3
         moved = {k: sum(s[k] for s in stats) for k in ("dispatch_bytes_sent", "combine_bytes_sent")}
         if stats[0].get("dispatch_split_bytes"):  # [R][R]: row r = bytes rank r sent to each rank
             moved.update({k: [s[k] for s in stats] for k in ("dispatch_split_bytes", "combine_split_bytes")})
@@ -385,7 +469,7 @@ def build_report(shards: EPShards, ref_ckpt, spec, opts: VerifyOptions, backend:
                                    worst[2], not reasons, "; ".join(reasons), timing, moved))
     options = {**asdict(opts), "backend": backend, "layers": layer_ids,
                "numerics": numerics.describe(),
-               "transport": results[0][layer_ids[0]]["stats"].get("transport") if layer_ids else None}
+               "transport": outcomes[layer_ids[0]].stats[0].get("transport") if layer_ids else None}
     return VerifyReport(str(shards.root), str(ref_ckpt.root), shards.manifest["format"], options, th, reports,
                         dict(timings or {}))
 
@@ -428,7 +512,7 @@ def verify_torchrun(shards_dir, ref, opts: VerifyOptions, *, revision: str | Non
         references = compute_references(ref_ckpt, spec, opts, layer_ids, numerics,
                                         torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
                                         else torch.device("cpu"), timings=timings)
-        return build_report(shards, ref_ckpt, spec, opts, backend, layer_ids, [g[0] for g in gathered], numerics,
-                            references, timings)
+        outcomes = {i: compare_layer(references[i], [g[0]["layers"][i] for g in gathered], opts.dp) for i in layer_ids}
+        return build_report(shards, ref_ckpt, spec, opts, backend, layer_ids, outcomes, numerics, timings)
 
 

@@ -11,7 +11,10 @@ Two ways in:
 
 ``fn(rank, world_size, *args)`` runs with the default process group initialised (gloo on
 CPU, NCCL on ``cuda:LOCAL_RANK``) and must be a module-level function (spawn pickles it).
-What it returns travels to the parent by value (CPU tensors, numbers, dicts, lists...).
+What it returns travels to the parent by value (CPU tensors, numbers, dicts, lists...). A
+rank of a ``spawn_world`` given ``on_message`` may also hand results over while it runs
+(``send_to_parent``), at most ``window`` of them not yet released by the parent: neither side
+holds more than that, however long the run.
 
 No rank outlives its parent (``_die_with_parent``): a rank dies within a second of the
 process that started it (the spawning ``moetool``, through the fork server, which ends with
@@ -63,6 +66,7 @@ class _Report:
     ok: bool
     t: float  # time.time() when the rank finished or failed
     payload: bytes  # ok: pickled result; else: one-line error text, utf-8
+    message: bool = False  # a ``send_to_parent`` message on the way, not the rank's end
 
 
 def _one_line(e: BaseException) -> str:
@@ -200,8 +204,29 @@ def _die_with_parent(parent_pid: int) -> Iterator[None]:
             _set_pdeathsig(previous)
 
 
+#: in a rank of a world started with ``on_message``: (queue, its credits, rank, timeout seconds)
+_channel: tuple | None = None
+
+
+def send_to_parent(obj: Any) -> bool:
+    """From inside a rank: hand ``obj`` (CPU tensors, numbers, containers) to the parent's
+    ``on_message`` now, first waiting while ``window`` earlier messages of this rank are not
+    yet released by the parent. False, and nothing sent, where no parent takes messages (under
+    torchrun, or a world started without ``on_message``): the caller returns ``obj`` at the end."""
+    if _channel is None:
+        return False
+    q, credits, rank, timeout_s = _channel
+    deadline = time.monotonic() + timeout_s
+    while not credits.acquire(timeout=_WATCH_S):
+        if time.monotonic() > deadline:
+            raise MoetoolError(f"rank {rank}: the parent released none of its earlier results for {timeout_s:g} s")
+    q.put(_Report(rank, True, time.time(), pickle.dumps(_to_cpu(obj)), message=True))
+    return True
+
+
 def _rank_main(rank: int, world_size: int, backend: str, host: str, port: int,
-               pg_timeout_s: float, parent_pid: int, env: dict, fn: Callable, args: tuple, q) -> None:
+               pg_timeout_s: float, parent_pid: int, env: dict, fn: Callable, args: tuple, q,
+               credits=None) -> None:
     """Entry point of a rank: tied to the parent first thing, then init, run, report, always
     destroy the group. ``env``: the spawning process's environment when it started the world
     (a rank forked by the fork server would otherwise have the server's, from its start)."""
@@ -215,6 +240,8 @@ def _rank_main(rank: int, world_size: int, backend: str, host: str, port: int,
         if _parent_of(watched) != parent_pid:
             os._exit(_ORPHANED)
     _name_process(f"moetool-rank{rank}")
+    global _channel
+    _channel = None if credits is None else (q, credits, rank, pg_timeout_s)
     with _die_with_parent(watched):
         for key in set(os.environ) - set(env):
             del os.environ[key]
@@ -251,9 +278,16 @@ def _rank_main(rank: int, world_size: int, backend: str, host: str, port: int,
 
 
 def spawn_world(fn: Callable, world_size: int, backend: str = "gloo", args: tuple = (),
-                timeout_s: float = 600.0, collective_timeout_s: float | None = None) -> list[Any]:
+                timeout_s: float = 600.0, collective_timeout_s: float | None = None,
+                on_message: Callable[[int, Any, Callable[[], None]], None] | None = None, window: int = 2,
+                abort: threading.Event | None = None) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return the results
     in rank order.
+
+    ``on_message(rank, obj, release)``: called in this thread, in order, for each
+    ``send_to_parent(obj)`` of a rank; ``release()`` (any thread, once) gives the rank one of
+    its ``window`` credits back. An exception from it stops the world and is raised as it is.
+    ``abort``: set by another thread to stop the world ("stopped by the caller").
 
     ``timeout_s`` bounds the whole run; ``collective_timeout_s`` (default: ``timeout_s``) is
     the process-group timeout, so no collective waits forever. Raises ``MoetoolError`` with
@@ -279,9 +313,10 @@ def spawn_world(fn: Callable, world_size: int, backend: str = "gloo", args: tupl
     ctx = _rank_context()
     q = ctx.Queue()
     env = dict(os.environ)
+    credits = [ctx.Semaphore(window) if on_message is not None else None for _ in range(world_size)]
     procs = [ctx.Process(target=_rank_main, name=f"moetool-rank{r}", daemon=True,
                          args=(r, world_size, backend, host, store.port, collective_timeout_s,
-                               os.getpid(), env, fn, args, q))
+                               os.getpid(), env, fn, args, q, credits[r]))
              for r in range(world_size)]
     reports: dict[int, _Report] = {}
     failure: str | None = None
@@ -289,7 +324,7 @@ def spawn_world(fn: Callable, world_size: int, backend: str = "gloo", args: tupl
     try:
         for p in procs:  # inside the try: an interruption between two starts stops the first ones
             p.start()
-        failure = _watch(procs, q, reports, timeout_s)
+        failure = _watch(procs, q, reports, timeout_s, _Messages(on_message, credits), abort)
         watched = True
     finally:
         # after an exception (Interrupted, KeyboardInterrupt) there is nothing to wait for
@@ -302,13 +337,29 @@ def spawn_world(fn: Callable, world_size: int, backend: str = "gloo", args: tupl
     return [pickle.loads(reports[r].payload) for r in range(world_size)]
 
 
-def _drain(q, reports: dict[int, _Report], block_s: float) -> None:
+@dataclass
+class _Messages:
+    """Where the ranks' ``send_to_parent`` messages go: ``on_message`` (None: a world without)."""
+
+    on_message: Callable | None
+    credits: list
+
+    def take(self, rep: _Report) -> None:
+        if self.on_message is None:
+            raise MoetoolError(f"rank {rep.rank} sent a message to a parent that takes none")
+        self.on_message(rep.rank, pickle.loads(rep.payload), self.credits[rep.rank].release)
+
+
+def _drain(q, reports: dict[int, _Report], block_s: float, messages: _Messages | None = None) -> None:
     try:
         rep = q.get(timeout=block_s) if block_s > 0 else q.get_nowait()
-        reports.setdefault(rep.rank, rep)
         while True:
+            if rep.message:
+                if messages is not None and rep.rank not in reports:
+                    messages.take(rep)
+            else:
+                reports.setdefault(rep.rank, rep)
             rep = q.get_nowait()
-            reports.setdefault(rep.rank, rep)
     except queue_mod.Empty:
         pass
 
@@ -330,14 +381,17 @@ def _first_failure(procs, reports: dict[int, _Report]) -> str | None:
     return None
 
 
-def _watch(procs, q, reports: dict[int, _Report], timeout_s: float) -> str | None:
+def _watch(procs, q, reports: dict[int, _Report], timeout_s: float, messages: _Messages | None = None,
+           abort: threading.Event | None = None) -> str | None:
     deadline = time.monotonic() + timeout_s
     while len(reports) < len(procs):
-        _drain(q, reports, 0.05)
+        _drain(q, reports, 0.05, messages)
+        if abort is not None and abort.is_set():
+            return "stopped by the caller"
         dead = any(p.exitcode is not None and r not in reports for r, p in enumerate(procs))
         if dead:
             # a report written just before exit may still be in the pipe
-            _drain(q, reports, 0.2)
+            _drain(q, reports, 0.2, messages)
         if any(not r.ok for r in reports.values()) or (
                 dead and any(p.exitcode is not None and r not in reports for r, p in enumerate(procs))):
             grace = time.monotonic() + _GRACE_S

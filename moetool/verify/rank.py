@@ -27,6 +27,7 @@ from moetool.read.manifest import verify_manifest
 from moetool.read.shards import EPShards
 from moetool.verify.dispatchers import get_dispatcher
 from moetool.verify.experts import ExpertsBackend, get_experts
+from moetool.verify.launch import send_to_parent
 from moetool.verify.layer import run_moe_layer
 from moetool.verify.numerics import model_numerics
 from moetool.verify.tokens import make_tokens, norm_weight_name, probe_tokens
@@ -43,24 +44,26 @@ def run_jobs(rank: int, world_size: int, jobs: list[tuple[str, VerifyOptions, li
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     topologies: dict[int, Topology] = {}
     out = []
-    for shards_root, opts, layer_ids in jobs:
+    for j, (shards_root, opts, layer_ids) in enumerate(jobs):
         if opts.dp not in topologies:
             topologies[opts.dp] = Topology.create(opts.dp, device)
-        out.append(run_job(rank, shards_root, opts, layer_ids, topologies[opts.dp]))
+        out.append(run_job(rank, shards_root, opts, layer_ids, topologies[opts.dp], job=j))
     return out
 
 
-def run_job(rank: int, shards_root: str, opts: VerifyOptions, layer_ids: list[int], topo: Topology) -> dict:
-    """Load this rank's shard and run every selected layer: {layer: {"y": [T_g, H] on tp index 0
-    (else None), "group": dp group, "probe": [L, P, H], "slots": [L] global ids, "stats": ...}}."""
+def run_job(rank: int, shards_root: str, opts: VerifyOptions, layer_ids: list[int], topo: Topology,
+            job: int = 0) -> dict:
+    """Load this rank's shard and run every selected layer. Each layer's outputs {"y": [T_g, H]
+    on tp index 0 (else None), "group": dp group, "probe": [L, P, H], "slots": [L] global ids,
+    "stats": ...} go to the parent as soon as they exist (``send_to_parent((job, layer,
+    outputs))``, the parent comparing them while the rank goes on) or, where no parent takes
+    them (torchrun), come back here. Returns {"layers": {layer: outputs, or None where sent},
+    "timeline": {"start", "checked": epoch seconds}}: the rank's files passed their check by then."""
     shards = EPShards(Path(shards_root), check=False)
     started = time.time()
     with opened_and_checked(shards, rank) as (ckpt, spec):
-        results = _run_job(rank, shards, ckpt, spec, opts, layer_ids, topo)
-    checked = time.time()
-    for r in results.values():  # when each step ended, epoch seconds (the parent makes them offsets)
-        r["stats"]["timeline"] = {"start": started, **r["stats"]["timeline"], "checked": checked}
-    return results
+        layers = _run_job(rank, shards, ckpt, spec, opts, layer_ids, topo, job)
+    return {"layers": layers, "timeline": {"start": started, "checked": time.time()}}
 
 
 @contextmanager
@@ -96,7 +99,7 @@ def _check_into(shards: EPShards, rank: int, verdict: list) -> None:
 
 
 def _run_job(rank: int, shards: EPShards, ckpt, spec, opts: VerifyOptions, layer_ids: list[int],
-             topo: Topology) -> dict:
+             topo: Topology, job: int) -> dict:
     device = topo.device
     reader = ExpertReader(ckpt, spec)
     transport = choose_transport(opts.transport, device) if opts.dispatch == "all2all" else None
@@ -158,9 +161,11 @@ def _run_job(rank: int, shards: EPShards, ckpt, spec, opts: VerifyOptions, layer
         probe = _probe_slots(experts, local, probe_x, device)
         timeline["probed"] = time.time()
         stats["timeline"] = timeline
-        results[i] = {"y": compact(y) if topo.tp_index == 0 else None, "group": topo.group_index,
-                      "probe": compact(probe), "slots": list(local.slot_to_global), "stats": stats}
+        outputs = {"y": compact(y) if topo.tp_index == 0 else None, "group": topo.group_index,
+                   "probe": compact(probe), "slots": list(local.slot_to_global), "stats": stats}
+        del local, y, probe
         experts.release()
+        results[i] = None if send_to_parent((job, i, outputs)) else outputs
     return results
 
 

@@ -79,14 +79,14 @@ def test_a_failed_world_stops_the_reference_thread(monkeypatch, verify_chain, ve
     model, chain = verify_chain
     seen: dict = {}
 
-    def slow_reference(ref_ckpt, spec, opts, layer_ids, numerics, device, stop=None, timings=None):
+    def slow_reference(ref_ckpt, spec, opts, layer_ids, numerics, device, stop=None):
         seen["stopped"] = stop.wait(30)
-        return {}
+        yield from ()
 
     def failing_world(*args, **kwargs):
         raise MoetoolError("rank 1 failed: on purpose")
 
-    monkeypatch.setattr(driver, "compute_references", slow_reference)
+    monkeypatch.setattr(driver, "iter_references", slow_reference)
     monkeypatch.setattr(driver, "spawn_world", failing_world)
     t0 = time.monotonic()
     with pytest.raises(MoetoolError, match="on purpose"):
