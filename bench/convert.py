@@ -259,23 +259,20 @@ class Phases:
         return out
 
 
-def traced_child(trace_path: str, argv: list[str]) -> None:
-    """``moetool ARGV`` in this process with its reads, writes, hashing, fsyncs, imports, tensor
-    reads and GPU conversions timed (wrapped from outside: the library is not changed); the
-    per-phase summary goes to ``trace_path`` as JSON when the command ends."""
+def instrument(ph: Phases, prefix: str = "") -> None:
+    """Time this process's reads, writes, hashing, fsyncs and first imports of the heavy
+    packages into ``ph`` (phase names after ``prefix``), wrapped from outside."""
     import hashlib
     import importlib.util
 
-    ph = Phases(float(os.environ.get(T0_ENV) or time.time()))
-    ph.add("python start", ph.t0, time.time())
     for name in ("pread", "preadv", "copy_file_range", "sendfile"):
         if hasattr(os, name):
-            setattr(os, name, ph.timing(name, getattr(os, name), count_result=True))
+            setattr(os, name, ph.timing(prefix + name, getattr(os, name), count_result=True))
     for name in ("pwrite", "write"):
-        setattr(os, name, ph.timing(name, getattr(os, name), count_result=True))
-    os.fsync = ph.timing("fsync", os.fsync)
-    os.fdatasync = ph.timing("fsync", os.fdatasync)
-    os.replace = ph.timing("rename", os.replace)
+        setattr(os, name, ph.timing(prefix + name, getattr(os, name), count_result=True))
+    os.fsync = ph.timing(prefix + "fsync", os.fsync)
+    os.fdatasync = ph.timing(prefix + "fsync", os.fdatasync)
+    os.replace = ph.timing(prefix + "rename", os.replace)
     real_sha = hashlib.sha256
 
     class TimedSha:
@@ -287,7 +284,7 @@ def traced_child(trace_path: str, argv: list[str]) -> None:
         def update(self, data):
             start = time.time()
             self.h.update(data)
-            ph.add("sha256", start, time.time(), memoryview(data).nbytes)
+            ph.add(prefix + "sha256", start, time.time(), memoryview(data).nbytes)
 
         def hexdigest(self):
             return self.h.hexdigest()
@@ -315,11 +312,72 @@ def traced_child(trace_path: str, argv: list[str]) -> None:
                 try:
                     _exec(module)
                 finally:
-                    ph.add(f"import {_name}", start, time.time())
+                    ph.add(f"{prefix}import {_name}", start, time.time())
             spec.loader.exec_module = timed_exec
             return spec
 
     sys.meta_path.insert(0, ImportTimer())
+
+
+#: set: the traced step reads no package's shared libraries ahead (``moetool.read.prefetch``)
+NO_LIBS_ENV = "MOETOOL_BENCH_NO_LIBS"
+#: the environment variable carrying the time (time.time()) the byte check's child was spawned
+SPAWN_ENV = "MOETOOL_BENCH_CHECK_SPAWN"
+#: the module a quantized byte-copy shard runs in its check child (moetool.convert.byte_executor)
+CHECK_MODULE = "moetool.convert.byte_check"
+
+
+def traced_check(trace_path: str, argv: list[str]) -> None:
+    """The byte check's child (``python -m moetool.convert.byte_check ARGS``) with its start-up,
+    imports, reads and planning timed; its raw spans go to ``trace_path`` for the parent's trace."""
+    ph = Phases(float(os.environ.get(T0_ENV) or time.time()))
+    ph.add("check: python start", float(os.environ.get(SPAWN_ENV) or ph.t0), time.time())
+    instrument(ph, "check: ")
+    start = time.time()
+    import moetool.convert.byte_check as byte_check
+    ph.add("check: import byte_check (torch, formats)", start, time.time())
+    byte_check.open_checkpoint = ph.timing("check: open checkpoint", byte_check.open_checkpoint)
+    byte_check.build_shard_plan = ph.timing("check: build the torch plan", byte_check.build_shard_plan)
+    byte_check.shard_facts = ph.timing("check: shard_facts", byte_check.shard_facts)
+    for attr in ("_produce", "_stacked_slice"):
+        setattr(byte_check.Executor, attr, ph.timing("check: sample slices", getattr(byte_check.Executor, attr)))
+    real_exit = byte_check.exit_now
+
+    def exit_now(status: int) -> None:
+        Path(trace_path).write_text(json.dumps(ph.spans))
+        real_exit(status)
+
+    byte_check.exit_now = exit_now
+    sys.argv = [CHECK_MODULE, *argv]
+    byte_check.main()
+
+
+def traced_child(trace_path: str, argv: list[str]) -> None:
+    """``moetool ARGV`` in this process with its reads, writes, hashing, fsyncs, imports, tensor
+    reads and GPU conversions timed (wrapped from outside: the library is not changed); the
+    per-phase summary goes to ``trace_path`` as JSON when the command ends. The child process of
+    a quantized byte-copy shard's check runs under :func:`traced_check`; its phases are merged."""
+    import subprocess as sp
+
+    ph = Phases(float(os.environ.get(T0_ENV) or time.time()))
+    ph.add("python start", ph.t0, time.time())
+    instrument(ph)
+    check_trace = Path(trace_path + ".check")
+    check_trace.unlink(missing_ok=True)
+    real_popen = sp.Popen
+
+    class TracedPopen(real_popen):
+        def __init__(self, args, *a, **k):
+            if isinstance(args, list) and args[1:3] == ["-m", CHECK_MODULE]:
+                args = [args[0], str(Path(__file__).resolve()), "--trace-check", str(check_trace), "--", *args[3:]]
+                k["env"] = {**(k.get("env") or os.environ), SPAWN_ENV: repr(time.time())}
+            super().__init__(args, *a, **k)
+
+    sp.Popen = TracedPopen
+    if os.environ.get(NO_LIBS_ENV):  # the A/B of reading torch's libraries ahead
+        import moetool.read.prefetch as prefetch
+
+        prefetch.package_libraries = lambda packages: []
     patched: set[str] = set()
 
     def patch_loaded() -> None:
@@ -344,6 +402,11 @@ def traced_child(trace_path: str, argv: list[str]) -> None:
         wrap("moetool.convert.sink", "HashingSink", "close", "sink.close (drain + fsync)")
         for m in ("moetool.convert.sink", "moetool.convert.byte_executor"):
             wrap(m, "", "start_writeback", "sync_file_range")
+        wrap("moetool.convert.byte_executor", "", "copy_files", "copy files (all)")
+        wrap("moetool.convert.conversion", "", "build_plan", "build the plan (probes included)")
+        wrap("moetool.convert.torch_executor", "Source", "ready", "wait for the GPU start-up")
+        wrap("moetool.convert.byte_executor", "TorchCheck", "agrees", "check: parent waits for the answer")
+        wrap("moetool.convert.byte_executor", "TorchCheck", "_expected", "check: parent reads its samples")
 
     import moetool.lazy as lazy
 
@@ -360,6 +423,10 @@ def traced_child(trace_path: str, argv: list[str]) -> None:
     def dump() -> None:
         patch_loaded()
         ph.add("process end", time.time(), time.time())
+        if check_trace.exists():
+            for name, spans in json.loads(check_trace.read_text()).items():
+                ph.spans.setdefault(name, []).extend(tuple(x) for x in spans)
+            check_trace.unlink()
         Path(trace_path).write_text(json.dumps(ph.summary()))
 
     real_exit = entry.exit_now
@@ -508,6 +575,9 @@ def main() -> None:
     if sys.argv[1:2] == ["--trace-child"]:
         traced_child(sys.argv[2], sys.argv[4:])  # --trace-child JSON -- moetool arguments
         return
+    if sys.argv[1:2] == ["--trace-check"]:
+        traced_check(sys.argv[2], sys.argv[4:])  # --trace-check JSON -- the byte check's arguments
+        return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", type=Path, default=Path(".bench/convert"))
     ap.add_argument("--size-gib", type=float, default=1.3)
@@ -573,7 +643,14 @@ def main() -> None:
     # the fp8-block output (kept from its step) copied and sharded: a quantized input
     fp8 = out / "fp8-block"
     add("cp-fp8", ["sh", "-c", f"cp -r '{fp8}' '{out / 'cp-fp8'}' && sync"], out / "cp-fp8")
+    add("cat-fp8", ["sh", "-c", f"cat '{fp8}'/*.safetensors > /dev/null"], out / "cat-fp8")
     add("shard-fp8", moetool + ["shard", str(fp8), str(out / "shard-fp8"), "--ep", "1", "-q"], out / "shard-fp8")
+    # the same without reading torch's libraries ahead (traced steps only: --trace)
+    no_libs = ["env", f"{NO_LIBS_ENV}=1"]
+    add("fp8-block-nolibs", no_libs + moetool + ["quantize", str(src), str(out / "fp8-block-nolibs"), "--fp8-block",
+                                                 "-q", "--device", args.device], out / "fp8-block-nolibs")
+    add("shard-fp8-nolibs", no_libs + moetool + ["shard", str(fp8), str(out / "shard-fp8-nolibs"), "--ep", "1", "-q"],
+        out / "shard-fp8-nolibs")
     if have_llmc(args.llmc_python):
         for fmt, scheme in LLMC_SCHEME.items():
             add(f"llmc-{fmt}", [args.llmc_python, "-c", LLMC_SCRIPT, str(src), str(out / f"llmc-{fmt}"), scheme,
@@ -581,9 +658,9 @@ def main() -> None:
     else:
         print("llm-compressor not installed (--llmc-python): its rows are skipped", file=sys.stderr)
 
-    keep = {fp8} if {"cp-fp8", "shard-fp8"} & {name for name, _, _ in steps} else set()
+    keep = {fp8} if {"cp-fp8", "cat-fp8", "shard-fp8", "shard-fp8-nolibs"} & {name for name, _, _ in steps} else set()
     if keep and "fp8-block" not in {name for name, _, _ in steps}:
-        raise SystemExit("cp-fp8 and shard-fp8 read the fp8-block step's output: add fp8-block to --only")
+        raise SystemExit("cp-fp8, cat-fp8 and shard-fp8 read the fp8-block step's output: add fp8-block to --only")
     runs: dict[str, list[tuple[float, int, float]]] = {name: [] for name, _, _ in steps}
     repeated = 0
     for _ in range(args.repeat):  # interleaved, so drifting disk speed hits every step alike
@@ -596,7 +673,7 @@ def main() -> None:
                     Path("/proc/sys/vm/drop_caches").write_text("3\n")
                 wait_idle(args.idle_wait)
                 seconds, peak, foreign = timed(cmd)
-                if args.trace and name not in ("cp", "cat", "cp-fp8") and trace_file.exists():
+                if args.trace and name not in ("cp", "cat", "cp-fp8", "cat-fp8") and trace_file.exists():
                     traces[name] = json.loads(trace_file.read_text())
                     trace_file.unlink()
                     print_trace(name, traces[name])
@@ -625,10 +702,11 @@ def main() -> None:
     rows = []
     for name, r in results.items():
         llmc = results.get(f"llmc-{name}", {}).get("seconds")
-        startup = torch_startup if name in MOETOOL_FLAG else plain_startup  # quantize imports torch
+        startup = torch_startup if name in MOETOOL_FLAG or name == "fp8-block-nolibs" else plain_startup
         work = (r["seconds"] - startup if startup and name not in ("cp", "start-up", "start-up+torch")
                 and not name.startswith("llmc") else None)
-        floor = results.get("cp-fp8", {}).get("seconds") if name == "shard-fp8" else cp  # a copy of its input
+        # a copy of its input
+        floor = results.get("cp-fp8", {}).get("seconds") if name in ("shard-fp8", "shard-fp8-nolibs", "cat-fp8") else cp
         rows.append({"step": name, **r, "vs_cp": (floor / r["seconds"]) if floor else None,
                      "vs_llmc": (llmc / r["seconds"]) if llmc and not name.startswith("llmc") else None,
                      "after_startup_s": work, "after_startup_vs_cp": (cp / work) if cp and work else None})
@@ -640,14 +718,15 @@ def main() -> None:
     print(f"median of {args.repeat} runs per step; peak RSS is the largest seen; {repeated} run(s) repeated "
           f"because other processes used the CPU")
     print(f"{'step':<20} {'seconds':>8} {'GB/s':>6} {'x cp':>6} {'x llmc':>7} {'peak RSS MB':>12} "
-          f"{'after start-up s':>17} {'x cp':>6}")
+          f"{'after start-up s':>17} {'x cp':>6}  runs (s)")
 
     def fmt(v, spec=".2f"):
         return format(v, spec) if v else "-"
 
     for r in rows:
         print(f"{r['step']:<20} {r['seconds']:>8.2f} {r['gbps']:>6.2f} {fmt(r['vs_cp']):>6} {fmt(r['vs_llmc']):>7} "
-              f"{r['peak_rss_mb']:>12.0f} {fmt(r['after_startup_s']):>17} {fmt(r['after_startup_vs_cp']):>6}")
+              f"{r['peak_rss_mb']:>12.0f} {fmt(r['after_startup_s']):>17} {fmt(r['after_startup_vs_cp']):>6}  "
+              f"{' / '.join(f'{x:.2f}' for x in r['runs'])}")
 
 
 if __name__ == "__main__":

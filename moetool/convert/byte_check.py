@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import json
+import os
 import signal
 import sys
 from pathlib import Path
@@ -67,8 +68,18 @@ def main() -> None:
         facts = shard_facts(**json.loads(sys.argv[1]))
     except Exception as e:  # the torch path will raise it again, in the parent, as its error
         print(f"{type(e).__name__}: {e}", file=sys.stderr)
-        sys.exit(1)
+        exit_now(1)
     print(json.dumps(facts, default=str))
+    exit_now(0)
+
+
+def exit_now(status: int) -> None:
+    """Leave once the answer is flushed, without interpreter shutdown: the parent waits for
+    this process to end, and tearing torch down took 0.2 s here and 1.5 s on an H100 host with
+    a cold page cache (its libraries' exit code read back from the disk)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 if __name__ == "__main__":
