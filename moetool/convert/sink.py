@@ -58,7 +58,7 @@ DIRECT_BUFFERS = 4
 #: offset, length and address alignment of direct writes (the largest logical block size
 #: Linux block devices use)
 DIRECT_ALIGN = 4096
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
+O_DIRECT = getattr(os, "O_DIRECT", 0)
 _memmove = ctypes.memmove  # a ctypes foreign function: releases the GIL while it copies
 
 
@@ -71,13 +71,13 @@ def direct_stage() -> int:
     return DIRECT_STAGE * WIDE_FACTOR if cores >= WIDE_CORES else DIRECT_STAGE
 
 
-def _open_direct(path: Path) -> int | None:
+def open_direct(path: Path) -> int | None:
     """``path`` created for writing with ``O_DIRECT``; None where the system or file system
     refuses it (no O_DIRECT, tmpfs on older kernels, some network file systems)."""
-    if not _O_DIRECT:
+    if not O_DIRECT:
         return None
     try:
-        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | _O_DIRECT, 0o644)
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | O_DIRECT, 0o644)
     except OSError:
         return None
 
@@ -109,7 +109,7 @@ class HashingSink:
         self.error: BaseException | None = None
         self.queue: queue.Queue = queue.Queue(maxsize=depth)
         self.written = self.flushed = 0
-        fd = _open_direct(path) if direct else None
+        fd = open_direct(path) if direct else None
         self.direct = fd is not None  # staging buffers and an I/O thread
         self.o_direct = self.direct  # the file still has O_DIRECT (a refused write clears it)
         self.file = open(path, "wb") if fd is None else open(fd, "wb", buffering=0, closefd=True)
@@ -205,7 +205,7 @@ class HashingSink:
 
     def _direct_off(self, fd: int) -> None:
         if self.o_direct:
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~O_DIRECT)
             self.o_direct = False
 
     # -- threads ------------------------------------------------------------------------

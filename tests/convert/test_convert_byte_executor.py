@@ -256,6 +256,83 @@ def test_copy_files_hashes_like_sha256(tmp_path, workers):
     assert not list((tmp_path / "out").glob("*.incomplete"))
 
 
+@pytest.mark.parametrize("mode", ["direct", "plain", "refused", "tmpfs"])
+def test_staged_copies_write_the_same_bytes_whatever_the_writes(tmp_path, monkeypatch, mode):
+    """Files of many staging buffers and a partial last block, copied with direct writes, with
+    O_DIRECT refused at the open ("plain", and tmpfs where the kernel refuses it), and with
+    every direct write refused (EINVAL, forced by a 1-byte alignment): the same bytes, the plain
+    sha256, nothing left under a temporary name."""
+    import hashlib
+    import os
+    import shutil
+    import tempfile
+
+    import moetool.convert.sink as sink
+    from moetool.convert.output import OutputDir
+
+    if mode == "tmpfs":
+        if not os.access("/dev/shm", os.W_OK):
+            pytest.skip("no writable /dev/shm")
+        tmp_path = Path(tempfile.mkdtemp(dir="/dev/shm"))
+    try:
+        monkeypatch.setattr(sink, "DIRECT_STAGE", 3 * 4096)
+        monkeypatch.setattr(bytecopy, "CHUNK", 5000)  # reads straddle the staging buffers
+        if mode == "plain":
+            monkeypatch.setattr(bytecopy, "open_direct", lambda path: None)
+        if mode == "refused":
+            monkeypatch.setattr(bytecopy, "DIRECT_ALIGN", 1)
+        data = os.urandom(100_000)
+        (tmp_path / "in").mkdir()
+        (tmp_path / "in" / "x").write_bytes(data)
+        files = [ByteFile("a", b"h" * 13, [Span("x", 7, 60_000), Span("x", 0, 40_000)]),
+                 ByteFile("b", b"", [Span("x", 0, 3 * 4096)]),  # ends at a buffer's end
+                 ByteFile("c", b"hdr", [])]
+        out = OutputDir(tmp_path / "out")
+        assert bytecopy.copy_files(files, tmp_path / "in", out, workers=2) == 3
+        for f in files:
+            body = f.header + b"".join(data[s.offset:s.offset + s.length] for s in f.spans)
+            assert (tmp_path / "out" / f.name).read_bytes() == body
+            assert out.records[f.name].sha256 == hashlib.sha256(body).hexdigest()
+        assert not list((tmp_path / "out").glob("*.incomplete"))
+        out.close()
+    finally:
+        if mode == "tmpfs":
+            shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_a_failed_staged_write_names_the_file_and_commits_nothing(tmp_path, monkeypatch):
+    """A write that fails (a full disk) on the writing thread stops the copy at its next buffer:
+    the error names the file, the file stays under its temporary name, no thread is left."""
+    import errno
+    import os
+    import threading
+
+    import moetool.convert.sink as sink
+    from moetool.convert.output import OutputDir
+
+    monkeypatch.setattr(sink, "DIRECT_STAGE", 4096)
+    writes = []
+
+    def pwrite_all(fd, view, offset, path=None):
+        writes.append(offset)
+        if len(writes) == 3:
+            raise sink.naming_file(OSError(errno.ENOSPC, "No space left on device"), path)
+        os.pwrite(fd, view, offset)
+
+    monkeypatch.setattr(bytecopy, "pwrite_all", pwrite_all)
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "x").write_bytes(os.urandom(200_000))
+    out = OutputDir(tmp_path / "out")
+    before = threading.active_count()
+    with pytest.raises(OSError, match="No space") as e:
+        bytecopy.copy_files([ByteFile("a", b"", [Span("x", 0, 200_000)])], tmp_path / "in", out, workers=1)
+    assert e.value.filename == str(tmp_path / "out" / "a.incomplete")
+    assert len(writes) < 200_000 // 4096  # stopped early
+    assert threading.active_count() == before
+    assert not (tmp_path / "out" / "a").exists() and (tmp_path / "out" / "a.incomplete").exists()
+    out.close()
+
+
 def test_torch_stays_importable_lazily():
     """Library modules on the byte-copy path import without torch (checked in a fresh process)."""
     code = ("import sys\nimport moetool.cli, moetool.convert.shard, moetool.convert.repack, moetool.convert.byte_executor, moetool.read.checkpoint\n"

@@ -108,7 +108,7 @@ def test_direct_io_sink_writes_and_hashes_the_same_bytes(tmp_path, monkeypatch, 
         assert not plain.direct
         assert (tmp_path / "direct").read_bytes() == want == (tmp_path / "plain").read_bytes()
         assert digest == plain_digest == hashlib.sha256(want).hexdigest()
-        if folder == "tmp" and w._O_DIRECT:
+        if folder == "tmp" and w.O_DIRECT:
             assert sink.direct  # ext4 / xfs / btrfs take it: the path above was the direct one
     finally:
         if folder == "shm":
