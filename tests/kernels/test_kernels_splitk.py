@@ -218,7 +218,8 @@ DSV3_EP8, MIXTRAL = (32, 2048, 7168, 8), (8, 14336, 4096, 2)
 def test_rules_split_dequantizing_gemms_with_few_programs(scheme):
     """int4 / fp4 at decode are dequantization-bound: fewer than DEQUANT_PROGRAMS programs per SM
     (min(E, T*k) blocks of the narrower GEMM's 128-wide tiles) split K (H100, DeepSeek-V3 EP8
-    T=1: int4 144 -> 98 us, nvfp4 165 -> 107 us); with more, one slice and silu fused."""
+    T=1: int4 144 -> 98 us, nvfp4 165 -> 107 us; fp4 with swapped operands and 128-wide K tiles:
+    nvfp4 107 -> 97 us); with more, one slice and silu fused."""
     fp4 = scheme != "int4-group"
     for (E, N, H, k), T, split in ((DSV3_EP8, 1, True), (DSV3_EP8, 16, False), (MIXTRAL, 1, True),
                                    (MIXTRAL, 16, True)):
@@ -227,16 +228,19 @@ def test_rules_split_dequantizing_gemms_with_few_programs(scheme):
         assert split == (blocks < mt.DEQUANT_PROGRAMS * H100_SMS)
         want = ((64, 4, 4) if fp4 else (128, 8, 4)) if split else (128, 1, 1)
         assert (cfg.block_n, cfg.split_w13, cfg.split_w2) == want and cfg.fuse_silu == (not split), (T, cfg)
-        assert (cfg.block_m, cfg.block_k, cfg.num_stages) == (16, 64, 3)
+        swap = fp4 and split
+        assert (cfg.block_m, cfg.block_k, cfg.num_stages, cfg.swap_ab) == (16, 128 if swap else 64, 3, swap)
 
 
 @pytest.mark.parametrize("scheme", ["nvfp4", "mxfp4"])
 def test_rules_fp4_many_pairs_take_one_256_row_tile(scheme):
     """fp4 past LARGE_PPE pairs per expert: BLOCK_M 256 (H100, DeepSeek-V3 EP8 T=4096: mxfp4
-    2460 -> 2028 us), 8 warps, 3 stages; int4 keeps its 128-row tiles."""
+    2460 -> 2028 us), 8 warps, 3 stages, mxfp4 with swapped operands (2018 -> 1640 us); int4
+    keeps its 128-row tiles."""
     for E, N, H, k in (DSV3_EP8, MIXTRAL):
         cfg = mt.rule_config(scheme, E, N, H, k, 4096, torch.bfloat16, 128, H100_SMS)
         assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages) == (256, 128, 64, 8, 3)
+        assert cfg.swap_ab == (scheme == "mxfp4")
         assert mt.rule_config("int4-group", E, N, H, k, 4096, torch.bfloat16, 128, H100_SMS).block_m == 128
         assert mt.rule_config(scheme, E, N, H, k, 4096, torch.float32, 128, H100_SMS).block_m == 64
 
