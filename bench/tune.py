@@ -6,7 +6,8 @@
     python bench/tune.py --list                # the candidates per cell, no GPU needed
 
 Per cell (layer, scheme, T) every candidate MoeConfig runs through the real
-``fused_experts(..., config=cfg)``; the align step is computed once outside the timed region
+``fused_experts(..., config=cfg)``, first checked against the old default's output on the same
+inputs (SQNR >= MIN_AGREE_DB: a tile the compiler gets wrong is reported and skipped); the align step is computed once outside the timed region
 (``fixed_align``), the rest is captured in a CUDA graph and replayed with L2 flushed before
 each replay (``time_graph``: median of --reps). The fastest candidate per cell goes to the
 table (its time as the note "us"); the old ``default_config`` and ``rule_config`` are always
@@ -206,12 +207,61 @@ def time_graph(fn, reps: int = 50, warmup: int = 2) -> dict:
     return {"us": statistics.median(us), "p10": us[len(us) // 10], "p90": us[(9 * len(us)) // 10]}
 
 
+def time_graphs(fns: dict, reps: int = 50, warmup: int = 2) -> dict:
+    """Median microseconds of each of ``fns`` ({name: fn}, as :func:`time_graph` takes them),
+    each captured in its own CUDA graph and replayed in turns, one replay of each per round (L2
+    flushed before each): a drift of the GPU's clocks or temperature during the run falls on all
+    of them alike, not on whichever runs last -> {name: us}."""
+    graphs = {}
+    for name, fn in fns.items():
+        for _ in range(warmup):
+            fn()
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        graphs[name] = graph
+        graph.replay()
+    ev = {name: [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+          for name in graphs}
+    for r in range(reps):
+        for name, graph in graphs.items():
+            start, end = ev[name][r]
+            flush_l2()
+            start.record()
+            graph.replay()
+            end.record()
+    torch.cuda.synchronize()
+    out = {name: statistics.median(s.elapsed_time(e) * 1e3 for s, e in pairs) for name, pairs in ev.items()}
+    graphs.clear()
+    return out
+
+
 def _smem_ok(scheme: str, bm: int, bn: int, bk: int, stages: int) -> bool:
     """Shared memory of the pipelined A and B tiles under ~200 KB (H100: 227 KB a block)."""
     fp8 = scheme in ("fp8-block", "fp8-channel")
     a = bm * bk * (1 if fp8 else 2)
     b = bk * bn // 2 if scheme in ("int4-group", *FP4) else bk * bn * (1 if fp8 else 2)
     return (a + b) * stages <= 200 * 1024
+
+
+#: a candidate's bf16 output must agree this well with the old default's on the same inputs (SQNR,
+#: dB) to be timed: the weight-only schemes differ by summation order and the rounding it flips, the
+#: W8A8 ones also by the e4m3 codes those flips change
+MIN_AGREE_DB = {"dense": 40.0, "int4-group": 40.0, "nvfp4": 40.0, "mxfp4": 40.0, "fp8-block": 30.0, "fp8-channel": 30.0}
+
+
+def sqnr_db(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """10 log10(|ref|^2 / |x - ref|^2) in dB (inf when equal)."""
+    x, ref = x.float(), ref.float()
+    err = (x - ref).pow(2).sum().item()
+    sig = ref.pow(2).sum().item()
+    return float("inf") if err == 0 else 10 * math.log10(sig / err) if sig > 0 else float("-inf")
 
 
 #: split-K factors (split_w13, split_w2) swept at decode
@@ -455,12 +505,19 @@ def sweep(args) -> list[dict]:
         out = torch.empty(T, layer.H, dtype=torch.bfloat16, device="cuda")
         old = default_config(scheme, T * layer.k / layer.E, torch.bfloat16, False, INT4_GROUP)
         rule = rule_config(scheme, layer.E, layer.N, layer.H, layer.k, T, torch.bfloat16, INT4_GROUP)
-        times = {}
+        times, wrong = {}, {}
         with fixed_align():
+            ref = run_ours(hidden, w13, w2, scheme, ids, tw, old, out).float().clone()
             for cfg in _chosen(args, scheme, layer, T):
                 if time.time() > deadline:
                     break
                 try:
+                    agree = sqnr_db(run_ours(hidden, w13, w2, scheme, ids, tw, cfg, out), ref)
+                    if agree < MIN_AGREE_DB[scheme]:  # e.g. a miscompiled tile: never into the table
+                        wrong[cfg] = agree
+                        print(f"  {layer_name} {scheme} T={T} {cfg}: output disagrees with the old default's, "
+                              f"SQNR {agree:.1f} dB: skipped", flush=True)
+                        continue
                     times[cfg] = time_graph(lambda c=cfg: run_ours(hidden, w13, w2, scheme, ids, tw, c, out),
                                             args.reps)["us"]
                 except Exception as e:  # noqa: BLE001 - a config the GPU cannot run
@@ -473,6 +530,7 @@ def sweep(args) -> list[dict]:
         row = {"layer": layer_name, "scheme": scheme, "T": T, "E": layer.E, "N": layer.N, "H": layer.H,
                "top_k": layer.k, "best": asdict(best), "best_us": times[best],
                "default_us": times.get(old), "rules_us": times.get(rule), "candidates": len(times),
+               "disagree_db": [[*asdict(c).values(), round(db, 1)] for c, db in wrong.items()],
                "times": [[*asdict(c).values(), round(us, 2)] for c, us in sorted(times.items(), key=lambda kv: kv[1])]}
         rows.append(row)
         print(f"[{time.time() - t_start:5.0f} s] {layer_name:9} {scheme:10} T={T:5d} best {tuple(asdict(best).values())} {times[best]:8.1f} us | "

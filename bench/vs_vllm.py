@@ -31,8 +31,9 @@ older output path; column ``c3f32``), ``--prev-table`` another tile table's choi
 Per cell (layer, scheme, T; the layers of bench/tune.py): the same bf16 hidden, weights and
 routing go to both (vLLM: global ids and its expert map; moetool: local ids, -1 elsewhere).
 Outputs must agree first (SQNR of moetool's bf16 output against vLLM's, >= MIN_SQNR_DB), then
-each side is captured in a CUDA graph without its align step (precomputed for both) and
-replayed --reps times with L2 flushed before each replay; medians. moetool runs three tile
+each side and each tile choice is captured in a CUDA graph without its align step (precomputed
+for both) and the graphs are replayed in turns, --reps rounds, L2 flushed before each replay
+(``tune.time_graphs``: drift of clocks or temperature falls on all alike); medians. moetool runs three tile
 choices: ``before`` (``default_config``, what fused_experts picks today), ``rules``
 (``rule_config`` only) and ``after`` (``select_config``: the tuned table, else the rules).
 ratio = vLLM us / moetool us (> 1: moetool faster); the geometric mean is over all cells.
@@ -423,13 +424,6 @@ def vllm_args(scheme: str, w13: dict, w2: dict, layer: tune.Layer, group: int = 
     return kw
 
 
-def sqnr_db(x: torch.Tensor, ref: torch.Tensor) -> float:
-    x, ref = x.float(), ref.float()
-    err = (x - ref).pow(2).sum().item()
-    sig = ref.pow(2).sum().item()
-    return float("inf") if err == 0 else 10 * math.log10(sig / err) if sig > 0 else float("-inf")
-
-
 def tile_choices(scheme: str, layer: tune.Layer, T: int, prev_table: dict | None = None) -> dict:
     from moetool.kernels.moe_tiles import default_config, entry_key, nearest_tokens, rule_config, select_config
 
@@ -462,7 +456,7 @@ def agree(vllm, scheme: str, layer: tune.Layer, inputs, weights, configs: dict, 
                                          **vllm_args(scheme, w13, w2, layer, dense=dense))
     out = torch.empty(hidden.shape, dtype=torch.bfloat16, device=hidden.device)
     with tune.fixed_align():
-        return ref, {name: sqnr_db(tune.run_ours(hidden, w13, w2, scheme, local, tw, cfg, out), ref)
+        return ref, {name: tune.sqnr_db(tune.run_ours(hidden, w13, w2, scheme, local, tw, cfg, out), ref)
                      for name, cfg in configs.items()}
 
 
@@ -488,20 +482,17 @@ def run_cell(vllm, layer_name: str, scheme: str, T: int, weights, reps: int, pea
     def run_vllm():
         return vllm.module.fused_experts_impl(hidden, topk_weights=tw, topk_ids=ids, activation="silu", **vkw)
 
-    row["vllm_us"] = tune.time_graph(run_vllm, reps)["us"]
-    done = {}
+    fns = {"vllm": run_vllm}
+    for cfg in dict.fromkeys(choices.values()):  # each distinct config once
+        fns[cfg] = lambda c=cfg: tune.run_ours(hidden, w13, w2, scheme, local, tw, c, out)
+    if cache3:
+        fns["c3f32"] = lambda: tune.run_ours(hidden, w13, w2, scheme, local, tw, choices["after"], out, torch.float32)
     with tune.fixed_align():
-        for name, cfg in choices.items():
-            if cfg not in done:
-                done[cfg] = tune.time_graph(lambda c=cfg: tune.run_ours(hidden, w13, w2, scheme, local, tw, c, out),
-                                            reps)["us"]
-            row[f"{name}_us"] = done[cfg]
-            row[f"{name}_ratio"] = row["vllm_us"] / done[cfg]
-        if cache3:
-            cfg = choices["after"]
-            row["c3f32_us"] = tune.time_graph(
-                lambda: tune.run_ours(hidden, w13, w2, scheme, local, tw, cfg, out, torch.float32), reps)["us"]
-            row["c3f32_ratio"] = row["vllm_us"] / row["c3f32_us"]
+        us = tune.time_graphs(fns, reps)  # in turns: drift falls on both sides alike
+    row["vllm_us"] = us["vllm"]
+    for name, cfg in (*choices.items(), *((("c3f32", "c3f32"),) if cache3 else ())):
+        row[f"{name}_us"] = us[cfg]
+        row[f"{name}_ratio"] = row["vllm_us"] / us[cfg]
     pairs = int((local >= 0).sum())
     active = int(torch.unique(local[local >= 0]).numel())
     row.update(pairs=pairs, active_experts=active)
