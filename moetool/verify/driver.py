@@ -87,7 +87,8 @@ def _rank_jobs(rank: int, world_size: int, jobs: list[tuple[str, VerifyOptions, 
 @dataclass
 class LayerReference:
     """The reference side of one MoE layer: each dp group's output [T_g, H] and each expert's
-    output alone on the probe batch {expert: [P, H]}, float32 on the CPU."""
+    output alone on the probe batch {expert: [P, H]}, float32 on the device that computed them
+    (the layer is compared there)."""
 
     groups: list[torch.Tensor]
     probe: dict[int, torch.Tensor]
@@ -129,7 +130,7 @@ def iter_references(ref_ckpt, spec, opts: VerifyOptions, layer_ids: list[int], n
             ref.add(e, g, u, d, None if biases is None else biases[e])
         if stop is not None and stop.is_set():
             return
-        yield i, LayerReference([y.cpu() for y in ref.finish(shared)], {e: y.cpu() for e, y in ref.probe_out.items()})
+        yield i, LayerReference(ref.finish(shared), ref.probe_out)
 
 
 def compute_references(ref_ckpt, spec, opts: VerifyOptions, layer_ids: list[int], numerics: Numerics,
@@ -159,17 +160,27 @@ class LayerOutcome:
 
 def compare_layer(reference: LayerReference, per_rank: list[dict], dp: int) -> LayerOutcome:
     """``reference`` against the ranks' outputs of the layer (rank order: see ``rank.run_job``)."""
-    ys = []
-    for g in range(dp):
-        ys.append(next(r for r in per_rank if r["group"] == g and r["y"] is not None)["y"])
-    rel, sqnr, mx = _metrics(torch.cat(ys), torch.cat(reference.groups))
+    ref = torch.cat(reference.groups)
+    ys = [next(r for r in per_rank if r["group"] == g and r["y"] is not None)["y"] for g in range(dp)]
+    rel, sqnr, mx = _metrics(torch.cat(ys).to(ref.device), ref)
     worst = None  # (expert, rank, rel err): the first of the largest (every expert is on a rank)
     for rank, r in enumerate(per_rank):
-        for s, e in enumerate(r["slots"]):
-            erel, _, _ = _metrics(r["probe"][s], reference.probe[e])
+        if not r["slots"]:
+            continue
+        theirs = torch.stack([reference.probe[e] for e in r["slots"]])
+        for e, erel in zip(r["slots"], _rel_errs(r["probe"].to(theirs.device), theirs)):
             if worst is None or not erel <= worst[2] and not (math.isnan(erel) and math.isnan(worst[2])):
                 worst = (e, rank, erel)
     return LayerOutcome(rel, sqnr, mx, worst or (-1, -1, 0.0), [r["stats"] for r in per_rank])
+
+
+def _rel_errs(y: torch.Tensor, ref: torch.Tensor) -> list[float]:
+    """Relative error of each y[l] against ref[l] (y, ref [L, ...]), as ``_metrics`` takes it
+    for one, in one pass on ``ref``'s device (float64 sums; inf where y[l] is not finite)."""
+    y, ref = y.flatten(1).double(), ref.flatten(1).double()
+    noise, sig = (y - ref).pow(2).sum(1), ref.pow(2).sum(1)
+    rel = torch.where(sig > 0, (noise / sig).sqrt(), torch.where(noise == 0, 0.0, float("inf")))
+    return torch.where(torch.isfinite(y).all(1), rel, float("inf")).tolist()
 
 
 class LayerCollector:
