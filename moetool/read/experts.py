@@ -9,6 +9,7 @@ checkpoint was laid out. Experts with biases (gpt-oss) have them read apart from
 from __future__ import annotations
 
 import threading
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator, TypeVar
 
@@ -25,15 +26,17 @@ ROLES = ("gate", "up", "down")
 T = TypeVar("T")
 
 
-def read_ahead(read: Callable[[int], T], count: int) -> Iterator[T]:
-    """``read(0)``, ..., ``read(count - 1)`` in order, each started on a thread while the caller
-    works on the one before (disk reads overlap compute; two results held at a time)."""
-    with ThreadPoolExecutor(1, thread_name_prefix="moetool-read-ahead") as pool:
-        ahead = pool.submit(read, 0) if count else None
+def read_ahead(read: Callable[[int], T], count: int, depth: int = 1) -> Iterator[T]:
+    """``read(0)``, ..., ``read(count - 1)`` in order, the next ``depth`` started on threads while
+    the caller works on the one before (disk reads overlap compute; depth + 1 results held at a
+    time). A depth over 1 is for reads that one thread cannot keep up with: from the page
+    cache, one thread copies at a few GB/s."""
+    with ThreadPoolExecutor(depth, thread_name_prefix="moetool-read-ahead") as pool:
+        ahead = deque(pool.submit(read, i) for i in range(min(depth, count)))
         for i in range(count):
-            got = ahead.result()
-            if i + 1 < count:
-                ahead = pool.submit(read, i + 1)
+            got = ahead.popleft().result()
+            if i + depth < count:
+                ahead.append(pool.submit(read, i + depth))
             yield got
 
 
