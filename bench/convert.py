@@ -319,8 +319,6 @@ def instrument(ph: Phases, prefix: str = "") -> None:
     sys.meta_path.insert(0, ImportTimer())
 
 
-#: set: the traced step reads no package's shared libraries ahead (``moetool.read.prefetch``)
-NO_LIBS_ENV = "MOETOOL_BENCH_NO_LIBS"
 #: the environment variable carrying the time (time.time()) the byte check's child was spawned
 SPAWN_ENV = "MOETOOL_BENCH_CHECK_SPAWN"
 #: the module a quantized byte-copy shard runs in its check child (moetool.convert.byte_executor)
@@ -374,10 +372,6 @@ def traced_child(trace_path: str, argv: list[str]) -> None:
             super().__init__(args, *a, **k)
 
     sp.Popen = TracedPopen
-    if os.environ.get(NO_LIBS_ENV):  # the A/B of reading torch's libraries ahead
-        import moetool.read.prefetch as prefetch
-
-        prefetch.package_libraries = lambda packages: []
     patched: set[str] = set()
 
     def patch_loaded() -> None:
@@ -645,12 +639,6 @@ def main() -> None:
     add("cp-fp8", ["sh", "-c", f"cp -r '{fp8}' '{out / 'cp-fp8'}' && sync"], out / "cp-fp8")
     add("cat-fp8", ["sh", "-c", f"cat '{fp8}'/*.safetensors > /dev/null"], out / "cat-fp8")
     add("shard-fp8", moetool + ["shard", str(fp8), str(out / "shard-fp8"), "--ep", "1", "-q"], out / "shard-fp8")
-    # the same without reading torch's libraries ahead (traced steps only: --trace)
-    no_libs = ["env", f"{NO_LIBS_ENV}=1"]
-    add("fp8-block-nolibs", no_libs + moetool + ["quantize", str(src), str(out / "fp8-block-nolibs"), "--fp8-block",
-                                                 "-q", "--device", args.device], out / "fp8-block-nolibs")
-    add("shard-fp8-nolibs", no_libs + moetool + ["shard", str(fp8), str(out / "shard-fp8-nolibs"), "--ep", "1", "-q"],
-        out / "shard-fp8-nolibs")
     if have_llmc(args.llmc_python):
         for fmt, scheme in LLMC_SCHEME.items():
             add(f"llmc-{fmt}", [args.llmc_python, "-c", LLMC_SCRIPT, str(src), str(out / f"llmc-{fmt}"), scheme,
@@ -658,7 +646,7 @@ def main() -> None:
     else:
         print("llm-compressor not installed (--llmc-python): its rows are skipped", file=sys.stderr)
 
-    keep = {fp8} if {"cp-fp8", "cat-fp8", "shard-fp8", "shard-fp8-nolibs"} & {name for name, _, _ in steps} else set()
+    keep = {fp8} if {"cp-fp8", "cat-fp8", "shard-fp8"} & {name for name, _, _ in steps} else set()
     if keep and "fp8-block" not in {name for name, _, _ in steps}:
         raise SystemExit("cp-fp8, cat-fp8 and shard-fp8 read the fp8-block step's output: add fp8-block to --only")
     runs: dict[str, list[tuple[float, int, float]]] = {name: [] for name, _, _ in steps}
@@ -702,11 +690,11 @@ def main() -> None:
     rows = []
     for name, r in results.items():
         llmc = results.get(f"llmc-{name}", {}).get("seconds")
-        startup = torch_startup if name in MOETOOL_FLAG or name == "fp8-block-nolibs" else plain_startup
+        startup = torch_startup if name in MOETOOL_FLAG else plain_startup  # quantize imports torch
         work = (r["seconds"] - startup if startup and name not in ("cp", "start-up", "start-up+torch")
                 and not name.startswith("llmc") else None)
         # a copy of its input
-        floor = results.get("cp-fp8", {}).get("seconds") if name in ("shard-fp8", "shard-fp8-nolibs", "cat-fp8") else cp
+        floor = results.get("cp-fp8", {}).get("seconds") if name in ("shard-fp8", "cat-fp8") else cp
         rows.append({"step": name, **r, "vs_cp": (floor / r["seconds"]) if floor else None,
                      "vs_llmc": (llmc / r["seconds"]) if llmc and not name.startswith("llmc") else None,
                      "after_startup_s": work, "after_startup_vs_cp": (cp / work) if cp and work else None})

@@ -77,18 +77,15 @@ def quantize_app() -> typer.Typer:
 
 def _prefetch_source(args: list[str]) -> None:
     """The command is built from the format registry, so torch is imported (4 s on an H100
-    host, 10 s there from a cold page cache) before its arguments are parsed: meanwhile the
-    kernel reads torch's shared libraries (and Triton's, for ``--device cuda``), then the
-    source, taken as the first checkpoint folder after ``quantize`` in the process's arguments
-    (a hint only: the parsed arguments decide what is converted)."""
+    host) before its arguments are parsed: meanwhile the kernel reads the source, taken as the
+    first checkpoint folder after ``quantize`` in the process's arguments (a hint only: the
+    parsed arguments decide what is converted)."""
     if "quantize" not in args:
         return
-    rest = args[args.index("quantize") + 1:]
-    cuda = any(a.startswith("--device=cuda") for a in rest) or any(
-        a == "--device" and b.startswith("cuda") for a, b in zip(rest, rest[1:]))
-    source = next((Path(a) for a in rest if not a.startswith("-") and os.path.isdir(a)
-                   and any(Path(a).glob("*.safetensors"))), None)
-    prefetch(source, packages=("torch", "triton") if cuda else ("torch",))
+    for arg in args[args.index("quantize") + 1:]:
+        if not arg.startswith("-") and os.path.isdir(arg) and any(Path(arg).glob("*.safetensors")):
+            prefetch(Path(arg))
+            return
 
 
 def __getattr__(name: str):

@@ -218,45 +218,23 @@ def test_prefetch_reads_the_source_named_after_quantize(tiny, tmp_path, monkeypa
     assert not thread.is_alive()
     assert prefetch(tmp_path / "missing") is None
     asked = []
-    monkeypatch.setattr(cli_quantize, "prefetch", lambda root, packages=(): asked.append((root, packages)))
+    monkeypatch.setattr(cli_quantize, "prefetch", asked.append)
     cli_quantize._prefetch_source(["quantize", "--format", "fp8-block", str(src), str(tmp_path / "out")])
     cli_quantize._prefetch_source(["shard", str(src), str(tmp_path / "out")])
-    cli_quantize._prefetch_source(["quantize", "org/model", str(tmp_path / "out"), "--device", "cuda"])
-    assert asked == [(src, ("torch",)), (None, ("torch", "triton"))]
+    assert asked == [src]
 
 
-def test_prefetch_reads_each_folder_once_and_libraries_first(tiny, monkeypatch):
-    """A folder asked for twice is read once (quantize's command asks, then its library); the
-    libraries of the packages named come before the checkpoint's files."""
+def test_prefetch_reads_each_folder_once(tiny, monkeypatch):
+    """A folder asked for twice is read once (quantize's command asks, then its library)."""
     from moetool.read import prefetch as pf
 
     src = tiny("mixtral", shards=2)
     read = []
     monkeypatch.setattr(pf, "_started", {})
     monkeypatch.setattr(pf, "read_ahead_ranges", lambda ranges, budget: read.append([r[0] for r in ranges]) or None)
-    monkeypatch.setattr(pf, "package_libraries", lambda packages: [(Path("/lib/a.so"), 9)] if packages else [])
-    pf.prefetch(src, packages=("torch",))
     pf.prefetch(src)
-    assert read == [[Path("/lib/a.so"), *sorted(Path(src).resolve().glob("*.safetensors"))]]
-
-
-def test_package_libraries_follow_the_loader(tmp_path):
-    """torch's libraries: the extension module and what it needs from torch's own folders,
-    dependencies first, never a system library; nothing for a package without any."""
-    import importlib.util
-
-    from moetool.read.prefetch import elf_needed, package_libraries
-
-    libs = [p for p, _ in package_libraries(["torch"])]
-    torch_dir = Path(importlib.util.find_spec("torch").origin).parent.resolve()
-    assert libs and all(torch_dir.parent in p.parents for p in libs)
-    ext = next(p for p in libs if p.name.startswith("_C"))
-    for name in elf_needed(ext)[0]:
-        found = [p for p in libs if p.name == name]
-        assert not found or libs.index(found[0]) < libs.index(ext)  # a dependency comes first
-    assert package_libraries(["json", "no_such_package_here"]) == []
-    (tmp_path / "x.so").write_bytes(b"not an ELF file")
-    assert elf_needed(tmp_path / "x.so") == ([], [])
+    pf.prefetch(src)
+    assert read == [sorted(Path(src).resolve().glob("*.safetensors"))]
 
 
 def test_probes_ahead_give_the_probes_one_by_one(tiny, monkeypatch):
