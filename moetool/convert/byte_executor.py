@@ -4,15 +4,19 @@ The plan is the torch executor's (``moetool.convert.plan``), its files turned in
 byte spans by ``moetool.convert.byte_plan``. Each output file is copied by one worker (one file per
 core at a time, at most 4: ``default_workers``):
 
-    input (page cache) --pread--> one of 4 page-aligned staging buffers (1 MiB; 4 MiB on 8+ cores)
-        --> sha256 on a second thread (hashlib releases the GIL)
-        --> O_DIRECT write on a third --> FILE.incomplete
+    machines of fewer than 8 cores (where the file system takes O_DIRECT):
+    input (page cache) --pread--> one of 4 page-aligned 1 MiB staging buffers
+        --> sha256 on a second thread (hashlib releases the GIL) --> O_DIRECT write on a third
+
+    elsewhere:
+    input (page cache) --pread--> one of 8 reused 256 KiB buffers --write--> FILE.incomplete
+                                        \\--> sha256 on a second thread
+    (writeback started every 16 MiB, so the final fsync waits only for the tail)
 
 then fsync'd, renamed and journaled by :class:`OutputDir` exactly as the torch executor does
-(a re-run resumes either one's files; the manifest is written last). Where the file system
-refuses O_DIRECT the writes go through the page cache, writeback started every 16 MiB so the
-final fsync waits only for the tail. A planned file that is ``same_as`` an earlier one (every
-EP rank's ``model-common`` file) is hard-linked to it, or copied, once the copies are done.
+(a re-run resumes either one's files; the manifest is written last). A planned file that is
+``same_as`` an earlier one (every EP rank's ``model-common`` file) is hard-linked to it, or
+copied, once the copies are done.
 
 Nothing is converted, so nothing needs a value check that the torch path does not do either:
 every header, dtype, shape and byte range was validated when the checkpoint was opened, and
@@ -53,14 +57,24 @@ from moetool.convert.output import finish_plan
 from moetool.convert.planning import checkpoint_files, checkpoint_plan, shard_plan
 from moetool.model.spec import ExpertPlacement
 from moetool.convert.output import OutputDir
-from moetool.convert.sink import (DIRECT_ALIGN, O_DIRECT, WRITE_SLICE, WRITEBACK_STEP, direct_stage, naming_file,
-                                  open_direct, pwrite_all, start_writeback)
+from moetool.convert.sink import (DIRECT_ALIGN, O_DIRECT, WIDE_CORES, WRITE_SLICE, WRITEBACK_STEP, direct_stage,
+                                  naming_file, open_direct, pwrite_all, start_writeback)
 
 #: bytes per read, and per write through the page cache (larger writes are slower on this
 #: kernel: see ``sink.WRITE_SLICE``)
 CHUNK = WRITE_SLICE
-#: staging buffers per file: one filled by the copy loop, one hashed, one written, one spare
+#: direct writes: staging buffers per file (one filled by the copy loop, one hashed, one written, one spare)
 STAGE_BUFFERS = 4
+#: writes through the page cache: ``CHUNK`` buffers in flight per file between the copy loop and its hasher
+BUFFERS = 8
+#: copies write with O_DIRECT on machines of fewer than this many cores (``sink.WIDE_CORES``).
+#: With 2 cores the CPU bounds a copy, and a direct write saves the page-cache copy and the
+#: kernel's writeback: shard --ep 8 of the 1.38 GiB CPU bench input (cached) took 1.01-1.16 s
+#: against 1.23-1.26 s buffered, repack 0.93-1.14 against 1.17-1.25. On an H100 host (16 cores,
+#: cold page cache, 9.7 GB input) the disk decides: four 4 MiB direct writes in flight beside
+#: the input's reads made shard 0.93x cp and repack 0.94x, buffered writes (the kernel's
+#: writeback keeps many in flight) 1.22x and 1.32x.
+DIRECT_BELOW_CORES = WIDE_CORES
 #: the output format of a byte copy: the input's, dense (a quantized input's is its TorchCheck's)
 FORMAT = "dense"
 
@@ -111,10 +125,8 @@ def run_byte_plan(plan: Plan, files: list[ByteFile], ckpt: Checkpoint, out: Outp
     ``links=False``), then what ``finish_plan`` writes. With a ``check``, the files are
     committed only once it agrees; otherwise they are removed and None is returned.
     The kernel reads the input ahead meanwhile (``prefetch``): from a cold page cache, 256 KiB
-    reads missing the cache one after another left shard at 1.02x a cp on an H100 host. While a
-    check's child imports torch, torch's libraries are read first: their page faults waited
-    behind the input's reads (a cold ``import torch`` of 10 s there, against 6.9 s alone)."""
-    prefetch(ckpt.root, packages=("torch",) if check is not None and check.proc is not None else ())
+    reads missing the cache one after another left shard at 1.02x a cp on an H100 host."""
+    prefetch(ckpt.root)
     try:
         t0 = time.perf_counter()
         bar = None
@@ -237,22 +249,16 @@ class _Inputs:
 
 
 class _StagedFile:
-    """One output file written from page-aligned staging buffers (``direct_stage()`` bytes each,
-    ``STAGE_BUFFERS`` of them) in file order: the copy loop fills a buffer, a hashing thread
-    takes it (hashlib releases the GIL), then a writing thread writes it, straight to the disk
-    (``O_DIRECT``) where the file system takes it. A direct write leaves no dirty page behind:
-    no writeback competes with the input's reads, and neither this file's fsync nor another's
-    (ext4 flushes every file's dirty data with a journal commit) waits for one. Where
-    ``O_DIRECT`` is refused (at the open, or EINVAL on a write) the bytes go through the page
-    cache in ``WRITE_SLICE`` writes, writeback started every ``WRITEBACK_STEP``; the last
-    partial block always does."""
+    """One output file opened with O_DIRECT, written from page-aligned staging buffers
+    (``direct_stage()`` bytes each, ``STAGE_BUFFERS`` of them) in file order: the copy loop
+    fills a buffer, a hashing thread takes it (hashlib releases the GIL), then a writing
+    thread writes it straight to the disk. The file's partial last block, and everything once
+    a direct write is refused (EINVAL), go through the page cache in ``CHUNK`` writes."""
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, path: Path, fd: int):
+        self.path, self.fd = path, fd  # opened with O_DIRECT
         self.stage = direct_stage()
-        fd = open_direct(path)
-        self.o_direct = fd is not None
-        self.fd = fd if fd is not None else os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+        self.o_direct = True
         self.h = hashlib.sha256()
         self.error: BaseException | None = None
         self.free: queue.Queue = queue.Queue()
@@ -359,11 +365,28 @@ class _StagedFile:
                 self.flushed = self.written
 
 
+def direct_writes() -> bool:
+    """Whether copies write with O_DIRECT here (``DIRECT_BELOW_CORES``)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cores = os.cpu_count() or 1
+    return cores < DIRECT_BELOW_CORES
+
+
 def _copy_file(f: ByteFile, inputs: _Inputs, out: OutputDir, on_bytes: Callable[[int], None] | None,
                stop: threading.Event) -> str:
-    """``f`` written and fsync'd under its temporary name: its sha256. The header, then each
-    span read from the input straight into the staging buffers, ``CHUNK`` bytes a read."""
-    dst = _StagedFile(out.incomplete_path(f.name))
+    """``f`` written and fsync'd under its temporary name: its sha256. Direct writes where
+    ``direct_writes`` says so and the file system takes O_DIRECT, else through the page cache."""
+    path = out.incomplete_path(f.name)
+    fd = open_direct(path) if direct_writes() else None
+    if fd is None:
+        return _copy_buffered(f, inputs, path, on_bytes, stop)
+    try:
+        dst = _StagedFile(path, fd)
+    except BaseException:
+        os.close(fd)
+        raise
     try:
         buf, pos = dst.take(), 0
         view = memoryview(buf)
@@ -377,7 +400,7 @@ def _copy_file(f: ByteFile, inputs: _Inputs, out: OutputDir, on_bytes: Callable[
                 if src is None:
                     view[pos:pos + k] = header[done:done + k]
                 else:
-                    inputs.read_into(src, offset + done, view[pos:pos + k])
+                    inputs.read_into(src, offset + done, view[pos:pos + k])  # straight into the staging buffer
                     if on_bytes is not None:
                         on_bytes(k)
                 pos += k
@@ -390,6 +413,89 @@ def _copy_file(f: ByteFile, inputs: _Inputs, out: OutputDir, on_bytes: Callable[
         return dst.finish()
     finally:
         dst.close()
+
+
+class _Hasher:
+    """sha256 of one output file on its own thread, fed buffers in file order by the copy loop."""
+
+    def __init__(self, release: Callable[[bytearray], None]):
+        self.release = release
+        self.h = hashlib.sha256()
+        self.error: BaseException | None = None
+        self.q: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name="moetool-hash", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self.q.get()
+            if item is None:
+                return
+            view, buf = item
+            try:
+                if self.error is None:
+                    self.h.update(view)
+            except BaseException as e:  # surfaced by finish()
+                self.error = e
+            finally:
+                if buf is not None:
+                    self.release(buf)
+
+    def feed(self, view: memoryview, buf: bytearray | None = None) -> None:
+        """Hash ``view``, then hand ``buf`` (the buffer it is part of) back to the copy loop."""
+        self.q.put((view, buf))
+
+    def finish(self) -> str:
+        self.q.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.h.hexdigest()
+
+
+def _copy_buffered(f: ByteFile, inputs: _Inputs, path: Path, on_bytes: Callable[[int], None] | None,
+                   stop: threading.Event) -> str:
+    """``f`` through the page cache: each ``CHUNK`` read into one of ``BUFFERS`` reused buffers
+    and written by the copy loop, hashed on a second thread; writeback started every
+    ``WRITEBACK_STEP``, so the final fsync waits only for the tail."""
+    free: queue.Queue = queue.Queue()
+    for _ in range(BUFFERS):
+        free.put(bytearray(CHUNK))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # as open()
+    written = flushed = 0
+    ok, hasher = False, None
+    try:
+        hasher = _Hasher(free.put)  # after the open: a failed open leaves no thread
+        hasher.feed(memoryview(f.header))
+        pwrite_all(fd, memoryview(f.header), 0, path)
+        written = len(f.header)
+        for span in coalesce(f.spans):
+            for off in range(0, span.length, CHUNK):
+                if stop.is_set():
+                    raise _Stopped
+                buf = free.get()
+                view = memoryview(buf)[:min(CHUNK, span.length - off)]
+                inputs.read_into(span.file, span.offset + off, view)
+                pwrite_all(fd, view, written, path)
+                hasher.feed(view, buf)
+                written += len(view)
+                if written - flushed >= WRITEBACK_STEP:
+                    start_writeback(fd, flushed, written - flushed)
+                    flushed = written
+                if on_bytes is not None:
+                    on_bytes(len(view))
+        digest = hasher.finish()
+        try:
+            os.fsync(fd)
+        except OSError as e:
+            raise naming_file(e, path)
+        ok = True
+    finally:
+        if not ok and hasher is not None:
+            hasher.q.put(None)
+            hasher.thread.join()
+        os.close(fd)
+    return digest
 
 
 # ---------------------------------------------------------------------------------- the check
