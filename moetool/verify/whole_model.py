@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import resource
 import time
 from contextlib import contextmanager
@@ -40,6 +41,7 @@ from moetool.formats.registry import FORMATS
 from moetool.model.families import describe, text_config
 from moetool.read.checkpoint import open_checkpoint
 from moetool.read.experts import ExpertReader
+from moetool.read.prefetch import PREFETCH_SHARE, available_memory, read_ahead_ranges
 from moetool.read.shards import EPShards
 from moetool.verify.driver import THRESHOLDS as MOE_THRESHOLDS
 from moetool.verify.driver import check_files_present, check_reference, resolve_backend
@@ -365,6 +367,11 @@ def _rank_job_on(rank: int, topo, job: dict, shards: EPShards, ckpt, spec) -> di
     opts: WholeModelOptions = job["opts"]
     reporting = topo.tp_index == 0
     ref_ckpt = open_checkpoint(job["ref"], job["revision"]) if reporting else None
+    if ref_ckpt is not None:
+        # the disk works while the rank builds its modules and compiles its kernels: the
+        # reference is read into the page cache in the order the layers take it (the shards
+        # are read meanwhile by opened_and_checked's sha256 threads)
+        read_ahead_ranges(read_order(ref_ckpt), int(available_memory() * PREFETCH_SHARE))
     try:
         transport = choose_transport(opts.transport, topo.device) if opts.dispatch == "all2all" else None
         numerics = model_numerics(opts.numerics, FORMATS[shards.manifest["format"]], ckpt, spec)
@@ -377,6 +384,23 @@ def _rank_job_on(rank: int, topo, job: dict, shards: EPShards, ckpt, spec) -> di
     finally:
         if ref_ckpt is not None:
             ref_ckpt.close()
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def read_order(ckpt) -> list[tuple[Path, int, int]]:
+    """(file, offset, length) of every tensor of ``ckpt`` in the order a whole-model run takes
+    them: the embeddings, each decoder layer in turn, then the rest (final norm, lm_head); in
+    file order within each."""
+    def stage(name: str) -> int:
+        if "embed_tokens" in name:
+            return -1
+        m = _LAYER.search(name)
+        return int(m.group(1)) if m else 1 << 30
+
+    infos = sorted(ckpt.tensors.values(), key=lambda t: (stage(t.name), t.file, t.begin))
+    return [(Path(ckpt.root) / t.file, t.begin, t.nbytes) for t in infos]
 
 
 @torch.no_grad()
