@@ -16,7 +16,8 @@ and the extrapolation to the 61-layer model.
 4. with ``--moe-only-tokens T``: MoE-only `moetool verify --ep 1 --all2all all2all --experts
    triton --tokens T`, page cache dropped first, wall time and peak RSS of its process tree,
    against the read floor (`cat` of the model and the shards, cold); ``--old DIR...`` runs the
-   same with the moetool of other checkouts (PYTHONPATH=DIR) in the same call, for a before/after.
+   same (and the whole-model check, wall time) with the moetool of other checkouts
+   (PYTHONPATH=DIR) in the same call, for a before/after.
 
 Extrapolation to 61 layers (3 dense + 58 MoE) is printed from the measured per-layer times:
 the reference side reads the whole bf16 layer on the reporting rank, the converted side
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -145,8 +147,6 @@ def drop_caches() -> None:
 def moe_only(moetool: list[str], sh: Path, src: Path, args, w: Path, res: dict) -> dict:
     """MoE-only verify, cold, with this checkout's moetool and (``--old``) another's: wall
     seconds, peak RSS of the process tree, the report's phases, against the read floor."""
-    import os
-
     from convert import TreeRSS  # bench/ is on sys.path (this script's folder)
 
     floor = res["read_floor_s"] + res["shards_read_s"]
@@ -232,11 +232,23 @@ def main() -> None:
         if args.json:
             args.json.write_text(json.dumps(res, indent=2))
         return
+    whole = [moetool + ["verify", str(sh), "--ref", str(src), "--whole-model", "--ep", "1", "--dp", "1", "--experts",
+                        "triton" if DEV == "cuda" else "torch", "--tokens", str(args.tokens), "--seq-len",
+                        str(args.seq_len), "--json"]]
+    res["whole_model_old"] = {}
+    for path in args.old:  # the same run with the moetool of other checkouts, for a before/after
+        drop_caches()
+        log = w / f"report-{path.name}.json"
+        env = dict(os.environ, PYTHONPATH=str(path))
+        t0 = time.perf_counter()
+        with open(log, "w") as f, open(f"{log}.err", "w") as e:
+            code = subprocess.run(whole[0], stdout=f, stderr=e, env=env, cwd=path).returncode
+        wall = time.perf_counter() - t0
+        res["whole_model_old"][path.name] = {"wall_s": wall, "exit": code}
+        print(f"verify --whole-model ({path.name}): {wall:.1f} s wall, exit {code}", flush=True)
     drop_caches()
     report_path = w / "report.json"
-    res["verify_wall_s"] = timed(moetool + ["verify", str(sh), "--ref", str(src), "--whole-model", "--ep", "1",
-                                            "--dp", "1", "--experts", "triton" if DEV == "cuda" else "torch", "--tokens", str(args.tokens),
-                                            "--seq-len", str(args.seq_len), "--json"], report_path)
+    res["verify_wall_s"] = timed(whole[0], report_path)
     text = report_path.read_text()
     report = json.loads(text)
     rank = report["ranks"][0]
