@@ -579,7 +579,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--intermediate", type=int, default=3584)
     ap.add_argument("--experts", type=int, default=8)
-    ap.add_argument("--only", default="", help="comma list of steps (cp, start-up, start-up+torch, fp8-block, fp8-channel, int4-group, shard, repack, llmc-*)")
+    ap.add_argument("--only", default="", help="comma list of steps (cp, cat, start-up, start-up+torch, fp8-block, fp8-channel, int4-group, shard, repack, cp-fp8, cat-fp8, shard-fp8, llmc-*)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--llmc-python", default=sys.executable, help="python that has llmcompressor installed")
     ap.add_argument("--llmc-workers", type=int, default=os.cpu_count() or 1)
