@@ -154,7 +154,10 @@ def _moe_gemm_kernel(
     takes only its first operand there), so it needs no trip through shared memory and the
     dot can run while the next tile is dequantized; the activations [BM, BK] stream through
     shared memory as the second operand. acc is transposed back before the epilogue. The weight
-    scales of each K tile are loaded one tile ahead (:func:`_swap_scales`).
+    scales of each K tile are loaded one tile ahead (:func:`_swap_scales`). With SILU the tile's
+    gate and up rows alternate in groups of 8 (rows 16q + i and 16q + 8 + i: gate and up of one
+    output column), the two rows one thread of the MMA's accumulator layout holds, so splitting
+    them moves no data.
     SPLIT (split-K): program (i, s) sums only K columns [s * k_split, (s + 1) * k_split) (k_split
     a multiple of BLOCK_K) and stores its fp32 partial in C's slice s (C [S, P, N], stride_cs);
     the bias is added by slice 0 alone, the top-k weight by every slice (both are linear).
@@ -186,7 +189,12 @@ def _moe_gemm_kernel(
     m_mask = pair < num_valid
     pair64 = pair.to(tl.int64)
     a_rows = (pair // a_row_div).to(tl.int64)
-    if SILU:  # tile column 2j: gate row n, 2j + 1: up row N/2 + n, n the output column
+    if SILU and SWAP_AB:  # tile row 16q + i: gate row n, 16q + 8 + i: up row N/2 + n, n = 8q + i (i < 8)
+        j = tl.arange(0, BLOCK_N)
+        offs_n = pid_n * (BLOCK_N // 2) + (j // 16) * 8 + j % 8  # [BN]
+        n_mask = offs_n < N // 2
+        offs_bn = offs_n % (N // 2) + ((j // 8) % 2) * (N // 2)
+    elif SILU:  # tile column 2j: gate row n, 2j + 1: up row N/2 + n, n the output column
         offs_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N) // 2  # [BN]
         n_mask = offs_n < N // 2
         offs_bn = offs_n % (N // 2) + (tl.arange(0, BLOCK_N) % 2) * (N // 2)
@@ -318,6 +326,17 @@ def _moe_gemm_kernel(
                         None, k_mask[:, None], EVEN_K)
             acc += tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), input_precision=PREC)
 
+    if SWAP_AB and SILU:  # acc^T [BN, BM]: rows 16q + i and 16q + 8 + i sit in one thread of the MMA's layout
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + expert * stride_bias_e + offs_bn64).to(tl.float32)
+            acc = acc + bias[:, None]
+        pairs = tl.permute(tl.reshape(acc, [BLOCK_N // 16, 2, 8, BLOCK_M]), [0, 2, 3, 1])  # [BN/16, 8, BM, 2]
+        gate, up = tl.split(tl.reshape(pairs, [BLOCK_N // 2, BLOCK_M, 2]))  # [BN/2, BM] each
+        y = tl.trans(swiglu(round_to(gate, ROUND), round_to(up, ROUND), alpha, limit, CLAMPED))  # [BM, BN/2]
+        cols = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(c_ptr + pair64[:, None] * stride_cm + cols.to(tl.int64)[None, :] * stride_cn,
+                 y.to(c_ptr.dtype.element_ty), mask=m_mask[:, None] & (cols < N // 2)[None, :])
+        return
     if SWAP_AB:
         acc = tl.trans(acc)  # [BM, BN]
     if FMT == 2:
