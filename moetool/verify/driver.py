@@ -400,7 +400,7 @@ def verify_many(jobs: list[tuple], *, revision: str | None = None) -> list[Verif
             outcomes = {i: collector.outcomes[(j, i)] for i in rank_jobs[j][2]}
             timings[j].update(ranks_s=ranks_s, wall_s=time.perf_counter() - t0,
                               **_rank_timeline(per_rank, outcomes, t0_epoch))
-            started = _process_started()
+            started = process_started()
             if started is not None:
                 timings[j]["startup_s"] = t0_epoch - started  # this process's start to the ranks' spawn
             reports.append(build_report(shards, ref_ckpt, spec, opts, backend, rank_jobs[j][2], outcomes, numerics,
@@ -425,7 +425,7 @@ def _rank_timeline(per_rank: list[dict], outcomes: dict[int, LayerOutcome], t0_e
     return out
 
 
-def _process_started() -> float | None:
+def process_started() -> float | None:
     """This process's start, epoch seconds (Linux /proc), or None."""
     try:
         fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()

@@ -28,7 +28,9 @@ import json
 import math
 import re
 import resource
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -44,7 +46,7 @@ from moetool.read.experts import ExpertReader
 from moetool.read.prefetch import PREFETCH_SHARE, available_memory, read_ahead_ranges
 from moetool.read.shards import EPShards
 from moetool.verify.driver import THRESHOLDS as MOE_THRESHOLDS
-from moetool.verify.driver import check_files_present, check_reference, resolve_backend
+from moetool.verify.driver import check_files_present, check_reference, process_started, resolve_backend
 from moetool.verify.hf_layers import Skeleton, capture, require_transformers
 from moetool.verify.launch import spawn_world
 from moetool.verify.numerics import NUMERICS, model_numerics
@@ -159,6 +161,9 @@ class WholeModelReport:
     #: compare), the same per row (``row_timings_s``: {row: {phase: seconds}}) and memory
     #: (peak RSS; the most weights filled at once)
     ranks: list[dict] = field(default_factory=list)
+    #: the parent's timeline, seconds: startup_s (this process's start to the ranks' spawn),
+    #: then from the spawn: checked_s (transformers' modules checked), ranks_s, wall_s
+    timings_s: dict = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -172,7 +177,8 @@ class WholeModelReport:
         return {"mode": "whole-model", "shards": self.shards, "reference": self.reference, "format": self.format,
                 "passed": self.passed, "first_divergent": self.first_divergent, "failures": self.failures,
                 "options": self.options, "thresholds": self.thresholds, "tokens": self.tokens,
-                "rows": [asdict(r) for r in self.rows], "logits": self.logits, "ranks": self.ranks}
+                "rows": [asdict(r) for r in self.rows], "logits": self.logits, "ranks": self.ranks,
+                "timings_s": self.timings_s}
 
     def render(self) -> str:
         o, t = self.options, self.tokens
@@ -625,7 +631,11 @@ def verify_whole_model(shards_dir, ref, opts: WholeModelOptions, *, revision: st
 def verify_whole_model_many(jobs: list[tuple], *, revision: str | None = None,
                             thresholds: dict | None = None) -> list[WholeModelReport]:
     """Several whole-model checks of the same ep and backend in one set of rank processes.
-    ``jobs``: [(shards_dir, ref, WholeModelOptions)]."""
+    ``jobs``: [(shards_dir, ref, WholeModelOptions)].
+
+    That both checkpoints hold every tensor transformers' modules need (``Skeleton.check``:
+    seconds of imports and module building at full size) is checked on a thread while the
+    ranks start; a failed check stops them and is the error raised."""
     require_transformers()
     prepared = []
     for shards_dir, ref, opts in jobs:
@@ -638,10 +648,6 @@ def verify_whole_model_many(jobs: list[tuple], *, revision: str | None = None,
             vocab = int(text_config(ref_ckpt.config).get("vocab_size"))
             ids, source = make_token_ids(opts, vocab, ref_ckpt.root)
             ref_root = str(ref_ckpt.root)
-            Skeleton(ref_ckpt.config, ref_ckpt, spec, ExpertReader(ref_ckpt, spec)).check()
-        rank0, rank0_spec = shards.open_rank(0, check=False)
-        with rank0:
-            Skeleton(rank0.config, rank0, rank0_spec, ExpertReader(rank0, rank0_spec)).check(moe_blocks=False)
         prepared.append((shards, ref_root, opts, whole_model_backend(opts), ids, source))
     eps, backends = {p[2].ep for p in prepared}, {p[3] for p in prepared}
     if len(eps) != 1 or len(backends) != 1:
@@ -649,7 +655,24 @@ def verify_whole_model_many(jobs: list[tuple], *, revision: str | None = None,
     rank_jobs = [{"shards": str(sh.root), "ref": ref, "revision": revision, "opts": o, "ids": ids}
                  for sh, ref, o, _, ids, _ in prepared]
     timeout = sum(p[2].timeout_s for p in prepared)
-    results = spawn_world(_rank_jobs, eps.pop(), backends.pop(), args=(rank_jobs,), timeout_s=timeout)
+    timings: dict = {}
+    t0, t0_epoch = time.perf_counter(), time.time()
+    started = process_started()
+    if started is not None:
+        timings["startup_s"] = t0_epoch - started  # this process's start to the ranks' spawn
+    abort = threading.Event()
+    with ThreadPoolExecutor(1, thread_name_prefix="moetool-check") as pool:
+        checked = pool.submit(_check_modules, [(p[0], p[1]) for p in prepared], revision, timings, t0)
+        checked.add_done_callback(lambda f: f.exception() is not None and abort.set())
+        try:
+            results = spawn_world(_rank_jobs, eps.pop(), backends.pop(), args=(rank_jobs,), timeout_s=timeout,
+                                  abort=abort)
+        except MoetoolError:
+            if checked.exception() is not None:  # the checkpoint the modules cannot load: the cause
+                raise checked.exception() from None
+            raise
+        checked.result()
+    timings["ranks_s"] = time.perf_counter() - t0
     reports = []
     for j, (shards, ref_root, opts, backend, ids, source) in enumerate(prepared):
         fmt = shards.manifest["format"]
@@ -658,8 +681,23 @@ def verify_whole_model_many(jobs: list[tuple], *, revision: str | None = None,
         report = build_report(str(shards.root), ref_root, fmt, opts, backend, th, ids, source, groups)
         report.ranks = [{"rank": k, "timings_s": r[j]["timings_s"], "row_timings_s": r[j]["row_timings_s"],
                          "memory": r[j]["memory"]} for k, r in enumerate(results)]
+        report.timings_s = dict(timings, wall_s=time.perf_counter() - t0)
         reports.append(report)
     return reports
+
+
+def _check_modules(checkpoints: list[tuple[EPShards, str]], revision: str | None, timings: dict, t0: float) -> None:
+    """``Skeleton.check`` of each (shards, reference): the reference whole, the shards' rank 0
+    but for the MoE blocks (moetool's forward runs them from tensors ``describe`` checked).
+    ``timings``: gets "checked_s", seconds from ``t0``."""
+    for shards, ref in checkpoints:
+        with open_checkpoint(ref, revision) as ref_ckpt:
+            spec = describe(ref_ckpt.config, ref_ckpt.tensors)
+            Skeleton(ref_ckpt.config, ref_ckpt, spec, ExpertReader(ref_ckpt, spec)).check()
+        rank0, rank0_spec = shards.open_rank(0, check=False)
+        with rank0:
+            Skeleton(rank0.config, rank0, rank0_spec, ExpertReader(rank0, rank0_spec)).check(moe_blocks=False)
+    timings["checked_s"] = time.perf_counter() - t0
 
 
 def _rel(sums: list[dict], key: str) -> float | None:

@@ -368,11 +368,14 @@ def test_ranks_hold_one_layer_at_a_time(world):
         # dp 2: the first rank of each group runs the reference of its group's tokens
         assert 0 < r["memory"]["reference_weights_peak_mb"] < model_mib / 2
     assert "weights held at once at most" in report.render()
+    t = report.timings_s  # the parent's timeline: modules checked beside the ranks, within the run
+    assert 0 < t["checked_s"] <= t["wall_s"] and 0 < t["ranks_s"] <= t["wall_s"] and t["startup_s"] > 0
 
 
-def test_a_model_transformers_cannot_load_fails_before_the_ranks(tiny, tmp_path):
+def test_a_model_transformers_cannot_load_fails_with_the_parents_check(tiny, tmp_path):
     """A DeepSeek-V3 checkpoint without one of its MLA projections: one line naming the tensor
-    transformers needs, from the parent (no rank is started)."""
+    transformers needs, from the parent's check (on a thread beside the ranks, which it stops),
+    whatever the ranks met first."""
     model = tiny("deepseek_v3", hidden=64, intermediate=32)
     name = "model.layers.0.self_attn.q_a_proj.weight"
     rewrite_file(file_of(model, name), lambda t: t.pop(name))
