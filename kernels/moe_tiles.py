@@ -66,6 +66,11 @@ TILE_FIELDS = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_sta
 OPTIONAL_FIELDS = ("split_w13", "split_w2", "fuse_silu", "swap_ab")
 #: most K slices a GEMM may split into
 MAX_SPLIT = 32
+#: swapped-operand tiles (block_m, num_warps, block_k) per scheme whose rows changed from run to
+#: run on an H100 with Triton 3.6 (nvfp4, 256 x 128 tiles: SQNR 13-22 dB at DeepSeek-V3 EP8, fused
+#: silu or not; the same tiles on mxfp4, 128-row, 4-warp or 128-wide K ones were exact): a race in
+#: the compiled kernel, so :func:`config_problem` refuses them
+SWAP_RACES = {"nvfp4": ((256, 8, 64),)}
 
 
 #: where the tuned tables live, one JSON file per GPU name (:func:`table_path`)
@@ -150,6 +155,14 @@ def config_problem(scheme: str, cfg: MoeConfig, group_size: int = 128) -> str | 
     fp4_group = SCHEMES[scheme].fp4_group
     if fp4_group is not None and (cfg.block_k % fp4_group or cfg.block_k < 32):
         return f"block_k = {cfg.block_k} is not whole {scheme} groups of {fp4_group} (and >= 32)"
+    return swap_race(scheme, cfg)
+
+
+def swap_race(scheme: str, cfg: MoeConfig) -> str | None:
+    """Why ``cfg`` must not run ``scheme`` with swapped operands (:data:`SWAP_RACES`), or None."""
+    if cfg.swap_ab and (cfg.block_m, cfg.num_warps, cfg.block_k) in SWAP_RACES.get(scheme, ()):
+        return (f"swap_ab with block_m {cfg.block_m}, {cfg.num_warps} warps and block_k {cfg.block_k} races on "
+                f"{scheme} (Triton 3.6, H100)")
     return None
 
 
