@@ -11,9 +11,12 @@ on dequantized weights.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from .common import FP8_BLOCK, TOKEN_GROUP, act_scale_cols, check, is_interpreted, round_to_bf16
 from .fp4_quant import _e4m3_decode, _e8m0_decode
@@ -409,7 +412,6 @@ def moe_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, wts: StackedWeights,
           f"got c {c.dtype} {list(c.shape)}")
     R = wts.main.shape[1]
     K = a.shape[1]
-    k_split = triton.cdiv(triton.cdiv(K, cfg.block_k), splits) * cfg.block_k  # whole K tiles per slice
     if wts.act_group is not None:
         G = act_scale_cols(K, wts.act_group)
         got = "none" if a_scale is None else f"{a_scale.dtype} {list(a_scale.shape)}"
@@ -444,27 +446,46 @@ def moe_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, wts: StackedWeights,
         if dot_dtype == tl.bfloat16 and is_interpreted(_moe_gemm_kernel):
             dot_dtype = tl.float32  # the interpreter's bf16 tl.dot is wrong
         prec = "ieee" if dot_dtype == tl.float32 else "tf32"
-    grid = (triton.cdiv(EM, cfg.block_m) * triton.cdiv(R, cfg.block_n), splits)
-    _moe_gemm_kernel[grid](
-        a, a_scale_, main, scale_, zp_, gs_, c, topk_weights, bias_,
-        sorted_ids, expert_ids, num_post_pad,
-        R, K, EM, num_valid, a_row_div, split_n, triton.cdiv(split_n, FP8_BLOCK), group_size,
-        R // gs_.shape[1] if wts.global_scale is not None else R, k_split,
-        a.stride(0), a.stride(1), a_scale_.stride(0), a_scale_.stride(-1),
-        main.stride(0), main.stride(1), main.stride(2),
-        scale_.stride(0), scale_.stride(1), scale_.stride(-1),
-        zp_.stride(0), zp_.stride(1), zp_.stride(-1),
-        gs_.stride(0), bias_.stride(0),
-        c.stride(0) if splits > 1 else 0, c.stride(-2), c.stride(-1),
-        float(clamp[0]) if clamp else 1.0, float(clamp[1]) if clamp else 0.0,
-        FMT=wts.fmt, HAS_ZP=wts.zp is not None, GROUP_TILE=group_size % cfg.block_k == 0,
-        EVEN_K=K % cfg.block_k == 0, FP4_GROUP=wts.fp4_group or 16, HAS_GS=wts.global_scale is not None,
-        SPLIT=splits > 1, SWAP_AB=cfg.swap_ab, SILU=silu, CLAMPED=clamp is not None, ROUND=ROUND_CODE[c.dtype] if silu else 0,
-        MUL_WEIGHT=bool(mul_weight), HAS_BIAS=bias is not None, SOFT_BF16=c.dtype == torch.bfloat16 and is_interpreted(_moe_gemm_kernel),
-        DOT_DTYPE=dot_dtype, PREC=prec,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    def launch(cfg: MoeConfig) -> None:
+        k_split = triton.cdiv(triton.cdiv(K, cfg.block_k), splits) * cfg.block_k  # whole K tiles per slice
+        grid = (triton.cdiv(EM, cfg.block_m) * triton.cdiv(R, cfg.block_n), splits)
+        _moe_gemm_kernel[grid](
+            a, a_scale_, main, scale_, zp_, gs_, c, topk_weights, bias_,
+            sorted_ids, expert_ids, num_post_pad,
+            R, K, EM, num_valid, a_row_div, split_n, triton.cdiv(split_n, FP8_BLOCK), group_size,
+            R // gs_.shape[1] if wts.global_scale is not None else R, k_split,
+            a.stride(0), a.stride(1), a_scale_.stride(0), a_scale_.stride(-1),
+            main.stride(0), main.stride(1), main.stride(2),
+            scale_.stride(0), scale_.stride(1), scale_.stride(-1),
+            zp_.stride(0), zp_.stride(1), zp_.stride(-1),
+            gs_.stride(0), bias_.stride(0),
+            c.stride(0) if splits > 1 else 0, c.stride(-2), c.stride(-1),
+            float(clamp[0]) if clamp else 1.0, float(clamp[1]) if clamp else 0.0,
+            FMT=wts.fmt, HAS_ZP=wts.zp is not None, GROUP_TILE=group_size % cfg.block_k == 0,
+            EVEN_K=K % cfg.block_k == 0, FP4_GROUP=wts.fp4_group or 16, HAS_GS=wts.global_scale is not None,
+            SPLIT=splits > 1, SWAP_AB=cfg.swap_ab, SILU=silu, CLAMPED=clamp is not None, ROUND=ROUND_CODE[c.dtype] if silu else 0,
+            MUL_WEIGHT=bool(mul_weight), HAS_BIAS=bias is not None, SOFT_BF16=c.dtype == torch.bfloat16 and is_interpreted(_moe_gemm_kernel),
+            DOT_DTYPE=dot_dtype, PREC=prec,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+    key = (cfg, a.dtype, c.dtype, wts.fmt, silu, splits > 1, bias is not None)
+    cfg = _FITTED.get(key, cfg)
+    while True:
+        try:
+            launch(cfg)
+            return
+        except OutOfResources:  # raised when compiling, before anything ran: the next smaller pipeline
+            if cfg.num_stages <= 1:
+                raise
+            cfg = replace(cfg, num_stages=cfg.num_stages - 1)
+            _FITTED[key] = cfg
+
+
+#: tiles whose pipeline did not fit the device's shared memory -> the fewer stages that did (the
+#: tables are tuned with 16-bit output rows; float32 rows, e.g. a float32 model's, need more)
+_FITTED: dict[tuple, MoeConfig] = {}
 
 
 def moe_gemm_ref(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor, topk_weights: torch.Tensor,
