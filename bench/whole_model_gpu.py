@@ -196,10 +196,10 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="toy dimensions (try the script on a CPU)")
     ap.add_argument("--moe-only-tokens", type=int, default=0, help="also time MoE-only verify with T tokens")
     ap.add_argument("--old", type=Path, nargs="*", default=[],
-                    help="checkouts whose moetool to time too (MoE-only), each before this one")
+                    help="checkouts whose moetool to time too (MoE-only and whole-model), each before this one")
     ap.add_argument("--skip-whole-model", action="store_true")
     args = ap.parse_args()
-    w = args.workdir
+    w = args.workdir.resolve()  # the older checkouts run from their own folders
     w.mkdir(parents=True, exist_ok=True)
     cfg = dict(DSV3, **(SMALL if args.small else {}), num_hidden_layers=args.dense_layers + args.moe_layers, first_k_dense_replace=args.dense_layers,
                n_routed_experts=args.experts)
@@ -244,8 +244,9 @@ def main() -> None:
         with open(log, "w") as f, open(f"{log}.err", "w") as e:
             code = subprocess.run(whole[0], stdout=f, stderr=e, env=env, cwd=path).returncode
         wall = time.perf_counter() - t0
-        res["whole_model_old"][path.name] = {"wall_s": wall, "exit": code}
-        print(f"verify --whole-model ({path.name}): {wall:.1f} s wall, exit {code}", flush=True)
+        res["whole_model_old"][path.name] = {"wall_s": wall, "exit": code, "passed": code == 0}
+        print(f"verify --whole-model ({path.name}): {wall:.1f} s wall, "
+              f"{'PASSED' if code == 0 else f'exit {code}: not a comparable run'}", flush=True)
     drop_caches()
     report_path = w / "report.json"
     res["verify_wall_s"] = timed(whole[0], report_path)

@@ -37,9 +37,11 @@ def available_memory() -> int:
     return 0
 
 
-def read_ahead_ranges(ranges: Iterable[tuple[Path, int, int]], budget: int) -> threading.Thread | None:
+def read_ahead_ranges(ranges: Iterable[tuple[Path, int, int]], budget: int,
+                      stop: threading.Event | None = None) -> threading.Thread | None:
     """On a daemon thread, read each (file, offset, length) in order into the page cache until
-    ``budget`` bytes are read. Returns the thread, or None where there is no ``sendfile``."""
+    ``budget`` bytes are read (or ``stop`` is set). Returns the thread, or None where there is
+    no ``sendfile``."""
     sendfile = getattr(os, "sendfile", None)
     if sendfile is None:
         return None
@@ -59,7 +61,7 @@ def read_ahead_ranges(ranges: Iterable[tuple[Path, int, int]], budget: int) -> t
                     continue
                 try:
                     end = offset + length
-                    while left > 0 and offset < end:
+                    while left > 0 and offset < end and not (stop is not None and stop.is_set()):
                         n = sendfile(null, fd, offset, min(PREFETCH_STEP, left, end - offset))
                         if n <= 0:
                             break
@@ -67,7 +69,7 @@ def read_ahead_ranges(ranges: Iterable[tuple[Path, int, int]], budget: int) -> t
                         left -= n
                 finally:
                     os.close(fd)
-                if left <= 0:
+                if left <= 0 or (stop is not None and stop.is_set()):
                     return
         except OSError:
             return

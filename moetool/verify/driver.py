@@ -185,42 +185,65 @@ def _rel_errs(y: torch.Tensor, ref: torch.Tensor) -> list[float]:
 
 class LayerCollector:
     """Meets each layer's rank outputs (``on_message`` of ``spawn_world``) with its reference
-    (the reference thread) as both arrive, compares them and drops the tensors at once. Each
-    side waits before running more than ``window`` layers ahead of the comparisons: the
+    (the reference thread) as both arrive, compares them on a thread of its own (the watch
+    loop of ``spawn_world`` stays free to notice a failing rank) and drops the tensors at once.
+    Each side waits before running more than ``window`` layers ahead of the comparisons: the
     parent holds at most that many layers' outputs and references, however many are checked.
 
-    Keys are (job, layer). ``stop``: set when the run failed; a waiting side then returns."""
+    Keys are (job, layer). ``stop``: set when the run failed; a waiting side then returns. A
+    failed comparison is kept in ``error`` and sets ``stop`` and ``abort`` (the world's)."""
 
-    def __init__(self, ep: int, dps: list[int], window: int, stop: threading.Event):
-        self.ep, self.dps, self.window, self.stop = ep, dps, window, stop
+    def __init__(self, ep: int, dps: list[int], window: int, stop: threading.Event, abort: threading.Event):
+        self.ep, self.dps, self.window, self.stop, self.abort = ep, dps, window, stop, abort
         self.outcomes: dict[tuple[int, int], LayerOutcome] = {}
+        self.error: BaseException | None = None
+        #: seconds ``add_reference`` waited for the ranks (not the reference's own work)
+        self.waited_s = 0.0
         self._refs: dict[tuple[int, int], LayerReference] = {}
         self._outputs: dict[tuple[int, int], dict[int, tuple[dict, Callable[[], None]]]] = {}
         self._cond = threading.Condition()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="moetool-compare")
 
     def add_rank_output(self, rank: int, message: tuple, release: Callable[[], None]) -> None:
         job, layer, outputs = message
         with self._cond:
-            self._outputs.setdefault((job, layer), {})[rank] = (outputs, release)
-        self._compare_if_ready((job, layer))
+            got = self._outputs.setdefault((job, layer), {})
+            if rank in got:  # a second copy would leak the first one's credit: the rank would wait forever
+                raise MoetoolError(f"rank {rank} sent layer {layer} of verification {job} twice")
+            got[rank] = (outputs, release)
+        self._pool.submit(self._compare_if_ready, (job, layer))
 
     def add_reference(self, job: int, layer: int, reference: LayerReference) -> None:
         """Waits while ``window`` references wait for their ranks' outputs (or until ``stop``)."""
         with self._cond:
             self._refs[(job, layer)] = reference
-        self._compare_if_ready((job, layer))
+        self._pool.submit(self._compare_if_ready, (job, layer))
+        t0 = time.perf_counter()
         with self._cond:
             while len(self._refs) >= self.window and not self.stop.is_set():
                 self._cond.wait(0.5)
+        self.waited_s += time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Wait for the comparisons under way (those not started are dropped after a failure)."""
+        self._pool.shutdown(wait=True, cancel_futures=self.stop.is_set())
 
     def _compare_if_ready(self, key: tuple[int, int]) -> None:
-        with self._cond:
-            outputs = self._outputs.get(key, {})
-            if key not in self._refs or len(outputs) < self.ep:
-                return
-            reference = self._refs.pop(key)
-            del self._outputs[key]
-        outcome = compare_layer(reference, [outputs[r][0] for r in range(self.ep)], self.dps[key[0]])
+        try:
+            with self._cond:
+                outputs = self._outputs.get(key, {})
+                if key not in self._refs or len(outputs) < self.ep or self.stop.is_set():
+                    return
+                reference = self._refs.pop(key)
+                del self._outputs[key]
+            outcome = compare_layer(reference, [outputs[r][0] for r in range(self.ep)], self.dps[key[0]])
+        except BaseException as err:  # noqa: BLE001 - the driver raises it
+            with self._cond:
+                self.error = self.error or err
+                self._cond.notify_all()
+            self.stop.set()
+            self.abort.set()
+            return
         with self._cond:
             self.outcomes[key] = outcome
             self._cond.notify_all()
@@ -321,7 +344,8 @@ def check_reference(shards: EPShards, ref_ckpt, spec, ref) -> None:
 
 
 def _layers_to_check(shards: EPShards, spec, opts: VerifyOptions) -> list[int]:
-    layer_ids = list(opts.layers) if opts.layers else [m.index for m in spec.moe_layers]
+    # each layer once: its outputs and reference meet under its index
+    layer_ids = list(dict.fromkeys(opts.layers)) if opts.layers else [m.index for m in spec.moe_layers]
     for i in layer_ids:
         layer = spec.layer(i)
         if i not in shards.placements:
@@ -368,14 +392,15 @@ def verify_many(jobs: list[tuple], *, revision: str | None = None) -> list[Verif
         device = reference_device(ep)
         stop, abort = threading.Event(), threading.Event()
         timings = [{} for _ in prepared]
-        collector = LayerCollector(ep, [p[2].dp for p in prepared], COMPARE_WINDOW, stop)
+        collector = LayerCollector(ep, [p[2].dp for p in prepared], COMPARE_WINDOW, stop, abort)
 
         def references() -> None:
             for j, (p, ref_ckpt, spec, job, t) in enumerate(zip(prepared, refs, specs, rank_jobs, timings)):
-                t_ref = time.perf_counter()
+                t_ref, waited = time.perf_counter(), collector.waited_s
                 for i, reference in iter_references(ref_ckpt, spec, p[2], job[2], p[4], device, stop):
                     collector.add_reference(j, i, reference)
-                t["reference_s"] = time.perf_counter() - t_ref
+                # the reference's own seconds, not those it waited for the ranks
+                t["reference_s"] = time.perf_counter() - t_ref - (collector.waited_s - waited)
 
         # the parent reads and runs the reference while the ranks start, read their shards
         # and run: the two sides' reads overlap (one pass over each checkpoint, at the disk's
@@ -387,13 +412,20 @@ def verify_many(jobs: list[tuple], *, revision: str | None = None) -> list[Verif
             try:
                 results = spawn_world(_rank_jobs, ep, backend, args=(rank_jobs,), timeout_s=timeout,
                                       on_message=collector.add_rank_output, window=COMPARE_WINDOW, abort=abort)
+                ranks_s = time.perf_counter() - t0
+                pending.result()
+                collector.close()
             except BaseException:
                 stop.set()
+                collector.close()
+                # the cause first: a failed comparison, then a failed reference, then the world's error
+                if collector.error is not None:
+                    raise collector.error from None
                 if pending.done() and pending.exception() is not None:
-                    raise pending.exception() from None  # the reference failed first: the cause
+                    raise pending.exception() from None
                 raise
-            ranks_s = time.perf_counter() - t0
-            pending.result()
+        if collector.error is not None:
+            raise collector.error
         reports = []
         for j, ((shards, _, opts, _, numerics), ref_ckpt, spec) in enumerate(zip(prepared, refs, specs)):
             per_rank = [r[j] for r in results]
@@ -508,7 +540,7 @@ def verify_torchrun(shards_dir, ref, opts: VerifyOptions, *, revision: str | Non
         raise MoetoolError(f"--ep {opts.ep}: torchrun started {world} processes; they must match")
     check_options(opts, shards)
     check_files_present(shards)
-    layer_ids = list(opts.layers) if opts.layers else [int(l["layer"]) for l in shards.manifest["layers"]]
+    layer_ids = list(dict.fromkeys(opts.layers)) if opts.layers else [int(l["layer"]) for l in shards.manifest["layers"]]
     backend = opts.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     gathered = run_under_torchrun(_torchrun_rank, ([(str(shards.root), opts, layer_ids)],), backend=backend,
                                   collective_timeout_s=opts.timeout_s)
@@ -519,11 +551,11 @@ def verify_torchrun(shards_dir, ref, opts: VerifyOptions, *, revision: str | Non
         check_reference(shards, ref_ckpt, spec, ref)
         _layers_to_check(shards, spec, VerifyOptions(**{**asdict(opts), "layers": tuple(layer_ids)}))
         numerics = shards_numerics(shards, opts)
-        timings: dict = {}
-        references = compute_references(ref_ckpt, spec, opts, layer_ids, numerics,
-                                        torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
-                                        else torch.device("cpu"), timings=timings)
-        outcomes = {i: compare_layer(references[i], [g[0]["layers"][i] for g in gathered], opts.dp) for i in layer_ids}
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        t0 = time.perf_counter()
+        outcomes = {i: compare_layer(reference, [g[0]["layers"][i] for g in gathered], opts.dp)  # one layer held
+                    for i, reference in iter_references(ref_ckpt, spec, opts, layer_ids, numerics, device)}
+        timings = {"reference_s": time.perf_counter() - t0}
         return build_report(shards, ref_ckpt, spec, opts, backend, layer_ids, outcomes, numerics, timings)
 
 

@@ -287,6 +287,8 @@ def spawn_world(fn: Callable, world_size: int, backend: str = "gloo", args: tupl
     ``on_message(rank, obj, release)``: called in this thread, in order, for each
     ``send_to_parent(obj)`` of a rank; ``release()`` (any thread, once) gives the rank one of
     its ``window`` credits back. An exception from it stops the world and is raised as it is.
+    Once messages come, ``timeout_s`` bounds the time since the last one instead (a run of
+    many layers takes as long as it takes; a stuck one still ends).
     ``abort``: set by another thread to stop the world ("stopped by the caller").
 
     ``timeout_s`` bounds the whole run; ``collective_timeout_s`` (default: ``timeout_s``) is
@@ -343,11 +345,13 @@ class _Messages:
 
     on_message: Callable | None
     credits: list
+    taken_at: float | None = None  # time.monotonic() of the last message
 
     def take(self, rep: _Report) -> None:
         if self.on_message is None:
             raise MoetoolError(f"rank {rep.rank} sent a message to a parent that takes none")
         self.on_message(rep.rank, pickle.loads(rep.payload), self.credits[rep.rank].release)
+        self.taken_at = time.monotonic()
 
 
 def _drain(q, reports: dict[int, _Report], block_s: float, messages: _Messages | None = None) -> None:
@@ -398,8 +402,12 @@ def _watch(procs, q, reports: dict[int, _Report], timeout_s: float, messages: _M
             while time.monotonic() < grace and len(reports) < len(procs):
                 _drain(q, reports, 0.05)
             return _first_failure(procs, reports)
-        if time.monotonic() > deadline:
+        last = messages.taken_at if messages is not None else None
+        if time.monotonic() > (deadline if last is None else max(deadline, last + timeout_s)):
             running = [r for r in range(len(procs)) if r not in reports]
+            if last is not None:
+                return (f"distributed run timed out: nothing came from the ranks for {timeout_s:g} s "
+                        f"(ranks still running: {running})")
             return f"distributed run timed out after {timeout_s:g} s (ranks still running: {running})"
     return _first_failure(procs, reports)
 

@@ -108,7 +108,9 @@ def _run_job(rank: int, shards: EPShards, ckpt, spec, opts: VerifyOptions, layer
     dispatcher = get_dispatcher(opts.dispatch, topo, comm_dtype=numerics.wire_dtype,
                                 **({"transport": transport, "timeout_s": opts.timeout_s} if transport else {}))
     results: dict[int, dict] = {}
-    rehearse = _rehearses(device)
+    vote = torch.tensor([int(_rehearses(device))], device=device)
+    dist.all_reduce(vote, op=dist.ReduceOp.MIN)  # one answer for all: the rehearsal runs collectives
+    rehearse = bool(vote.item())
     for n, i in enumerate(layer_ids):
         layer = spec.layer(i)
         placement = shards.placements[i]
@@ -175,8 +177,8 @@ REHEARSE_ENV = "MOETOOL_REHEARSE"
 
 
 def _rehearses(device: torch.device) -> bool:
-    """Whether the ranks run their first layer once on zero weights before reading them; every
-    rank takes the same answer (one device type and one environment in a world)."""
+    """Whether this rank would run its first layer once on zero weights before reading them
+    (the ranks then agree: any rank's no is everyone's)."""
     forced = os.environ.get(REHEARSE_ENV)
     return device.type == "cuda" if forced not in ("0", "1") else forced == "1"
 

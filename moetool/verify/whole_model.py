@@ -373,12 +373,13 @@ def _rank_job_on(rank: int, topo, job: dict, shards: EPShards, ckpt, spec) -> di
     opts: WholeModelOptions = job["opts"]
     reporting = topo.tp_index == 0
     ref_ckpt = open_checkpoint(job["ref"], job["revision"]) if reporting else None
-    if ref_ckpt is not None:
-        # the disk works while the rank builds its modules and compiles its kernels: the
-        # reference is read into the page cache in the order the layers take it (the shards
-        # are read meanwhile by opened_and_checked's sha256 threads)
-        read_ahead_ranges(read_order(ref_ckpt), int(available_memory() * PREFETCH_SHARE))
+    read_done = threading.Event()
     try:
+        if ref_ckpt is not None:
+            # the disk works while the rank builds its modules and compiles its kernels: the
+            # reference is read into the page cache in the order the layers take it (the shards
+            # are read meanwhile by opened_and_checked's sha256 threads)
+            read_ahead_ranges(read_order(ref_ckpt), int(available_memory() * PREFETCH_SHARE), stop=read_done)
         transport = choose_transport(opts.transport, topo.device) if opts.dispatch == "all2all" else None
         numerics = model_numerics(opts.numerics, FORMATS[shards.manifest["format"]], ckpt, spec)
         dispatcher = get_dispatcher(opts.dispatch, topo, comm_dtype=numerics.wire_dtype,
@@ -388,6 +389,7 @@ def _rank_job_on(rank: int, topo, job: dict, shards: EPShards, ckpt, spec) -> di
         return _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts, load_local_experts,
                     run_moe_layer)
     finally:
+        read_done.set()
         if ref_ckpt is not None:
             ref_ckpt.close()
 

@@ -104,3 +104,27 @@ def test_a_failed_reference_is_the_error_reported(monkeypatch, verify_chain, ver
     with pytest.raises(MoetoolError, match="reference broken on purpose"):
         _verify(verify_chain, verify_shards)
     assert time.monotonic() - t0 < 60
+
+
+def _send_slowly(rank: int, world_size: int, count: int, every_s: float, then_hang: bool) -> str:
+    for n in range(count):
+        time.sleep(every_s)
+        launch.send_to_parent({"n": n})
+    if then_hang:
+        time.sleep(60)
+    return "done"
+
+
+def test_once_messages_come_the_timeout_bounds_the_silence_between_them():
+    release = lambda rank, obj, release: release()  # noqa: E731
+    t0 = time.monotonic()  # 3 s of messages every 0.6 s: longer than the timeout, never silent for it
+    assert launch.spawn_world(_send_slowly, 1, "gloo", args=(5, 0.6, False), timeout_s=2.5,
+                              on_message=release) == ["done"]
+    assert time.monotonic() - t0 > 2.5
+    with pytest.raises(MoetoolError, match=r"nothing came from the ranks for 2.5 s \(ranks still running: \[0\]\)"):
+        launch.spawn_world(_send_slowly, 1, "gloo", args=(1, 0.0, True), timeout_s=2.5, on_message=release)
+
+
+def test_a_layer_asked_for_twice_is_checked_once(verify_chain, verify_shards):
+    report = _verify(verify_chain, verify_shards, layers=(2, 1, 2, 1), timeout_s=60)
+    assert report.passed and [l.layer for l in report.layers] == [2, 1]
