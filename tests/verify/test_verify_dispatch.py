@@ -175,7 +175,11 @@ def _reference(case):
         return vw.probe_reference(x, ids)
     if case.get("numerics") == "served":
         return _engine_emulation(case)
-    return reference_moe_forward(x, layer["gate"], layer["bias"], layer["spec"], layer["experts"], layer["shared"])
+    experts = layer["experts"]
+    if case.get("fmt", "dense") != "dense":  # exact numerics: the shard's dequantized weights, float32 math
+        fmt = get_format(case["fmt"], **case.get("fmt_params", {}))
+        experts = [tuple(fmt.dequantize(fmt.quantize(w, torch.float32)) for w in e) for e in experts]
+    return reference_moe_forward(x, layer["gate"], layer["bias"], layer["spec"], experts, layer["shared"])
 
 
 def _per_rank(world, case, results, ci):
