@@ -50,6 +50,8 @@ LONGEST_FIRST = (
     "tests/bench/test_bench_scripts.py",
     "tests/verify/test_verify_gpt_oss.py",
     "tests/kernels/test_kernels_splitk.py",
+    "tests/kernels/test_kernels_swap_ab.py",
+    "tests/verify/test_verify_streaming.py",
     "tests/convert/test_convert_layouts.py",
     "tests/kernels/test_kernels_int4_quant.py",
     "tests/convert/test_convert_quantize.py",

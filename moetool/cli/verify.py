@@ -52,7 +52,8 @@ def verify_cmd(
     max_expert_rel_err: Annotated[Optional[float], typer.Option("--max-expert-rel-err", help="override the per-expert threshold")] = None,
     warmup: Annotated[int, typer.Option("--warmup", help="untimed runs of each layer first (GPU timings)")] = 0,
     repeat: Annotated[int, typer.Option("--repeat", help="timed runs of each layer; phase times are their median")] = 1,
-    timeout: Annotated[float, typer.Option("--timeout", help="seconds before the run is stopped")] = 900.0,
+    timeout: Annotated[float, typer.Option("--timeout", help="seconds the run may take until its first layer is in, then between "
+                                                          "two layers (--whole-model: the whole run)")] = 900.0,
     whole_model: Annotated[bool, typer.Option("--whole-model", help="run the converted model end to end (every "
                                               "layer, MoE through the EP shards) against transformers running "
                                               "--ref; needs transformers")] = False,
