@@ -254,6 +254,7 @@ def main() -> None:
     report = json.loads(text)
     rank = report["ranks"][0]
     res["phases_s"] = rank["timings_s"]
+    res["parent_s"] = report.get("timings_s", {})  # startup, modules checked, ranks, wall
     res["row_phases_s"] = rank["row_timings_s"]
     res["memory"] = rank["memory"]
     res["rows"] = [{k: r[k] for k in ("name", "kind", "stream_rel_err", "layer_rel_err", "mlp_rel_err")}
@@ -270,6 +271,7 @@ def main() -> None:
           f"{res['read_floor_gbps']:.2f} GB/s; quantize {res['quantize_s']:.1f} s; shard {res['shard_s']:.1f} s")
     print(f"verify --whole-model wall {res['verify_wall_s']:.1f} s ({'PASSED' if res['passed'] else 'FAILED'}), "
           f"{args.tokens} tokens x {args.seq_len}:")
+    print("parent:", ", ".join(f"{k} {v:.1f}" for k, v in res["parent_s"].items()))
     print(f"{'phase':<22} {'seconds':>8}")
     for k, v in ph.items():
         print(f"{k:<22} {v:>8.3f}")
