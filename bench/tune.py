@@ -180,9 +180,9 @@ def flush_l2() -> None:
     _FLUSH[0].zero_()
 
 
-def time_graph(fn, reps: int = 50, warmup: int = 2) -> dict:
-    """Median microseconds of ``fn`` (no host synchronisation inside) as one CUDA graph replay,
-    L2 flushed before each; also the 10th / 90th percentiles."""
+def _captured(fn, warmup: int) -> torch.cuda.CUDAGraph:
+    """``fn`` run ``warmup`` times and once on a side stream (allocations and compilation out
+    of the way), then captured as a CUDA graph."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -194,6 +194,13 @@ def time_graph(fn, reps: int = 50, warmup: int = 2) -> dict:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
+    return graph
+
+
+def time_graph(fn, reps: int = 50, warmup: int = 2) -> dict:
+    """Median microseconds of ``fn`` (no host synchronisation inside) as one CUDA graph replay,
+    L2 flushed before each; also the 10th / 90th percentiles."""
+    graph = _captured(fn, warmup)
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
     graph.replay()
     for start, end in ev:
@@ -212,20 +219,8 @@ def time_graphs(fns: dict, reps: int = 50, warmup: int = 2) -> dict:
     each captured in its own CUDA graph and replayed in turns, one replay of each per round (L2
     flushed before each): a drift of the GPU's clocks or temperature during the run falls on all
     of them alike, not on whichever runs last -> {name: us}."""
-    graphs = {}
-    for name, fn in fns.items():
-        for _ in range(warmup):
-            fn()
-        torch.cuda.synchronize()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        graphs[name] = graph
+    graphs = {name: _captured(fn, warmup) for name, fn in fns.items()}
+    for graph in graphs.values():
         graph.replay()
     ev = {name: [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
           for name in graphs}

@@ -133,18 +133,6 @@ def iter_references(ref_ckpt, spec, opts: VerifyOptions, layer_ids: list[int], n
         yield i, LayerReference(ref.finish(shared), ref.probe_out)
 
 
-def compute_references(ref_ckpt, spec, opts: VerifyOptions, layer_ids: list[int], numerics: Numerics,
-                       device: torch.device, stop: threading.Event | None = None,
-                       timings: dict | None = None) -> dict[int, LayerReference]:
-    """``iter_references`` of every layer at once: {layer: its reference} (what is done when
-    ``stop`` is set). ``timings``: gets "reference_s" (seconds, all layers)."""
-    t0 = time.perf_counter()
-    out = dict(iter_references(ref_ckpt, spec, opts, layer_ids, numerics, device, stop))
-    if timings is not None:
-        timings["reference_s"] = time.perf_counter() - t0
-    return out
-
-
 @dataclass
 class LayerOutcome:
     """One layer's comparison, the tensors gone: the layer's rel err, SQNR (dB) and max abs err

@@ -226,9 +226,10 @@ def load_local_experts(reader: ExpertReader, layer: MoELayerSpec, slot_to_global
     if before_fill is not None:
         before_fill(local)
     if st.kind == "stacked":
-        for part, tensors in zip(names, (w13, w2)) if separate else ():
-            for s, name in part.items():
-                _fill_stacked(ckpt, name, tensors[s])
+        if separate:
+            for part, tensors in zip(names, (w13, w2)):
+                for s, name in part.items():
+                    _fill_stacked(ckpt, name, tensors[s])
     elif layer.n_stored:
         rest = read_ahead(lambda i: _w13_down(reader, layer, i + 1), layer.n_stored - 1, depth=FILL_DEPTH)
         for i, (a, b) in enumerate(itertools.chain([first], rest)):

@@ -127,13 +127,17 @@ def test_moe_sum_of_slices_bit_exact(pair_dtype, device):
         assert out.dtype == out_dtype and torch.equal(out, moe_sum_ref(c, ids, out_dtype, pair_dtype))
 
 
-def test_split_keeps_biases_once_and_the_clamped_swiglu(device):
-    """gpt-oss: the biases go in once (slice 0), whatever the slices."""
-    T, E, H, N, k = 6, 3, 128, 64, 2
+def _gpt_oss_layer(T, E, H, N, k):
+    """fp16 dense experts with biases (gpt-oss's shape of them): x, w13, w2, ids, tw, b13, b2."""
     w13, w2 = make_weights("dense", E, H, N, dtype=torch.float16)
     ids, tw = make_routing(T, E, k)
     x = torch.randn(T, H).half()
-    b13, b2 = torch.randn(E, 2 * N), torch.randn(E, H)
+    return x, w13, w2, ids, tw, torch.randn(E, 2 * N), torch.randn(E, H)
+
+
+def test_split_keeps_biases_once_and_the_clamped_swiglu(device):
+    """gpt-oss: the biases go in once (slice 0), whatever the slices."""
+    x, w13, w2, ids, tw, b13, b2 = _gpt_oss_layer(6, 3, 128, 64, 2)
     kw = dict(activation="clamped-swiglu", swiglu=(1.702, 7.0))
     ref = fused_ref(x, w13, w2, "dense", ids, tw, w13_bias=b13, w2_bias=b2, **kw)
     out = fm.fused_experts(x.to(device), _to(w13, device), _to(w2, device), "dense", ids.to(device), tw.to(device),
@@ -164,11 +168,7 @@ def test_fused_silu_is_the_unfused_pipeline(case, shape, device):
 
 
 def test_fused_silu_keeps_biases_and_the_clamped_swiglu(device):
-    T, E, H, N, k = 5, 3, 64, 48, 2
-    w13, w2 = make_weights("dense", E, H, N, dtype=torch.float16)
-    ids, tw = make_routing(T, E, k)
-    x = torch.randn(T, H).half()
-    b13, b2 = torch.randn(E, 2 * N), torch.randn(E, H)
+    x, w13, w2, ids, tw, b13, b2 = _gpt_oss_layer(5, 3, 64, 48, 2)
     kw = dict(activation="clamped-swiglu", swiglu=(1.702, 1.5), w13_bias=b13.to(device), w2_bias=b2.to(device))
     args = (x.to(device), _to(w13, device), _to(w2, device), "dense", ids.to(device), tw.to(device))
     fused = fm.fused_experts(*args, config=MoeConfig(16, 32, 32, 1, 4, 1, fuse_silu=True), **kw)

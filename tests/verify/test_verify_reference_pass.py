@@ -12,7 +12,7 @@ from moetool.model.families import describe
 from moetool.model.spec import RouterSpec
 from moetool.read.checkpoint import open_checkpoint
 from moetool.read.experts import ExpertReader
-from moetool.verify.driver import VerifyOptions, compute_references
+from moetool.verify.driver import VerifyOptions, iter_references
 from moetool.formats.registry import FORMATS
 from moetool.verify.numerics import model_numerics
 from moetool.verify.reference import StreamingReference, reference_moe_forward, swiglu
@@ -89,7 +89,7 @@ def test_reference_pass_reads_each_expert_once_for_all_groups(tiny, monkeypatch)
     layers = [m.index for m in spec.moe_layers]
     opts = VerifyOptions(dp=2, ep=2, tokens=16)
     numerics = model_numerics("exact", FORMATS["dense"], ckpt, spec)
-    got = compute_references(ckpt, spec, opts, layers, numerics, torch.device("cpu"))
+    got = dict(iter_references(ckpt, spec, opts, layers, numerics, torch.device("cpu")))
     assert sorted(reads) == sorted((i, e) for i in layers for e in range(spec.layer(i).num_experts))
     assert len(reads) == len(set(reads))
     # the same numbers as the plain forward, one group at a time
@@ -111,6 +111,6 @@ def test_reference_pass_stops_when_asked(tiny):
     stop = threading.Event()
     stop.set()
     numerics = model_numerics("exact", FORMATS["dense"], ckpt, spec)
-    got = compute_references(ckpt, spec, VerifyOptions(tokens=8), [m.index for m in spec.moe_layers], numerics,
-                             torch.device("cpu"), stop)
+    got = dict(iter_references(ckpt, spec, VerifyOptions(tokens=8), [m.index for m in spec.moe_layers], numerics,
+                               torch.device("cpu"), stop))
     assert got == {}
