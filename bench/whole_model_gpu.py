@@ -32,6 +32,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -136,6 +137,54 @@ def timed(cmd: list[str], log: Path) -> float:
     return dt
 
 
+class DiskReads:
+    """Bytes read from the host's whole disks (/proc/diskstats), sampled every ``every`` seconds
+    on a thread: where in a run the disk was busy and where it idled."""
+
+    def __init__(self, every: float = 0.5):
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._t0 = time.perf_counter()
+        self._thread = threading.Thread(target=self._run, args=(every,), daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def read_bytes() -> int:
+        total = 0
+        try:
+            for line in Path("/proc/diskstats").read_text().splitlines():
+                f = line.split()
+                if len(f) > 5 and Path(f"/sys/block/{f[2]}").exists() and not f[2].startswith(("loop", "ram")):
+                    total += int(f[5]) * 512
+        except OSError:
+            pass
+        return total
+
+    def _run(self, every: float) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.perf_counter() - self._t0, self.read_bytes()))
+            self._stop.wait(every)
+
+    def stop(self, bucket: float = 2.0) -> list[tuple[float, float]]:
+        """[(bucket start s, GB/s read in it)]."""
+        self._stop.set()
+        self._thread.join()
+        out, k = [], 0
+        base = self.samples[0][1] if self.samples else 0
+        while self.samples and k * bucket <= self.samples[-1][0]:
+            inside = [(t, b) for t, b in self.samples if k * bucket <= t < (k + 1) * bucket]
+            if inside:
+                prev = max((b for t, b in self.samples if t < k * bucket), default=base)
+                out.append((k * bucket, (inside[-1][1] - prev) / 1e9 / bucket))
+            k += 1
+        return out
+
+
+def disk_line(rates: list[tuple[float, float]]) -> str:
+    """'0:1.2 2:1.4 ...' (bucket start s: GB/s)."""
+    return " ".join(f"{t:.0f}:{r:.2f}" for t, r in rates)
+
+
 def drop_caches() -> None:
     subprocess.run(["sync"])
     try:
@@ -164,11 +213,12 @@ def moe_only(moetool: list[str], sh: Path, src: Path, args, w: Path, res: dict) 
                                                str(args.moe_only_tokens), "--chunk-size",
                                                str(args.moe_only_tokens), "--json"], stdout=f, stderr=e, env=env,
                                     cwd=path)  # python -m puts the cwd first on sys.path
-            rss = TreeRSS(proc.pid)
+            rss, disk = TreeRSS(proc.pid), DiskReads()
             code = proc.wait()
         wall = time.perf_counter() - t0
-        peak = rss.stop()
-        row = {"wall_s": wall, "peak_rss_gb": peak / 1e9, "exit": code, "x_read_floor": floor / wall}
+        peak, rates = rss.stop(), disk.stop()
+        row = {"wall_s": wall, "peak_rss_gb": peak / 1e9, "exit": code, "x_read_floor": floor / wall,
+               "disk_gbps": rates}
         try:
             rep = json.loads(log.read_text())
             row.update(passed=rep["passed"], timings_s=rep.get("timings_s", {}),
@@ -179,7 +229,7 @@ def moe_only(moetool: list[str], sh: Path, src: Path, args, w: Path, res: dict) 
         out[name] = row
         print(f"MoE-only verify ({name}): {wall:.1f} s wall, peak RSS {peak / 1e9:.1f} GB, "
               f"{floor / wall:.2f}x the read floor {floor:.1f} s; {row.get('timings_s')}; "
-              f"{row.get('layers', row.get('error'))}", flush=True)
+              f"{row.get('layers', row.get('error'))}\n  disk GB/s by 2 s: {disk_line(rates)}", flush=True)
     return out
 
 
@@ -240,16 +290,25 @@ def main() -> None:
         drop_caches()
         log = w / f"report-{path.name}.json"
         env = dict(os.environ, PYTHONPATH=str(path))
-        t0 = time.perf_counter()
+        t0, disk = time.perf_counter(), DiskReads()
         with open(log, "w") as f, open(f"{log}.err", "w") as e:
             code = subprocess.run(whole[0], stdout=f, stderr=e, env=env, cwd=path).returncode
-        wall = time.perf_counter() - t0
-        res["whole_model_old"][path.name] = {"wall_s": wall, "exit": code, "passed": code == 0}
+        wall, rates = time.perf_counter() - t0, disk.stop()
+        try:
+            parent = json.loads(log.read_text()).get("timings_s", {})
+        except (OSError, ValueError):
+            parent = {}
+        res["whole_model_old"][path.name] = {"wall_s": wall, "exit": code, "passed": code == 0, "parent_s": parent,
+                                             "disk_gbps": rates}
         print(f"verify --whole-model ({path.name}): {wall:.1f} s wall, "
-              f"{'PASSED' if code == 0 else f'exit {code}: not a comparable run'}", flush=True)
+              f"{'PASSED' if code == 0 else f'exit {code}: not a comparable run'}; "
+              + ", ".join(f"{k} {v:.1f}" for k, v in parent.items()) + f"\n  disk GB/s by 2 s: {disk_line(rates)}",
+              flush=True)
     drop_caches()
     report_path = w / "report.json"
+    disk = DiskReads()
     res["verify_wall_s"] = timed(whole[0], report_path)
+    res["disk_gbps"] = disk.stop()
     text = report_path.read_text()
     report = json.loads(text)
     rank = report["ranks"][0]
@@ -272,6 +331,7 @@ def main() -> None:
     print(f"verify --whole-model wall {res['verify_wall_s']:.1f} s ({'PASSED' if res['passed'] else 'FAILED'}), "
           f"{args.tokens} tokens x {args.seq_len}:")
     print("parent:", ", ".join(f"{k} {v:.1f}" for k, v in res["parent_s"].items()))
+    print(f"disk GB/s by 2 s: {disk_line(res['disk_gbps'])}")
     print(f"{'phase':<22} {'seconds':>8}")
     for k, v in ph.items():
         print(f"{k:<22} {v:>8.3f}")

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -10,6 +11,7 @@ from moetool.cli import command_app
 from moetool.cli.options import Json, Revision
 from moetool.errors import MoetoolError
 from moetool.lazy import import_module
+from moetool.read.order import read_verify_inputs_ahead
 from moetool.verify.report import raise_if_failed
 
 
@@ -25,6 +27,12 @@ def parse_layers(text: str | None) -> tuple[int, ...] | None:
     except ValueError:
         raise MoetoolError(f"--layers {text!r}: expected a list like 1,3,5-7") from None
     return tuple(dict.fromkeys(out))
+
+
+def under_torchrun() -> bool:
+    """Started by torchrun (or any launcher that sets the env:// variables)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+
 
 app = command_app()
 
@@ -69,10 +77,15 @@ def verify_cmd(
 
     Single node: spawns one process per rank itself. Multi-node: run it under torchrun
     (`torchrun --nnodes ... --nproc-per-node ... -m moetool verify ...`)."""
+    if whole_model and layers:
+        raise MoetoolError("--layers: --whole-model runs every layer (the MoE-only mode takes --layers)")
+    layer_ids = parse_layers(layers)
+    if not under_torchrun():
+        # the disk reads what the run takes, in its order, while this process imports torch
+        # and spawns the ranks (seconds a cold disk would otherwise idle)
+        read_verify_inputs_ahead(shards, ref, whole_model=whole_model, layers=layer_ids)
     if whole_model:
-        if layers:
-            raise MoetoolError("--layers: --whole-model runs every layer (the MoE-only mode takes --layers)")
-        if import_module("moetool.verify.driver").under_torchrun():
+        if under_torchrun():
             raise MoetoolError("--whole-model spawns its own ranks on one node; it does not run under torchrun yet")
         wm = import_module("moetool.verify.whole_model")
         wopts = wm.WholeModelOptions(dp=dp, ep=ep, tokens=tokens, seq_len=seq_len, text=None if text is None else str(text),
@@ -86,13 +99,12 @@ def verify_cmd(
         return
     if text is not None:
         raise MoetoolError("--text is an option of --whole-model")
-    layer_ids = parse_layers(layers)
     driver = import_module("moetool.verify.driver")  # torch, once the arguments are parsed
     opts = driver.VerifyOptions(dp=dp, ep=ep, dispatch=dispatch, experts=experts, tokens=tokens, layers=layer_ids,
                          backend=backend, chunk_size=chunk_size, seed=seed, max_rel_err=max_rel_err,
                          max_expert_rel_err=max_expert_rel_err, timeout_s=timeout, warmup=warmup,
                          repeat=repeat, transport=transport, numerics=numerics)
-    if driver.under_torchrun():
+    if under_torchrun():
         report = driver.verify_torchrun(shards, ref, opts, revision=revision)
         if report is None:  # not rank 0: rank 0 prints the report
             return

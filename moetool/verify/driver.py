@@ -505,11 +505,6 @@ def build_report(shards: EPShards, ref_ckpt, spec, opts: VerifyOptions, backend:
                         dict(timings or {}))
 
 
-def under_torchrun() -> bool:
-    """Started by torchrun (or any launcher that sets the env:// variables)."""
-    return "TORCHELASTIC_RUN_ID" in os.environ or all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
-
-
 def _torchrun_rank(rank: int, world_size: int, jobs) -> list | None:
     res = _rank_jobs(rank, world_size, jobs)
     gathered = [None] * world_size if rank == 0 else None

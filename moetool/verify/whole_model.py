@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import resource
 import threading
 import time
@@ -43,6 +42,7 @@ from moetool.formats.registry import FORMATS
 from moetool.model.families import describe, text_config
 from moetool.read.checkpoint import open_checkpoint
 from moetool.read.experts import ExpertReader
+from moetool.read.order import read_order
 from moetool.read.prefetch import PREFETCH_SHARE, available_memory, read_ahead_ranges
 from moetool.read.shards import EPShards
 from moetool.verify.driver import THRESHOLDS as MOE_THRESHOLDS
@@ -162,7 +162,9 @@ class WholeModelReport:
     #: (peak RSS; the most weights filled at once)
     ranks: list[dict] = field(default_factory=list)
     #: the parent's timeline, seconds: startup_s (this process's start to the ranks' spawn),
-    #: then from the spawn: checked_s (transformers' modules checked), ranks_s, wall_s
+    #: then from the spawn: checked_s (transformers' modules checked), ranks_s, wall_s, and
+    #: when the last rank ended each of its steps (rank_start_s, rank_built_s,
+    #: rank_layer_<i>_s, rank_head_s, rank_checked_s: its files' sha256 passed)
     timings_s: dict = field(default_factory=dict)
 
     @property
@@ -302,6 +304,13 @@ class _Clock:
         self.rows: dict[str, dict[str, float]] = {}
         self.row = "embed"
         self.cuda = device is not None and device.type == "cuda"
+        #: when each step of the run ended, epoch seconds: {step: time} (the parent's timeline)
+        self.marks: dict[str, float] = {"start": time.time()}
+
+    def mark(self, step: str) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.marks[step] = time.time()
 
     @contextmanager
     def __call__(self, phase: str):
@@ -363,7 +372,9 @@ def _rank_job(rank: int, topo, job: dict) -> dict:
 
     shards = EPShards(Path(job["shards"]), check=False)
     with opened_and_checked(shards, rank) as (ckpt, spec):
-        return _rank_job_on(rank, topo, job, shards, ckpt, spec)
+        out = _rank_job_on(rank, topo, job, shards, ckpt, spec)
+    out["timeline"]["checked"] = time.time()  # every file's sha256 passed
+    return out
 
 
 def _rank_job_on(rank: int, topo, job: dict, shards: EPShards, ckpt, spec) -> dict:
@@ -394,23 +405,6 @@ def _rank_job_on(rank: int, topo, job: dict, shards: EPShards, ckpt, spec) -> di
             ref_ckpt.close()
 
 
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-
-def read_order(ckpt) -> list[tuple[Path, int, int]]:
-    """(file, offset, length) of every tensor of ``ckpt`` in the order a whole-model run takes
-    them: the embeddings, each decoder layer in turn, then the rest (final norm, lm_head); in
-    file order within each."""
-    def stage(name: str) -> int:
-        if "embed_tokens" in name:
-            return -1
-        m = _LAYER.search(name)
-        return int(m.group(1)) if m else 1 << 30
-
-    infos = sorted(ckpt.tensors.values(), key=lambda t: (stage(t.name), t.file, t.begin))
-    return [(Path(ckpt.root) / t.file, t.begin, t.nbytes) for t in infos]
-
-
 @torch.no_grad()
 def _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts, load_local_experts,
          run_moe_layer) -> dict:
@@ -428,6 +422,7 @@ def _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts
             ref_spec = describe(ref_ckpt.config, ref_ckpt.tensors)
             ref = Skeleton(ref_ckpt.config, ref_ckpt, ref_spec, ExpertReader(ref_ckpt, ref_spec), topo.device)
             ref_args = ref.layer_arguments(B, S)
+    clock.mark("built")
     sums = _Sums()
     reasons: dict[str, list[str]] = {}
     act = getattr(conv.cfg, "hidden_act", "silu")
@@ -493,6 +488,7 @@ def _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts
             setattr(layer, mlp_attr, torch.nn.Identity())
             conv.held_bytes -= moe_bytes
         if ref is None:
+            clock.mark(f"layer_{name}")
             continue
         rlayer = ref.layers[i]
         with clock("read_reference"):
@@ -516,6 +512,7 @@ def _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts
                 _moe_parts(sums, name, moe, getattr(rlayer, ref.mlp_attr(rlayer)), seen["mlp"][0], gate, bias, shared,
                            rbias)
         ref.empty(rlayer)
+        clock.mark(f"layer_{name}")
 
     # final norm and lm_head
     clock.row = "head"
@@ -530,8 +527,9 @@ def _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts
     if topo.device.type == "cuda":
         memory["gpu_peak_mb"] = torch.cuda.max_memory_allocated(topo.device) / 2**20
     if ref is None:
+        clock.mark("head")
         return {"group": topo.group_index, "reporting": False, "timings_s": clock.s, "row_timings_s": clock.rows,
-                "memory": memory}
+                "memory": memory, "timeline": clock.marks}
     with clock("read_reference"):
         rnorm = ref.fill(ref.base.norm, "model.norm.")
         rhead = ref.fill(ref.model.lm_head, "lm_head.")
@@ -542,6 +540,7 @@ def _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts
     lp, lq = torch.log_softmax(ref_logits, -1), torch.log_softmax(logits, -1)  # [B, S, V]
     kl = (lp.exp() * (lp - lq)).sum(-1).flatten()  # [T]
     top1 = int((ref_logits.argmax(-1) == logits.argmax(-1)).sum())
+    clock.mark("head")
     labels = ids[:, 1:]
     nll_ref = float(-lp[:, :-1].gather(-1, labels[..., None]).sum())
     nll_conv = float(-lq[:, :-1].gather(-1, labels[..., None]).sum())
@@ -552,6 +551,7 @@ def _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts
             "kinds": {str(i): ("moe" if i in conv.moe_index else "dense") for i in range(len(conv.layers))},
             "timings_s": clock.s,
             "row_timings_s": clock.rows,
+            "timeline": clock.marks,
             "memory": {**memory, "reference_weights_peak_mb": ref.peak_bytes / 2**20, "rss_peak_mb": _peak_rss_mib(),
                        **({"gpu_peak_mb": torch.cuda.max_memory_allocated(topo.device) / 2**20}
                           if topo.device.type == "cuda" else {})}}
@@ -683,7 +683,11 @@ def verify_whole_model_many(jobs: list[tuple], *, revision: str | None = None,
         report = build_report(str(shards.root), ref_root, fmt, opts, backend, th, ids, source, groups)
         report.ranks = [{"rank": k, "timings_s": r[j]["timings_s"], "row_timings_s": r[j]["row_timings_s"],
                          "memory": r[j]["memory"]} for k, r in enumerate(results)]
-        report.timings_s = dict(timings, wall_s=time.perf_counter() - t0)
+        steps: dict[str, float] = {}  # the last rank's end of each step, seconds from the spawn
+        for r in results:
+            for step, at in r[j]["timeline"].items():
+                steps[f"rank_{step}_s"] = max(steps.get(f"rank_{step}_s", 0.0), at - t0_epoch)
+        report.timings_s = dict(timings, **steps, wall_s=time.perf_counter() - t0)
         reports.append(report)
     return reports
 

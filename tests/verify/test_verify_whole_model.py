@@ -370,6 +370,11 @@ def test_ranks_hold_one_layer_at_a_time(world):
     assert "weights held at once at most" in report.render()
     t = report.timings_s  # the parent's timeline: modules checked beside the ranks, within the run
     assert 0 < t["checked_s"] <= t["wall_s"] and 0 < t["ranks_s"] <= t["wall_s"] and t["startup_s"] > 0
+    # each rank's steps in the order they happen, every layer's, all within the ranks' run
+    layers = [f"rank_layer_{i}_s" for i in range(len(report.rows) - 2)]
+    steps = ["rank_start_s", "rank_built_s", *layers, "rank_head_s"]
+    assert [t[k] for k in steps] == sorted(t[k] for k in steps)
+    assert 0 < t["rank_start_s"] and t["rank_head_s"] <= t["rank_checked_s"] <= t["ranks_s"]
 
 
 def test_a_model_transformers_cannot_load_fails_with_the_parents_check(tiny, tmp_path):

@@ -1,0 +1,87 @@
+"""The order verify reads its inputs ahead in: embeddings, each decoder layer in numeric order,
+then the rest; file order within each; the reference before the shards within a stage."""
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+from moetool.read.safetensors import TensorInfo
+from moetool.read.order import read_order, read_verify_inputs_ahead, stage, verify_order
+
+
+def test_the_reference_is_read_ahead_layer_by_layer():
+    names = {  # name -> (file, begin)
+        "lm_head.weight": ("b.safetensors", 0),
+        "model.norm.weight": ("a.safetensors", 900),
+        "model.layers.10.mlp.experts.0.down_proj.weight": ("a.safetensors", 100),
+        "model.layers.9.self_attn.o_proj.weight": ("b.safetensors", 500),
+        "model.layers.9.input_layernorm.weight": ("a.safetensors", 800),
+        "model.layers.0.mlp.gate.weight": ("b.safetensors", 300),
+        "model.embed_tokens.weight": ("b.safetensors", 700),
+    }
+    tensors = {n: TensorInfo(n, f, "BF16", (4,), b, b + 8) for n, (f, b) in names.items()}
+    got = read_order(SimpleNamespace(tensors=tensors, root="/ckpt"))
+    assert got == [(Path("/ckpt") / f, b, 8) for f, b in [
+        ("b.safetensors", 700),  # embeddings
+        ("b.safetensors", 300),  # layer 0
+        ("a.safetensors", 800), ("b.safetensors", 500),  # layer 9, file order
+        ("a.safetensors", 100),  # layer 10 after 9
+        ("a.safetensors", 900), ("b.safetensors", 0),  # the rest
+    ]]
+
+
+def _stages(ckpt_root: Path, ranges) -> list[int]:
+    """The stage of each range that is one tensor of a checkpoint under ``ckpt_root``."""
+    from moetool.read.checkpoint import open_checkpoint
+
+    out = []
+    for path, offset, length in ranges:
+        folder = path.parent
+        with open_checkpoint(folder, ep_rank=folder != ckpt_root) as ckpt:
+            hit = [t for t in ckpt.tensors.values() if ckpt.root / t.file == path and t.begin == offset]
+            out.append(stage(hit[0].name) if hit and hit[0].end - hit[0].begin == length else None)
+    return out
+
+
+def test_verify_reads_each_layer_reference_then_shards_then_whole_files(verify_chain, verify_shards):
+    from moetool.read.checkpoint import open_checkpoint
+
+    model, shards = verify_chain[0], verify_shards("fp8-block", 2)
+    ranks = sorted(p for p in shards.iterdir() if p.name.startswith("rank-"))
+    with open_checkpoint(model) as ref:
+        moe_only = verify_order(ranks, ref, [2, 1])
+        whole = verify_order(ranks, ref, None)
+        ref_bytes = sum(t.end - t.begin for t in ref.tensors.values())
+    staged = [r for r in moe_only if r[1] or r[2] != r[0].stat().st_size]
+    sides = [r[0].parent == model for r in staged]
+    stages = _stages(model, staged)
+    assert set(stages) == {1, 2} and stages == sorted(stages)  # layer 1 before layer 2, nothing else
+    for s in (1, 2):  # within a layer, the reference before the shards
+        mine = [ref_side for ref_side, st in zip(sides, stages) if st == s]
+        assert mine == sorted(mine, reverse=True) and mine[0] and not mine[-1]
+    # then every rank file whole, each inode once (rank 0's common files are hard-linked)
+    tail = moe_only[len(staged):]
+    files = {p for r in ranks for p in r.glob("*.safetensors")}
+    assert {p for p, _, _ in tail} <= files and all(o == 0 and n == p.stat().st_size for p, o, n in tail)
+    inodes = {(p.stat().st_dev, p.stat().st_ino) for p in files}
+    assert len(tail) == len(inodes)
+    # --whole-model: every reference tensor, the stages in order
+    whole_staged = [r for r in whole if r[0].parent == model]
+    assert sum(n for _, _, n in whole_staged) == ref_bytes
+    assert _stages(model, whole_staged) == sorted(_stages(model, whole_staged))
+
+
+def test_read_ahead_of_a_verify_is_only_a_hint(verify_chain, verify_shards, tmp_path):
+    model, shards = verify_chain[0], verify_shards("fp8-block", 2)
+    thread = read_verify_inputs_ahead(shards, str(model), whole_model=False)
+    assert thread is not None
+    thread.join(30)
+    assert not thread.is_alive()
+    # what the run itself reports (a Hub id, no manifest, a damaged header) is not raised here
+    assert read_verify_inputs_ahead(shards, "org/not-a-folder", whole_model=True) is None
+    assert read_verify_inputs_ahead(model, str(model), whole_model=True) is None
+    bad = tmp_path / "ref"
+    bad.mkdir()
+    (bad / "model.safetensors").write_bytes(b"\xff" * 16)
+    (bad / "config.json").write_text("{}")
+    assert read_verify_inputs_ahead(shards, str(bad), whole_model=False) is None
