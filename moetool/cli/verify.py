@@ -11,7 +11,6 @@ from moetool.cli import command_app
 from moetool.cli.options import Json, Revision
 from moetool.errors import MoetoolError
 from moetool.lazy import import_module
-from moetool.read.order import read_verify_inputs_ahead
 from moetool.verify.report import raise_if_failed
 
 
@@ -80,10 +79,6 @@ def verify_cmd(
     if whole_model and layers:
         raise MoetoolError("--layers: --whole-model runs every layer (the MoE-only mode takes --layers)")
     layer_ids = parse_layers(layers)
-    if not under_torchrun():
-        # the disk reads what the run takes, in its order, while this process imports torch
-        # and spawns the ranks (seconds a cold disk would otherwise idle)
-        read_verify_inputs_ahead(shards, ref, whole_model=whole_model, layers=layer_ids)
     if whole_model:
         if under_torchrun():
             raise MoetoolError("--whole-model spawns its own ranks on one node; it does not run under torchrun yet")

@@ -1,6 +1,5 @@
 """The order a verify run takes a checkpoint's bytes in, for reading them ahead: the embeddings,
-each decoder layer in turn, then the rest (final norm, lm_head). Torch-free: the command starts
-reading before it imports torch (seconds a cold disk would otherwise idle).
+each decoder layer in turn, then the rest (final norm, lm_head). Torch-free.
 """
 from __future__ import annotations
 
@@ -10,7 +9,6 @@ import threading
 from pathlib import Path
 from typing import Iterable
 
-from moetool.model.families import describe
 from moetool.read.checkpoint import Checkpoint, open_checkpoint
 from moetool.read.prefetch import PREFETCH_SHARE, available_memory, read_ahead_ranges
 
@@ -72,21 +70,18 @@ def verify_order(shard_roots: list[Path], ref: Checkpoint, layers: Iterable[int]
     return out
 
 
-def read_verify_inputs_ahead(shards: Path, ref: str, *, whole_model: bool, layers: Iterable[int] | None = None,
+def read_verify_inputs_ahead(jobs: list[tuple[Path, Path, Iterable[int] | None]],
                              stop: threading.Event | None = None) -> threading.Thread | None:
-    """Start reading what ``verify shards --ref ref`` will read, in its order, into the page cache
-    on a daemon thread (up to ``PREFETCH_SHARE`` of the memory available). ``layers``: the
-    MoE-only run's --layers (None: every MoE layer). A hint: anything that cannot be opened
-    here (a Hub id, a damaged header) is left for the run to report."""
+    """Start reading what verify runs will read, in their order, into the page cache on a daemon
+    thread (up to ``PREFETCH_SHARE`` of the memory available), until ``stop`` is set.
+    ``jobs``: [(shard root, reference folder, the MoE-only run's layers or None for
+    --whole-model)]. A hint: what cannot be opened here is left for the run to report."""
+    ranges: list[Range] = []
     try:
-        root, ref_path = Path(shards), Path(ref)
-        if not ref_path.is_dir() or not (root / "manifest.json").is_file():
-            return None
-        rank_roots = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("rank-"))
-        with open_checkpoint(ref_path) as ref_ckpt:
-            if not whole_model and layers is None:
-                layers = [m.index for m in describe(ref_ckpt.config, ref_ckpt.tensors).moe_layers]
-            ranges = verify_order(rank_roots, ref_ckpt, None if whole_model else layers)
+        for shards, ref, layers in jobs:
+            rank_roots = sorted(p for p in Path(shards).iterdir() if p.is_dir() and p.name.startswith("rank-"))
+            with open_checkpoint(Path(ref)) as ref_ckpt:
+                ranges += verify_order(rank_roots, ref_ckpt, layers)
     except Exception:  # noqa: BLE001 - a hint only: the run itself names what is wrong
         return None
     return read_ahead_ranges(ranges, int(available_memory() * PREFETCH_SHARE), stop=stop)

@@ -35,6 +35,7 @@ from moetool.formats.registry import FORMATS
 from moetool.model.families import describe, family_for
 from moetool.read.checkpoint import open_checkpoint
 from moetool.read.experts import ExpertReader, detect_expert_format
+from moetool.read.order import read_verify_inputs_ahead
 from moetool.read.manifest import MANIFEST_NAME, made_by_moetool
 from moetool.read.shards import EPShards
 from moetool.verify.launch import run_under_torchrun, spawn_world
@@ -368,6 +369,7 @@ def verify_many(jobs: list[tuple], *, revision: str | None = None) -> list[Verif
     if len(eps) != 1 or len(backends) != 1:
         raise MoetoolError(f"verify_many: jobs need one ep and backend, got {sorted(eps)} / {sorted(backends)}")
     refs, specs, rank_jobs = [], [], []
+    reading_done = threading.Event()
     try:
         for shards, ref, opts, *_ in prepared:
             ref_ckpt = open_checkpoint(ref, revision)
@@ -375,6 +377,10 @@ def verify_many(jobs: list[tuple], *, revision: str | None = None) -> list[Verif
             specs.append(describe(ref_ckpt.config, ref_ckpt.tensors))
             check_reference(shards, ref_ckpt, specs[-1], ref)
             rank_jobs.append((str(shards.root), opts, _layers_to_check(shards, specs[-1], opts)))
+        # the disk reads what the run takes, in its order, while the ranks start (seconds a cold
+        # disk would otherwise idle); not before this process's imports, which it would starve
+        read_verify_inputs_ahead([(p[0].root, r.root, job[2]) for p, r, job in zip(prepared, refs, rank_jobs)],
+                                 stop=reading_done)
         ep, backend = eps.pop(), backends.pop()
         timeout = sum(p[2].timeout_s for p in prepared)
         device = reference_device(ep)
@@ -427,6 +433,7 @@ def verify_many(jobs: list[tuple], *, revision: str | None = None) -> list[Verif
                                         timings[j]))
         return reports
     finally:
+        reading_done.set()
         for r in refs:
             r.close()
 

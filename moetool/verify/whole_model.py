@@ -42,8 +42,7 @@ from moetool.formats.registry import FORMATS
 from moetool.model.families import describe, text_config
 from moetool.read.checkpoint import open_checkpoint
 from moetool.read.experts import ExpertReader
-from moetool.read.order import read_order
-from moetool.read.prefetch import PREFETCH_SHARE, available_memory, read_ahead_ranges
+from moetool.read.order import read_verify_inputs_ahead
 from moetool.read.shards import EPShards
 from moetool.verify.driver import THRESHOLDS as MOE_THRESHOLDS
 from moetool.verify.driver import check_files_present, check_reference, process_started, resolve_backend
@@ -384,13 +383,7 @@ def _rank_job_on(rank: int, topo, job: dict, shards: EPShards, ckpt, spec) -> di
     opts: WholeModelOptions = job["opts"]
     reporting = topo.tp_index == 0
     ref_ckpt = open_checkpoint(job["ref"], job["revision"]) if reporting else None
-    read_done = threading.Event()
     try:
-        if ref_ckpt is not None:
-            # the disk works while the rank builds its modules and compiles its kernels: the
-            # reference is read into the page cache in the order the layers take it (the shards
-            # are read meanwhile by opened_and_checked's sha256 threads)
-            read_ahead_ranges(read_order(ref_ckpt), int(available_memory() * PREFETCH_SHARE), stop=read_done)
         transport = choose_transport(opts.transport, topo.device) if opts.dispatch == "all2all" else None
         numerics = model_numerics(opts.numerics, FORMATS[shards.manifest["format"]], ckpt, spec)
         dispatcher = get_dispatcher(opts.dispatch, topo, comm_dtype=numerics.wire_dtype,
@@ -400,7 +393,6 @@ def _rank_job_on(rank: int, topo, job: dict, shards: EPShards, ckpt, spec) -> di
         return _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts, load_local_experts,
                     run_moe_layer)
     finally:
-        read_done.set()
         if ref_ckpt is not None:
             ref_ckpt.close()
 
@@ -662,7 +654,10 @@ def verify_whole_model_many(jobs: list[tuple], *, revision: str | None = None,
     started = process_started()
     if started is not None:
         timings["startup_s"] = t0_epoch - started  # this process's start to the ranks' spawn
-    abort = threading.Event()
+    abort, reading_done = threading.Event(), threading.Event()
+    # the disk reads both checkpoints in the order the ranks take them (layer by layer, the
+    # reference then the shards) while the ranks start, build their modules and compile
+    read_verify_inputs_ahead([(sh.root, Path(ref), None) for sh, ref, *_ in prepared], stop=reading_done)
     with ThreadPoolExecutor(1, thread_name_prefix="moetool-check") as pool:
         checked = pool.submit(_check_modules, [(p[0], p[1]) for p in prepared], revision, timings, t0)
         checked.add_done_callback(lambda f: f.exception() is not None and abort.set())
@@ -673,6 +668,8 @@ def verify_whole_model_many(jobs: list[tuple], *, revision: str | None = None,
             if checked.exception() is not None:  # the checkpoint the modules cannot load: the cause
                 raise checked.exception() from None
             raise
+        finally:
+            reading_done.set()
         checked.result()
     timings["ranks_s"] = time.perf_counter() - t0
     reports = []

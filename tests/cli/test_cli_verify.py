@@ -54,17 +54,17 @@ def test_missing_truncated_and_modified_files_are_named(verify_chain, verify_sha
 
 
 def test_cli_report_json_and_exit_status(verify_chain, verify_shards, cli, monkeypatch):
-    import moetool.cli.verify as cli_verify
+    import moetool.verify.driver as driver
 
     model = verify_chain[0]
     sh = verify_shards("int4-group", 2, layout="stacked")
-    asked = []  # the command reads ahead what its run takes, before it imports torch
-    real = cli_verify.read_verify_inputs_ahead
-    monkeypatch.setattr(cli_verify, "read_verify_inputs_ahead", lambda *a, **k: asked.append((a, k)) or real(*a, **k))
+    asked = []  # the run reads ahead what it takes, in its order, and stops reading when it ends
+    real = driver.read_verify_inputs_ahead
+    monkeypatch.setattr(driver, "read_verify_inputs_ahead", lambda jobs, stop: asked.append((jobs, stop)) or real(jobs, stop))
     r = cli("verify", sh, "--ref", model, "--ep", "2", "--tokens", TOKENS, "--layers", "2", "--json",
             "--warmup", "1", "--repeat", "2", "--all2all", "all2all")
     assert r.code == 0, r.err
-    assert asked == [((sh, str(model)), {"whole_model": False, "layers": (2,)})]
+    assert [jobs for jobs, _ in asked] == [[(sh, model, [2])]] and asked[0][1].is_set()
     rep = json.loads(r.out)
     assert rep["passed"] and [l["layer"] for l in rep["layers"]] == [2] and rep["format"] == "int4-group"
     assert rep["options"]["repeat"] == 2 and all(v > 0 for v in rep["layers"][0]["timings_ms"].values())

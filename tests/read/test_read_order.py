@@ -73,15 +73,14 @@ def test_verify_reads_each_layer_reference_then_shards_then_whole_files(verify_c
 
 def test_read_ahead_of_a_verify_is_only_a_hint(verify_chain, verify_shards, tmp_path):
     model, shards = verify_chain[0], verify_shards("fp8-block", 2)
-    thread = read_verify_inputs_ahead(shards, str(model), whole_model=False)
+    thread = read_verify_inputs_ahead([(shards, model, [1]), (shards, model, None)])
     assert thread is not None
     thread.join(30)
     assert not thread.is_alive()
-    # what the run itself reports (a Hub id, no manifest, a damaged header) is not raised here
-    assert read_verify_inputs_ahead(shards, "org/not-a-folder", whole_model=True) is None
-    assert read_verify_inputs_ahead(model, str(model), whole_model=True) is None
+    # what the run itself reports (no such folder, a damaged header) is not raised here
+    assert read_verify_inputs_ahead([(shards, tmp_path / "nothing", None)]) is None
     bad = tmp_path / "ref"
     bad.mkdir()
     (bad / "model.safetensors").write_bytes(b"\xff" * 16)
     (bad / "config.json").write_text("{}")
-    assert read_verify_inputs_ahead(shards, str(bad), whole_model=False) is None
+    assert read_verify_inputs_ahead([(shards, bad, [1])]) is None

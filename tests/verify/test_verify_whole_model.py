@@ -377,13 +377,18 @@ def test_ranks_hold_one_layer_at_a_time(world):
     assert 0 < t["rank_start_s"] and t["rank_head_s"] <= t["rank_checked_s"] <= t["ranks_s"]
 
 
-def test_a_model_transformers_cannot_load_fails_with_the_parents_check(tiny, tmp_path):
+def test_a_model_transformers_cannot_load_fails_with_the_parents_check(tiny, tmp_path, monkeypatch):
     """A DeepSeek-V3 checkpoint without one of its MLA projections: one line naming the tensor
     transformers needs, from the parent's check (on a thread beside the ranks, which it stops),
-    whatever the ranks met first."""
+    whatever the ranks met first. The read-ahead of every layer stops with the run."""
+    import moetool.verify.whole_model as wm
+
     model = tiny("deepseek_v3", hidden=64, intermediate=32)
     name = "model.layers.0.self_attn.q_a_proj.weight"
     rewrite_file(file_of(model, name), lambda t: t.pop(name))
     shard(model, tmp_path / "shards", 2, progress=False)
+    asked = []
+    monkeypatch.setattr(wm, "read_verify_inputs_ahead", lambda jobs, stop: asked.append((jobs, stop)))
     with pytest.raises(MoetoolError, match=r"no tensor for transformers' model\.layers\.0\.self_attn\.q_a_proj\.weight"):
         verify_whole_model_many([(tmp_path / "shards", model, OPTS)])
+    assert [jobs for jobs, _ in asked] == [[(tmp_path / "shards", model, None)]] and asked[0][1].is_set()
