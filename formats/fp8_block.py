@@ -22,14 +22,14 @@ from moetool.formats.common import (
     check_suffixes,
     check_tensor,
     abs_max,
-    abs_max_bits,
-    band_rows,
+    block_tile,
     check_weight,
     fp8_band_buffers,
-    fp8_band_error,
     e4m3_to_float,
     check_weight_shape,
+    scripted,
 )
+from moetool.memory import scratch
 
 BLOCK = 128
 FP8_E4M3_MAX = 448.0
@@ -65,36 +65,70 @@ def fp8_block_quant_ref(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def fp8_block_quant_measured(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float, float]:
     """``fp8_block_quant_ref(w)`` bit for bit, plus the error sums of its dequantization
-    (sum w32^2, sum (q * s - w32)^2, per element in float32 as ``dequantize_blocks``).
+    (sum w32^2, sum (q * s - w32)^2 with q and s as stored, float32 terms as
+    ``dequantize_blocks`` computes them, summed in float64 a tile at a time).
 
-    CPU, N and K multiples of 128. Fused: a band of block rows at a time goes through
-    per-thread float32 buffers that stay in cache (convert, block maxima, divide, to e4m3,
-    back to float32 from the code bits, error), so no [N, K] float32 temporary is made."""
+    CPU, N and K multiples of 128. Fused: a tile of whole blocks at a time (``block_tile``)
+    goes through per-thread buffers that stay in cache (convert, block maxima, divide, to e4m3,
+    the codes read back, error), so no [N, K] float32 temporary is made; the loop is one
+    TorchScript call (``scripted``)."""
     n, k = w.shape
-    col_blocks = k // BLOCK
-    rows = band_rows(n, k, BLOCK)
+    rows, cols = block_tile(n, k, BLOCK)
     q = torch.empty((n, k), dtype=torch.float8_e4m3fn)
-    scale = torch.empty((n // BLOCK, col_blocks), dtype=torch.float32)
-    ref_buf, work_buf, bits_buf = fp8_band_buffers(rows * k)
-    sig = noise = 0.0
+    scale = torch.empty((n // BLOCK, k // BLOCK), dtype=torch.float32)
+    ref, work, bits = fp8_band_buffers(rows * cols)
+    half = bits.view(torch.int16)[: rows * cols]
+    amax = scratch("amax", rows * cols // (BLOCK * BLOCK), torch.float32)
+    sig, noise = _fp8_block_tiles(w, q, q.view(torch.int8), scale, ref, ref.view(torch.int32), work,
+                                  work.view(torch.int32), half, half.view(torch.float16), amax,
+                                  amax.view(torch.int32), rows, cols, BLOCK, AMAX_FLOOR, FP8_E4M3_MAX)
+    return q, scale, sig, noise
+
+
+@scripted
+def _fp8_block_tiles(w: torch.Tensor, q: torch.Tensor, q_int8: torch.Tensor, scale: torch.Tensor,
+                     ref: torch.Tensor, ref_int32: torch.Tensor, work: torch.Tensor, work_int32: torch.Tensor,
+                     half: torch.Tensor, half_float16: torch.Tensor, amax: torch.Tensor, amax_int32: torch.Tensor,
+                     rows: int, cols: int, block: int, floor: float, fp8_max: float) -> tuple[float, float]:
+    """The loop of ``fp8_block_quant_measured`` over tiles of ``rows`` x ``cols``: w [N, K] ->
+    q [N, K] (``q_int8`` its codes' view) and scale [N/block, K/block]; (sum w32^2, sum
+    (q * s - w32)^2). Buffers (each given also as the views TorchScript cannot take: dtype
+    views of the same memory): ``ref``, ``work`` float32 and ``half`` int16, a tile each;
+    ``amax`` float32, a tile's blocks."""
+    n, k = w.size(0), w.size(1)
+    sig, noise = 0.0, 0.0
     for r0 in range(0, n, rows):
         m = min(rows, n - r0)
-        ref, work, bits = (b[: m * k] for b in (ref_buf, work_buf, bits_buf))
-        ref.view(m, k).copy_(w[r0 : r0 + m])
-        blocks = ref.view(m // BLOCK, BLOCK, col_blocks, BLOCK)
-        s = scale[r0 // BLOCK : (r0 + m) // BLOCK]
-        abs_max_bits(blocks, (1, 3), s, work)
-        s.clamp_(min=AMAX_FLOOR).div_(FP8_E4M3_MAX)
-        s4 = s[:, None, :, None]
-        # no clamp to +-448 as the reference has: |w| <= amax, s = amax / 448 rounded once, so
-        # |w / s| <= 448 * (1 + 2**-23), which e4m3 rounds to 448 all the same (only 464 and
-        # above would round to 480, e4m3fn's NaN)
-        torch.div(blocks, s4, out=work.view(blocks.shape))
-        qb = q[r0 : r0 + m]
-        qb.copy_(work.view(m, k))
-        band_sig, band_noise = fp8_band_error(ref, qb.view(blocks.shape), s4, work.view(blocks.shape), bits)
-        sig, noise = sig + band_sig, noise + band_noise
-    return q, scale, sig, noise
+        for c0 in range(0, k, cols):
+            c = min(cols, k - c0)
+            e, rb, cb = m * c, m // block, c // block
+            w32 = ref[:e]
+            w32.view([m, c]).copy_(w[r0:r0 + m, c0:c0 + c])
+            blocks = w32.view([rb, block, cb, block])
+            # max |w| per block as one integer max of the bits with the sign cleared: the bits
+            # of non-negative floats order as their values (NaN above all, so it propagates)
+            torch.bitwise_and(ref_int32[:e], 0x7FFFFFFF, out=work_int32[:e])
+            torch.amax(work_int32[:e].view([rb, block, cb, block]), [1, 3], out=amax_int32[:rb * cb].view([rb, cb]))
+            s = amax[:rb * cb].view([rb, cb]).clamp_(min=floor).div_(fp8_max)
+            scale[r0 // block:(r0 + m) // block, c0 // block:(c0 + c) // block] = s
+            s4 = s.view([rb, 1, cb, 1])
+            x = work[:e].view([rb, block, cb, block])
+            # no clamp to +-448 as the reference has: |w| <= amax, s = amax / 448 rounded once,
+            # so |w / s| <= 448 * (1 + 2**-23), which e4m3 rounds to 448 all the same (only 464
+            # and above would round to 480, e4m3fn's NaN)
+            torch.div(blocks, s4, out=x)
+            q[r0:r0 + m, c0:c0 + c].copy_(x.view([m, c]))
+            sig += float(torch.dot(w32, w32))
+            # the stored codes back as q * 2**-8 in float16 (``e4m3_dequantize_band``), exactly
+            codes = half[:e].view([m, c])
+            codes.copy_(q_int8[r0:r0 + m, c0:c0 + c])
+            codes.bitwise_left_shift_(7)
+            codes.bitwise_and_(-16385)  # ~(1 << 14): bit 14 cleared
+            x.view([m, c]).copy_(half_float16[:e].view([m, c]))
+            torch.addcmul(blocks, x, s4 * 256.0, value=-1.0, out=x)  # w32 - q * s
+            diff = work[:e]
+            noise += float(torch.dot(diff, diff))
+    return sig, noise
 
 
 def expand_block_scales(scale: torch.Tensor, n: int, k: int) -> torch.Tensor:

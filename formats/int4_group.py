@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Optional
 
 import torch
 
@@ -29,12 +29,13 @@ from moetool.formats.common import (
     check_suffixes,
     check_tensor,
     abs_max,
-    abs_max_bits,
     band_rows,
     check_weight,
     check_weight_shape,
     scale_in_dtype,
+    scripted,
     split_row_blocked,
+    tile_rows,
 )
 from moetool.formats.fp8_block import AMAX_FLOOR
 from moetool.memory import scratch
@@ -270,67 +271,109 @@ def int4_group_quant_measured(
     w: torch.Tensor, group_size: int, symmetric: bool, orig_dtype: torch.dtype, clip: str = "none"
 ) -> tuple[Tensors, float, float]:
     """``int4_group_quant_ref`` followed by ``pack_int4`` (the format's tensors, bit for bit),
-    plus the error sums of their dequantization (sum w32^2, sum ((q - z) * s - w32)^2, per
-    element in float32 as ``Int4Group.dequantize``).
+    plus the error sums of their dequantization (sum w32^2, sum ((q - z) * s - w32)^2, float32
+    terms as ``Int4Group.dequantize`` computes them, summed in float64 a band at a time).
 
-    CPU, little-endian, K a multiple of 8 and of ``group_size``. A band of rows at a time goes
-    through per-thread buffers that stay in cache (see ``fp8_block_quant_measured``); the
-    codes are packed two per byte straight from the band."""
+    CPU, little-endian, K a multiple of 8 and of ``group_size``. A band of whole rows at a time
+    (``tile_rows``) goes through per-thread buffers that stay in cache, the codes packed two
+    per byte straight from the band; the loop is one TorchScript call (``scripted``).
+    ``clip="mse"`` searches each group's clip ratio first (``mse_clip_ratios``, band by band)."""
     n, k = w.shape
     groups_per_row = k // group_size
-    rows = band_rows(n, k)
+    rows = tile_rows(n, k)
     packed = torch.empty((n, k // 2), dtype=torch.uint8)
     scale = torch.empty((n, groups_per_row), dtype=orig_dtype)
     zero_point = None if symmetric else torch.empty((n, groups_per_row), dtype=torch.int8)
-    ref_buf = scratch("ref", rows * k, torch.float32)
-    work_buf = scratch("work", rows * k, torch.float32)
-    codes_buf = scratch("codes", rows * k, torch.int8)
-    pairs_buf = scratch("pairs", rows * k // 2, torch.int16)
-    amax_buf = torch.empty(rows * groups_per_row, dtype=torch.float32)
-    sig = noise = 0.0
-    for r0 in range(0, n, rows):
-        m = min(rows, n - r0)
-        ref, work = ref_buf[: m * k], work_buf[: m * k]
-        groups = ref.view(m, groups_per_row, group_size)
-        groups.view(m, k).copy_(w[r0 : r0 + m])
-        work3 = work.view(groups.shape)
-        ratio = 1.0
-        if clip == "mse":
-            ratio = mse_clip_ratios(groups.view(-1, group_size), symmetric, orig_dtype).view(m, groups_per_row)
-        if symmetric:
-            amax = abs_max_bits(groups, -1, amax_buf[: m * groups_per_row].view(m, groups_per_row), work3)
-            s, zero = _group_scales((amax.clamp_(min=AMAX_FLOOR),), ratio, orig_dtype, final=True)
-            torch.div(groups, s[..., None], out=work3).round_()
-        else:
-            span = (groups.amin(dim=-1).clamp_(max=0), groups.amax(dim=-1).clamp_(min=0))
-            s, zero = _group_scales(span, ratio, orig_dtype, final=True)
-            torch.div(groups, s[..., None], out=work3).round_().add_(zero[..., None])
-            zero_point[r0 : r0 + m] = zero
-        work.clamp_(INT4_MIN, INT4_MAX)
-        scale[r0 : r0 + m] = s
-        # codes q + 8 in [0, 16), element 2j in the low nibble of byte j, 2j + 1 in the high:
-        # as little-endian int16 pairs v = c0 + 256 * c1, v | (v >> 4) holds c0 + 16 * c1 in
-        # its low byte, which the conversion to uint8 keeps (contiguous int16 passes: strided
-        # byte views took four times as long)
-        codes = codes_buf[: m * k].view(m, k)
-        codes.copy_(work.view(m, k))
-        codes.view(torch.uint8).add_(8)  # q + 8 wraps nothing: [-8, 7] -> [0, 15]
-        pairs = codes.view(torch.int16)  # [m, k/2]
-        shifted = pairs_buf[: m * k // 2].view(m, k // 2)
-        torch.bitwise_right_shift(pairs, 4, out=shifted).bitwise_or_(pairs)
-        packed[r0 : r0 + m].copy_(shifted)  # the low byte of each
-        # error: dequantize's (q - z) * s, element by element
-        sig += float(torch.dot(ref, ref))
-        if zero is not None:
-            work3.sub_(zero[..., None])
-        work3.mul_(s[..., None])
-        work.sub_(ref)
-        noise += float(torch.dot(work, work))
+    ref = scratch("ref", rows * k, torch.float32)
+    work = scratch("work", rows * k, torch.float32)
+    codes = scratch("codes", rows * k, torch.int8)
+    shifted = scratch("pairs", rows * k // 2, torch.int16)
+    span = scratch("amax", 2 * rows * groups_per_row, torch.float32)
+    ratio = None
+    if clip == "mse":
+        ratio = torch.empty((n, groups_per_row), dtype=torch.float32)
+        for r0 in range(0, n, rows):
+            band = ref[: min(rows, n - r0) * k].view(-1, group_size)
+            band.view(-1, k).copy_(w[r0 : r0 + rows])
+            ratio[r0 : r0 + rows] = mse_clip_ratios(band, symmetric, orig_dtype).view(-1, groups_per_row)
+    info = torch.finfo(orig_dtype)
+    sig, noise = _int4_group_tiles(w, packed, scale, zero_point, ratio, ref, ref.view(torch.int32), work,
+                                   work.view(torch.int32), codes, codes.view(torch.uint8), codes.view(torch.int16),
+                                   shifted, span, span.view(torch.int32), rows, group_size, orig_dtype,
+                                   info.tiny * info.eps, AMAX_FLOOR, SYMMETRIC_RANGE, float(ASYMMETRIC_RANGE),
+                                   INT4_MIN, INT4_MAX)
+    if not bool(torch.isfinite(scale).all()):  # as ``scale_in_dtype`` raises it
+        raise MoetoolError(f"has values too large for {orig_dtype} scales")
     t = {"weight_packed": packed.view(torch.int32), "weight_scale": scale,
          "weight_shape": torch.tensor([n, k], dtype=torch.int32)}
     if zero_point is not None:
         t["weight_zero_point"] = pack_int4(zero_point, packed_dim=0)
     return t, sig, noise
+
+
+@scripted
+def _int4_group_tiles(w: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero_point: Optional[torch.Tensor],
+                      ratio: Optional[torch.Tensor], ref: torch.Tensor, ref_int32: torch.Tensor, work: torch.Tensor,
+                      work_int32: torch.Tensor, codes: torch.Tensor, codes_uint8: torch.Tensor,
+                      codes_int16: torch.Tensor, shifted: torch.Tensor, span: torch.Tensor, span_int32: torch.Tensor,
+                      rows: int, group_size: int, dtype: torch.dtype, smallest: float, floor: float,
+                      symmetric_range: float, asymmetric_range: float, lowest: int, highest: int) -> tuple[float, float]:
+    """The loop of ``int4_group_quant_measured`` over bands of ``rows`` rows: w [N, K] ->
+    packed uint8 [N, K/2], scale [N, G] (``dtype``), zero_point int8 [N, G] (None: symmetric);
+    (sum w32^2, sum ((q - z) * s - w32)^2). ``ratio`` float32 [N, G], the clip (None: 1).
+    ``_group_scales`` and ``scale_in_dtype`` as formulas (``smallest``: dtype's smallest
+    subnormal; a scale too large for dtype is left inf, for the caller to raise). Buffers
+    (each given also as the dtype views TorchScript cannot take): ``ref``, ``work`` float32,
+    ``codes`` int8 and ``shifted`` int16 (half as many), a band each; ``span`` float32, two
+    per group of a band."""
+    n, k = w.size(0), w.size(1)
+    g = k // group_size
+    sig, noise = 0.0, 0.0
+    for r0 in range(0, n, rows):
+        m = min(rows, n - r0)
+        e = m * k
+        w32 = ref[:e]
+        groups = w32.view([m, g, group_size])
+        w32.view([m, k]).copy_(w[r0:r0 + m])
+        x = work[:e].view([m, g, group_size])
+        if zero_point is None:  # s = dtype(max |w| * r / 7.5)
+            # max |w| per group as one integer max of the bits with the sign cleared
+            torch.bitwise_and(ref_int32[:e], 0x7FFFFFFF, out=work_int32[:e])
+            torch.amax(work_int32[:e].view([m, g, group_size]), [2], out=span_int32[:m * g].view([m, g]))
+            amax = span[:m * g].view([m, g]).clamp_(min=floor)
+            if ratio is not None:
+                amax = amax * ratio[r0:r0 + m]
+            s = (amax / symmetric_range).clamp_(min=smallest).to(dtype).float()
+            torch.div(groups, s.unsqueeze(2), out=x).round_()
+            zero = s  # unused
+        else:  # lo = min(w, 0) * r, hi = max(w, 0) * r; s = dtype((hi - lo) / 15), z = round(-lo / s) - 8
+            low = torch.amin(groups, [2]).clamp_(max=0.0)
+            high = torch.amax(groups, [2]).clamp_(min=0.0)
+            if ratio is not None:
+                low, high = low * ratio[r0:r0 + m], high * ratio[r0:r0 + m]
+            s = (high - low).clamp_(min=floor).div_(asymmetric_range).clamp_(min=smallest).to(dtype).float()
+            zero = torch.div(low.neg_(), s).round_().sub_(8.0).clamp_(lowest, highest)
+            torch.div(groups, s.unsqueeze(2), out=x).round_().add_(zero.unsqueeze(2))
+            zero_point[r0:r0 + m] = zero
+        x.clamp_(lowest, highest)
+        scale[r0:r0 + m] = s
+        # codes q + 8 in [0, 16), element 2j in the low nibble of byte j, 2j + 1 in the high:
+        # as little-endian int16 pairs v = c0 + 256 * c1, v | (v >> 4) holds c0 + 16 * c1 in
+        # its low byte, which the conversion to uint8 keeps (contiguous int16 passes: strided
+        # byte views took four times as long)
+        codes[:e].copy_(work[:e])
+        codes_uint8[:e].add_(8)  # q + 8 wraps nothing: [-8, 7] -> [0, 15]
+        pairs = codes_int16[:e // 2].view([m, k // 2])
+        torch.bitwise_right_shift(pairs, 4, out=shifted[:e // 2].view([m, k // 2])).bitwise_or_(pairs)
+        packed[r0:r0 + m].copy_(shifted[:e // 2].view([m, k // 2]))  # the low byte of each
+        # error: dequantize's (q - z) * s, element by element
+        sig += float(torch.dot(w32, w32))
+        if zero_point is not None:
+            x.sub_(zero.unsqueeze(2))
+        x.mul_(s.unsqueeze(2))
+        diff = work[:e].sub_(w32)
+        noise += float(torch.dot(diff, diff))
+    return sig, noise
 
 
 def expand_groups(per_group: torch.Tensor, group_size: int, k: int) -> torch.Tensor:

@@ -332,6 +332,7 @@ def test_mse_lowers_the_error_on_random_weights(symmetric, seed):
 def test_mse_measured_matches_quantize(elements, symmetric, orig_dtype, monkeypatch):
     """Bands of rows (measured) and chunks of groups (the search) of any size: the same bytes."""
     monkeypatch.setattr(common, "BAND_ELEMENTS", elements[0])
+    monkeypatch.setattr(common, "TILE_ELEMENTS", elements[0])
     monkeypatch.setattr(int4_group, "MSE_CHUNK", elements[1])
     w = random_weight((200, 384), orig_dtype, seed=5)
     w[0, :128] = 0  # an all-zero group

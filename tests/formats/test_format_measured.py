@@ -7,7 +7,7 @@ import torch
 
 from moetool.errors import MoetoolError
 from moetool.formats import Fp8Block, Fp8Channel, Int4Group
-from moetool.formats import common
+from moetool.formats import common, fp8_block, int4_group
 from moetool.formats.common import error_sums
 from moetool.memory import scratch
 
@@ -42,8 +42,10 @@ def same_tensors(a: dict, b: dict) -> None:
 
 @pytest.fixture(params=[1 << 14, 1 << 18], ids=["small-bands", "default-bands"])
 def band(request, monkeypatch):
-    """Several bands per weight (a remainder band included) and the default size."""
+    """Several bands or tiles per weight (a remainder included; fp8-block: blocks of columns
+    too) and the default size."""
     monkeypatch.setattr(common, "BAND_ELEMENTS", request.param)
+    monkeypatch.setattr(common, "TILE_ELEMENTS", request.param)
 
 
 @pytest.mark.parametrize("name", FORMATS)
@@ -82,6 +84,22 @@ def test_measured_refuses_non_finite(name, bad):
     w[200, 3] = bad
     with pytest.raises(MoetoolError, match="NaN/Inf"):
         FORMATS[name].quantize_measured(w, torch.bfloat16)
+
+
+@pytest.mark.parametrize("name", ["fp8-block", "int4-sym-g128", "int4-asym-g64"])
+def test_tile_loops_compile_and_run_eagerly_alike(name, monkeypatch):
+    """The tile loops run as TorchScript (``common.scripted``: one call without the GIL) where
+    torch has it; run eagerly instead (the fallback) they give the same tensors and sums."""
+    loop = fp8_block._fp8_block_tiles if name == "fp8-block" else int4_group._int4_group_tiles
+    fmt = FORMATS[name]
+    w = random_weight((384, 1024))
+    compiled = fmt.quantize_measured(w, torch.bfloat16)
+    if hasattr(torch.jit, "script"):
+        assert isinstance(loop._compiled, torch.jit.ScriptFunction)
+    monkeypatch.setattr(loop, "_compiled", loop.fn)
+    eager = fmt.quantize_measured(w, torch.bfloat16)
+    same_tensors(compiled[0], eager[0])
+    assert compiled[1:] == eager[1:]
 
 
 def test_scratch_is_reused_per_thread():
