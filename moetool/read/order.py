@@ -3,6 +3,7 @@ each decoder layer in turn, then the rest (final norm, lm_head). Torch-free.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import threading
@@ -70,13 +71,37 @@ def verify_order(shard_roots: list[Path], ref: Checkpoint, layers: Iterable[int]
     return out
 
 
+def package_files(name: str) -> list[Range]:
+    """The code files of the installed package ``name`` (found, not imported): its ``*.py``,
+    shared libraries and the programs in its ``bin`` folders; [] where it is not installed."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return []
+    out: list[Range] = []
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        for root, _, files in sorted(os.walk(folder)):
+            for f in sorted(files):
+                if f.endswith(".py") or ".so" in f or os.path.basename(root) == "bin":
+                    path = Path(root) / f
+                    try:
+                        out.append((path, 0, path.stat().st_size))
+                    except OSError:
+                        pass
+    return out
+
+
 def read_verify_inputs_ahead(jobs: list[tuple[Path, Path, Iterable[int] | None]],
-                             stop: threading.Event | None = None) -> threading.Thread | None:
+                             stop: threading.Event | None = None, *, gpu: bool = False) -> threading.Thread | None:
     """Start reading what verify runs will read, in their order, into the page cache on a daemon
     thread (up to ``PREFETCH_SHARE`` of the memory available), until ``stop`` is set.
     ``jobs``: [(shard root, reference folder, the MoE-only run's layers or None for
-    --whole-model)]. A hint: what cannot be opened here is left for the run to report."""
-    ranges: list[Range] = []
+    --whole-model)]. A hint: what cannot be opened here is left for the run to report.
+
+    ``gpu``: the ranks run on GPUs, where Triton's files come first (the ranks load and compile
+    with it, this process never does; they read it in small pieces, which a disk busy with
+    the checkpoints serves seconds late)."""
+    ranges: list[Range] = package_files("triton") if gpu else []
     try:
         for shards, ref, layers in jobs:
             rank_roots = sorted(p for p in Path(shards).iterdir() if p.is_dir() and p.name.startswith("rank-"))

@@ -379,9 +379,9 @@ def verify_many(jobs: list[tuple], *, revision: str | None = None) -> list[Verif
             rank_jobs.append((str(shards.root), opts, _layers_to_check(shards, specs[-1], opts)))
         # the disk reads what the run takes, in its order, while the ranks start (seconds a cold
         # disk would otherwise idle); not before this process's imports, which it would starve
-        read_verify_inputs_ahead([(p[0].root, r.root, job[2]) for p, r, job in zip(prepared, refs, rank_jobs)],
-                                 stop=reading_done)
         ep, backend = eps.pop(), backends.pop()
+        read_verify_inputs_ahead([(p[0].root, r.root, job[2]) for p, r, job in zip(prepared, refs, rank_jobs)],
+                                 stop=reading_done, gpu=backend == "nccl")
         timeout = sum(p[2].timeout_s for p in prepared)
         device = reference_device(ep)
         stop, abort = threading.Event(), threading.Event()

@@ -70,6 +70,15 @@ def hf_config(config: dict):
     return out
 
 
+def causal_lm_class(cfg) -> type:
+    """transformers' causal-LM class of a config object (importing its modeling module: seconds
+    of small reads on a cold disk)."""
+    try:
+        return transformers.AutoModelForCausalLM._model_mapping[type(cfg)]
+    except KeyError:
+        raise MoetoolError(f"transformers has no causal LM for model_type {cfg.model_type!r}") from None
+
+
 class _Recorder(nn.Module):
     """Stands in for decoder layer i while the model's forward runs once: keeps the arguments
     the layer is called with and returns the hidden states unchanged."""
@@ -99,12 +108,8 @@ class Skeleton:
         self.device = device or torch.device("cpu")
         if self.device.type == "cuda":  # page-locked reads: the copies to the GPU run at full speed
             ckpt.pin_memory = True
-        try:
-            cls = transformers.AutoModelForCausalLM._model_mapping[type(self.cfg)]
-        except KeyError:
-            raise MoetoolError(f"transformers has no causal LM for model_type {self.cfg.model_type!r}") from None
         with torch.device("meta"):
-            self.model = cls(self.cfg)
+            self.model = causal_lm_class(self.cfg)(self.cfg)
         self.model.eval()
         base = getattr(self.model, "model", None) or self.model.base_model  # the decoder stack
         self.base = base

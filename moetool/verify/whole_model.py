@@ -46,7 +46,7 @@ from moetool.read.order import read_verify_inputs_ahead
 from moetool.read.shards import EPShards
 from moetool.verify.driver import THRESHOLDS as MOE_THRESHOLDS
 from moetool.verify.driver import check_files_present, check_reference, process_started, resolve_backend
-from moetool.verify.hf_layers import Skeleton, capture, require_transformers
+from moetool.verify.hf_layers import Skeleton, capture, causal_lm_class, hf_config, require_transformers
 from moetool.verify.launch import spawn_world
 from moetool.verify.numerics import NUMERICS, model_numerics
 from moetool.verify.reference import shared_forward
@@ -639,6 +639,9 @@ def verify_whole_model_many(jobs: list[tuple], *, revision: str | None = None,
         with open_checkpoint(ref, revision) as ref_ckpt:
             spec = describe(ref_ckpt.config, ref_ckpt.tensors)
             check_reference(shards, ref_ckpt, spec, ref)
+            # the family's modules imported before the reads below start: they would starve
+            # the imports' small reads (the ranks import the same files, then from memory)
+            causal_lm_class(hf_config(ref_ckpt.config))
             vocab = int(text_config(ref_ckpt.config).get("vocab_size"))
             ids, source = make_token_ids(opts, vocab, ref_ckpt.root)
             ref_root = str(ref_ckpt.root)
@@ -657,12 +660,14 @@ def verify_whole_model_many(jobs: list[tuple], *, revision: str | None = None,
     abort, reading_done = threading.Event(), threading.Event()
     # the disk reads both checkpoints in the order the ranks take them (layer by layer, the
     # reference then the shards) while the ranks start, build their modules and compile
-    read_verify_inputs_ahead([(sh.root, Path(ref), None) for sh, ref, *_ in prepared], stop=reading_done)
+    ep, backend = eps.pop(), backends.pop()
+    read_verify_inputs_ahead([(sh.root, Path(ref), None) for sh, ref, *_ in prepared], stop=reading_done,
+                             gpu=backend == "nccl")
     with ThreadPoolExecutor(1, thread_name_prefix="moetool-check") as pool:
         checked = pool.submit(_check_modules, [(p[0], p[1]) for p in prepared], revision, timings, t0)
         checked.add_done_callback(lambda f: f.exception() is not None and abort.set())
         try:
-            results = spawn_world(_rank_jobs, eps.pop(), backends.pop(), args=(rank_jobs,), timeout_s=timeout,
+            results = spawn_world(_rank_jobs, ep, backend, args=(rank_jobs,), timeout_s=timeout,
                                   abort=abort)
         except MoetoolError:
             if checked.exception() is not None:  # the checkpoint the modules cannot load: the cause

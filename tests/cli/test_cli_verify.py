@@ -60,7 +60,8 @@ def test_cli_report_json_and_exit_status(verify_chain, verify_shards, cli, monke
     sh = verify_shards("int4-group", 2, layout="stacked")
     asked = []  # the run reads ahead what it takes, in its order, and stops reading when it ends
     real = driver.read_verify_inputs_ahead
-    monkeypatch.setattr(driver, "read_verify_inputs_ahead", lambda jobs, stop: asked.append((jobs, stop)) or real(jobs, stop))
+    monkeypatch.setattr(driver, "read_verify_inputs_ahead",
+                        lambda jobs, stop, gpu: asked.append((jobs, stop)) or real(jobs, stop, gpu=gpu))
     r = cli("verify", sh, "--ref", model, "--ep", "2", "--tokens", TOKENS, "--layers", "2", "--json",
             "--warmup", "1", "--repeat", "2", "--all2all", "all2all")
     assert r.code == 0, r.err

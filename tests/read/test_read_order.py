@@ -6,7 +6,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from moetool.read.safetensors import TensorInfo
-from moetool.read.order import read_order, read_verify_inputs_ahead, stage, verify_order
+from moetool.read.order import package_files, read_order, read_verify_inputs_ahead, stage, verify_order
 
 
 def test_the_reference_is_read_ahead_layer_by_layer():
@@ -84,3 +84,12 @@ def test_read_ahead_of_a_verify_is_only_a_hint(verify_chain, verify_shards, tmp_
     (bad / "model.safetensors").write_bytes(b"\xff" * 16)
     (bad / "config.json").write_text("{}")
     assert read_verify_inputs_ahead([(shards, bad, [1])]) is None
+
+
+def test_the_code_the_ranks_load_is_found_not_imported():
+    import sys
+
+    files = {p.name for p, offset, n in package_files("moetool") if offset == 0 and n == p.stat().st_size}
+    assert {"order.py", "__main__.py"} <= files
+    assert package_files("moetool_no_such_package") == []
+    assert "moetool_no_such_package" not in sys.modules

@@ -388,7 +388,7 @@ def test_a_model_transformers_cannot_load_fails_with_the_parents_check(tiny, tmp
     rewrite_file(file_of(model, name), lambda t: t.pop(name))
     shard(model, tmp_path / "shards", 2, progress=False)
     asked = []
-    monkeypatch.setattr(wm, "read_verify_inputs_ahead", lambda jobs, stop: asked.append((jobs, stop)))
+    monkeypatch.setattr(wm, "read_verify_inputs_ahead", lambda jobs, stop, gpu: asked.append((jobs, stop)))
     with pytest.raises(MoetoolError, match=r"no tensor for transformers' model\.layers\.0\.self_attn\.q_a_proj\.weight"):
         verify_whole_model_many([(tmp_path / "shards", model, OPTS)])
     assert [jobs for jobs, _ in asked] == [[(tmp_path / "shards", model, None)]] and asked[0][1].is_set()
