@@ -11,6 +11,7 @@ ranges of the input are copied by ``moetool.convert.byte_executor`` instead, wit
 from __future__ import annotations
 
 import math
+import mmap
 import os
 import threading
 import time
@@ -35,7 +36,7 @@ from moetool.memory import trim_in_background
 from moetool.convert.plan import (ROLES, Copy, Dequant, ExpertLinear, Fused, Group, Plan, PlannedFile, SharedLinear,
                                   Stacked, Summary)
 from moetool.convert.output import OutputDir, finish_plan
-from moetool.read.safetensors import SAFETENSORS_METADATA, TensorSpec
+from moetool.read.safetensors import SAFETENSORS_METADATA, TensorInfo, TensorSpec, pread_exactly
 
 DTYPE_BY_NAME = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -442,6 +443,13 @@ def _storage_sig(ckpt: Checkpoint, layer: MoELayerSpec) -> tuple:
 # ---------------------------------------------------------------------------------- executing
 
 
+#: a tensor copied as it is (``Copy``: attention, norms, embeddings, lm_head) is read and
+#: written in pieces of this many bytes, a few in flight, never whole: memory stays flat in the
+#: size of the largest tensor (a DeepSeek-V3 lm_head is 1.85 GB) and of the input; read into
+#: plain memory even where the experts are read page-locked for a GPU (pinned blocks stay
+#: cached for the process, rounded up to a power of two)
+COPY_PIECE = 4 << 20
+
 #: hand freed heap memory back to the OS after this many bytes of output tensors: often enough
 #: to keep peak RSS flat, rarely enough that small tensors (norms, biases: shard and repack
 #: copy thousands) do not pay a heap walk and a page fault storm each (every 16 tasks cost
@@ -456,6 +464,8 @@ class _StackedGroup:
 
     main: TensorSpec | None = None
     rest: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    #: the copied tensor whose pieces are being written
+    piece: TensorSpec | None = None
 
 
 def converter_cpus(workers: int) -> list[int] | None:
@@ -511,6 +521,15 @@ class Executor:
         self.cpus = converter_cpus(self.workers) if self.workers > 1 else None
         #: set when the files being written must stop (another failed, or Ctrl-C)
         self.stop = threading.Event()
+        self._fds: dict[tuple[int, str], int] = {}
+        self._fds_lock = threading.Lock()
+
+    def close(self) -> None:
+        """Close the input files ``Copy`` pieces were read from."""
+        with self._fds_lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
 
     def _pin_thread(self, cpus: Iterator[int]) -> None:
         """ThreadPoolExecutor initializer: this converting thread on the next CPU of ``cpus``
@@ -544,12 +563,17 @@ class Executor:
                 yield from self._emit(*window.popleft(), specs, group)
 
     def _emit(self, kind: str, future, specs: Iterator[TensorSpec], group: "_StackedGroup") -> Iterator[tuple[str, torch.Tensor]]:
-        """kind "plain": every tensor in spec order; "slice": a stacked group's main weight
-        slice now, its other tensors kept until "flush" writes them after the main weight."""
+        """kind "plain": every tensor in spec order; "piece" / "first piece": a piece of a copied
+        tensor (the first takes its spec); "slice": a stacked group's main weight slice now, its
+        other tensors kept until "flush" writes them after the main weight."""
         result = future.result()
         if kind == "plain":
             for t in result:
                 yield next(specs).name, t
+        elif kind in ("first piece", "piece"):
+            if kind == "first piece":
+                group.piece = next(specs)
+            yield group.piece.name, result
         elif kind == "slice":
             if group.main is None:
                 group.main = next(specs)
@@ -574,8 +598,30 @@ class Executor:
                 for i, e in enumerate(g.experts):
                     yield "slice", partial(self._stacked_slice, g, i, e)
                 yield "flush", lambda: None
+            elif isinstance(g, Copy):
+                info = self.sources[g.source].ckpt.info(g.src)
+                step = max(1, COPY_PIECE // info.dtype.itemsize) * info.dtype.itemsize
+                for start in range(0, max(info.nbytes, 1), step):
+                    yield ("piece" if start else "first piece",
+                           partial(self._copy_piece, g.source, info, start, min(step, info.nbytes - start)))
             else:
                 yield "plain", partial(self._produce, g)
+
+    def _copy_piece(self, source: int, info: TensorInfo, start: int, nbytes: int) -> torch.Tensor:
+        """Bytes [start, start + nbytes) of a tensor's data, as its dtype (plain memory)."""
+        root = self.sources[source].ckpt.root
+        with self._fds_lock:
+            fd = self._fds.get((source, info.file))
+            if fd is None:
+                fd = self._fds[(source, info.file)] = os.open(root / info.file, os.O_RDONLY | os.O_CLOEXEC)
+        if not nbytes:
+            return torch.empty(0, dtype=info.dtype)
+        # a mapping of its own, handed back to the OS when the piece is dropped: from the heap,
+        # pieces freed by the writer's thread left holes that later, smaller tensors split, and
+        # resident memory grew with every piece (+60 MB over a 64 MB tensor)
+        buf = mmap.mmap(-1, nbytes)
+        pread_exactly(fd, memoryview(buf), info.begin + start, root / info.file)
+        return torch.frombuffer(buf, dtype=torch.uint8).view(info.dtype)
 
     def _produce(self, g: Group) -> list[torch.Tensor]:
         src = self.sources[g.source]
@@ -652,6 +698,7 @@ def run_plan(plan: Plan, sources: list[Source], out: OutputDir, *, bytes_in: int
                 on_bytes(pf.nbytes)
         finally:
             bar.close()
+            executor.close()
             torch.set_num_threads(torch_threads)
         finish_plan(plan, out)
     finally:
