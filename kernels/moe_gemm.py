@@ -51,24 +51,24 @@ def _e2m1_times_2_14(codes):
 
 
 @triton.jit
-def _fp4_half(codes, sb, gs, HAS_GS: tl.constexpr, FP4_GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+def _fp4_half(codes, sb, HAS_GS: tl.constexpr, FP4_GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
               BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """int32 e2m1 codes [BK/2, BN] of one parity (row j: K column k0 + 2j or k0 + 2j + 1) and
-    the tile's scale bits sb [BK/g, BN] -> the dequantized half tile [BK/2, BN] DOT_DTYPE, in
-    fp32 as the format: e2m1 * scale. Row j lies in group j // (g/2): the scales broadcast
-    over a [BK/g, g/2, BN] view."""
+    the tile's scale bits sb [BK/g, BN] -> the dequantized half tile [BK/2, BN] DOT_DTYPE:
+    e2m1 * scale in fp32 (nvfp4: e2m1 * the e4m3 group scale, 6 significant bits, exact in
+    DOT_DTYPE; the division by the global scale is the kernel's epilogue's). Row j lies in
+    group j // (g/2): the scales broadcast over a [BK/g, g/2, BN] view."""
     G2: tl.constexpr = FP4_GROUP // 2
     v = tl.reshape(_e2m1_times_2_14(codes), [BLOCK_K // FP4_GROUP, G2, BLOCK_N])
     if HAS_GS:
-        s = tl.math.div_rn(_e4m3_decode(sb), gs[None, :]) * 16384.0  # as the format: s / gs
-        b = v * s[:, None, :]
+        b = v * (_e4m3_decode(sb) * 16384.0)[:, None, :]
     else:  # 2^(e - 127) * 2^14 may pass the float32 range: two exact products instead
         b = (v * 16384.0) * _e8m0_decode(sb)[:, None, :]
     return tl.reshape(b, [BLOCK_K // 2, BLOCK_N]).to(DOT_DTYPE)
 
 
 @triton.jit
-def _fp4_tile_t(packed, sb, gs, HAS_GS: tl.constexpr, FP4_GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+def _fp4_tile_t(packed, sb, HAS_GS: tl.constexpr, FP4_GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
                 BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """Swapped operands: bytes [BN, BK/2] of one K tile (byte j: K columns 2j, its low nibble,
     and 2j + 1) and the scale bits sb [BN, BK/g] -> the dequantized tile [BN, BK] DOT_DTYPE in K
@@ -77,8 +77,7 @@ def _fp4_tile_t(packed, sb, gs, HAS_GS: tl.constexpr, FP4_GROUP: tl.constexpr, B
     v = tl.join(_e2m1_times_2_14(packed & 0xF), _e2m1_times_2_14(packed >> 4))  # [BN, BK/2, 2]
     v = tl.reshape(v, [BLOCK_N, BLOCK_K // FP4_GROUP, FP4_GROUP])
     if HAS_GS:
-        s = tl.math.div_rn(_e4m3_decode(sb), gs[:, None]) * 16384.0  # as the format: s / gs
-        b = v * s[:, :, None]
+        b = v * (_e4m3_decode(sb) * 16384.0)[:, :, None]
     else:
         b = (v * 16384.0) * _e8m0_decode(sb)[:, :, None]
     return tl.reshape(b, [BLOCK_N, BLOCK_K]).to(DOT_DTYPE)
@@ -121,7 +120,8 @@ def _moe_gemm_kernel(
     stride_gse, stride_bias_e,
     stride_cs, stride_cm, stride_cn, alpha, limit,
     FMT: tl.constexpr, HAS_ZP: tl.constexpr, GROUP_TILE: tl.constexpr, EVEN_K: tl.constexpr,
-    FP4_GROUP: tl.constexpr, HAS_GS: tl.constexpr, SPLIT: tl.constexpr, SWAP_AB: tl.constexpr,
+    FP4_GROUP: tl.constexpr, HAS_GS: tl.constexpr, BS_TILE: tl.constexpr, SPLIT: tl.constexpr,
+    SWAP_AB: tl.constexpr,
     SILU: tl.constexpr, CLAMPED: tl.constexpr, ROUND: tl.constexpr,
     MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, SOFT_BF16: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PREC: tl.constexpr,
@@ -133,7 +133,10 @@ def _moe_gemm_kernel(
     FMT 0 dense: B float, cast to DOT_DTYPE.
     FMT 1 fp8-block (W8A8): A, B e4m3; per 128-wide K block acc += (A@B) * a_s[m] * b_s[n];
           a_scale [rows, ceil(K/128)], b_scale rows: n // 128 below split_n, else
-          split_nb + (n - split_n) // 128 (gate / up blocks stacked separately).
+          split_nb + (n - split_n) // 128 (gate / up blocks stacked separately). BS_TILE: the
+          tile's BLOCK_N rows lie in one scale row (BLOCK_N divides 128 and split_n, or
+          split_n = N), so b_s is one number a K block: acc += (A@B) * (a_s[m] * b_s), one FMA
+          an element, and no [BN] scale vector to load and lay out every K block.
     FMT 2 fp8-channel (W8A8, per token): A, B e4m3; acc = A@B over all of K (the tensor cores'
           partial sums added into the fp32 acc every K tile), then times a_s[m] * b_s[n]
           (a_scale [rows, 1], b_scale [E, N, 1]).
@@ -143,8 +146,11 @@ def _moe_gemm_kernel(
     FMT 4 fp4 (W4A16): B uint8 [E, N, K/2], e2m1 codes, k = 2j in the low nibble of byte j,
           2j + 1 in the high one; scale [E, N, K/FP4_GROUP] as uint8 bits: e4m3 divided by the
           global scale gs [E, P] of the row (HAS_GS, nvfp4: row n takes gs[n // gs_rows]), or
-          e8m0 (mxfp4). Tile dequantized in fp32 as e2m1 * scale (BLOCK_K % FP4_GROUP == 0,
-          BLOCK_K >= 32). The two nibbles of a byte stay apart: the low ones are the tile's even
+          e8m0 (mxfp4). Tile dequantized as e2m1 * scale in fp32 (BLOCK_K % FP4_GROUP == 0,
+          BLOCK_K >= 32). nvfp4's global scale is not in the tile, whose e2m1 * s (6 significant
+          bits) the dot's 16-bit dtype holds exactly: the fp32 sum is multiplied by 1 / gs of its
+          row after the K loop (the format's e2m1 * s / gs; the quotients s / gs, rounded into
+          every tile before, cost a division per group scale in the loop). The two nibbles of a byte stay apart: the low ones are the tile's even
           K columns, the high ones its odd columns, dotted with A's even and odd columns (split
           from one contiguous load), so no register shuffles put the codes in K order (which
           cost 18-22 % at T <= 128 on an H100).
@@ -208,15 +214,15 @@ def _moe_gemm_kernel(
     offs_bn64 = offs_bn.to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     b_base = b_ptr + expert * stride_be
-    if FMT == 1:  # fp8-block weight scale row of each output row (gate / up blocks apart)
+    if FMT == 1 and BS_TILE:  # fp8-block, the tile's rows in one 128-row block: its scale row, one pointer
+        n0 = (pid_n * BLOCK_N) % N
+        s_row0 = tl.where(n0 < split_n, n0 // 128, split_nb + (n0 - split_n) // 128)
+        bs_base = b_scale_ptr + expert * stride_se + s_row0.to(tl.int64) * stride_sn
+    elif FMT == 1:  # fp8-block weight scale row of each output row (gate / up blocks apart)
         s_rows = tl.where(offs_bn < split_n, offs_bn // 128, split_nb + (offs_bn - split_n) // 128)
         bs_base = b_scale_ptr + expert * stride_se + s_rows.to(tl.int64) * stride_sn  # [BN]
     if FMT == 4:
         bs_base = b_scale_ptr + expert * stride_se + offs_bn64 * stride_sn  # [BN]
-        if HAS_GS:  # the global scale of each output row's part (w13: gate or up)
-            gs = tl.load(b_gs_ptr + expert * stride_gse + offs_bn // gs_rows)  # [BN] fp32
-        else:
-            gs = tl.full([BLOCK_N], 1.0, tl.float32)  # not read
 
     if SPLIT:
         k_lo = tl.program_id(1) * k_split
@@ -246,7 +252,7 @@ def _moe_gemm_kernel(
                 kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # [BK/2] bytes
                 packed = _load_k(b_base + offs_bn64[:, None] * stride_bn + kb[None, :] * stride_bk,
                                  None, (kb < K // 2)[None, :], EVEN_K).to(tl.int32)  # [BN, BK/2]
-                w = _fp4_tile_t(packed, s_cur, gs, HAS_GS, FP4_GROUP, BLOCK_K, BLOCK_N, DOT_DTYPE)
+                w = _fp4_tile_t(packed, s_cur, HAS_GS, FP4_GROUP, BLOCK_K, BLOCK_N, DOT_DTYPE)
             else:
                 kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # [BK/8] words: k = 8 * w + i
                 words = _load_k(b_base + offs_bn64[:, None] * stride_bn + kw[None, :] * stride_bk,
@@ -307,8 +313,8 @@ def _moe_gemm_kernel(
             kg = k0 // FP4_GROUP + tl.arange(0, BLOCK_K // FP4_GROUP)  # [BK/g] groups
             sb = _load_k(bs_base[None, :] + kg[:, None] * stride_sk, None,
                          (kg < K // FP4_GROUP)[:, None], EVEN_K).to(tl.int32)  # [BK/g, BN] bits
-            b_even = _fp4_half(packed & 0xF, sb, gs, HAS_GS, FP4_GROUP, BLOCK_K, BLOCK_N, DOT_DTYPE)
-            b_odd = _fp4_half(packed >> 4, sb, gs, HAS_GS, FP4_GROUP, BLOCK_K, BLOCK_N, DOT_DTYPE)
+            b_even = _fp4_half(packed & 0xF, sb, HAS_GS, FP4_GROUP, BLOCK_K, BLOCK_N, DOT_DTYPE)
+            b_odd = _fp4_half(packed >> 4, sb, HAS_GS, FP4_GROUP, BLOCK_K, BLOCK_N, DOT_DTYPE)
             a_even, a_odd = tl.split(tl.reshape(a, [BLOCK_M, BLOCK_K // 2, 2]))  # [BM, BK/2] each
             acc = tl.dot(a_even.to(DOT_DTYPE), b_even, acc, input_precision=PREC)
             acc = tl.dot(a_odd.to(DOT_DTYPE), b_odd, acc, input_precision=PREC)
@@ -317,8 +323,11 @@ def _moe_gemm_kernel(
                         None, k_mask[:, None], EVEN_K)  # [BK, BN] e4m3
             kb = k0 // 128
             a_s = tl.load(a_scale_ptr + a_rows * stride_asm + kb * stride_ask, mask=m_mask, other=0.0)
-            b_s = tl.load(bs_base + kb * stride_sk)
-            acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+            b_s = tl.load(bs_base + kb * stride_sk)  # [BN], or one scale (BS_TILE)
+            if BS_TILE:  # one FMA an element: the row scales times the tile's one weight scale first
+                acc += tl.dot(a, b) * (a_s * b_s)[:, None]
+            else:
+                acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
         elif FMT == 2:
             b = _load_k(b_base + offs_bn64[None, :] * stride_bn + kk[:, None] * stride_bk,
                         None, k_mask[:, None], EVEN_K)  # [BK, BN] e4m3
@@ -329,6 +338,12 @@ def _moe_gemm_kernel(
                         None, k_mask[:, None], EVEN_K)
             acc += tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), input_precision=PREC)
 
+    if FMT == 4 and HAS_GS:  # nvfp4: the sum over e2m1 * s tiles, divided by each row's global scale once here
+        inv_gs = 1.0 / tl.load(b_gs_ptr + expert * stride_gse + offs_bn // gs_rows)  # [BN]
+        if SWAP_AB:
+            acc = acc * inv_gs[:, None]
+        else:
+            acc = acc * inv_gs[None, :]
     if SWAP_AB and SILU:  # acc^T [BN, BM]: rows 16q + i and 16q + 8 + i sit in one thread of the MMA's layout
         if HAS_BIAS:
             bias = tl.load(bias_ptr + expert * stride_bias_e + offs_bn64).to(tl.float32)
@@ -463,6 +478,7 @@ def moe_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, wts: StackedWeights,
             float(clamp[0]) if clamp else 1.0, float(clamp[1]) if clamp else 0.0,
             FMT=wts.fmt, HAS_ZP=wts.zp is not None, GROUP_TILE=group_size % cfg.block_k == 0,
             EVEN_K=K % cfg.block_k == 0, FP4_GROUP=wts.fp4_group or 16, HAS_GS=wts.global_scale is not None,
+            BS_TILE=wts.fmt == 1 and FP8_BLOCK % cfg.block_n == 0 and (split_n % cfg.block_n == 0 or split_n == R),
             SPLIT=splits > 1, SWAP_AB=cfg.swap_ab, SILU=silu, CLAMPED=clamp is not None, ROUND=ROUND_CODE[c.dtype] if silu else 0,
             MUL_WEIGHT=bool(mul_weight), HAS_BIAS=bias is not None, SOFT_BF16=c.dtype == torch.bfloat16 and is_interpreted(_moe_gemm_kernel),
             DOT_DTYPE=dot_dtype, PREC=prec,

@@ -439,6 +439,31 @@ def test_moe_gemm_matches_ref(fmt, act_dtype, symmetric, device):
         assert rel_err(c.cpu()[local], ref[local]) < 1e-5, (fmt, R)
 
 
+@pytest.mark.parametrize("block_n", [32, 64, 256])
+def test_fp8_block_gemm_scale_per_tile_or_per_row(block_n, device):
+    """fp8-block's w13 GEMM with N = 96 gate rows (the up half's scale blocks start mid-block):
+    BLOCK_N 32 divides 96 and 128, so each tile's rows share one scale row (the kernel's
+    BS_TILE: one weight scale a K block); 64 (a tile across the gate / up border) and 256 (wider
+    than a block) scale row by row. Each against the torch reference on dequantized weights."""
+    T, E, H, N, k, _ = SHAPES[0]
+    f = weight_format("fp8-block")
+    w13, _ = make_weights("fp8-block", E, H, N)
+    ids, tw = make_routing(T, E, k)
+    P = T * k
+    cfg = MoeConfig(16, block_n, 128, 1, 4, 1)
+    sorted_ids, expert_ids, num_post_pad = (t.cpu() for t in moe_align_block_size(ids.to(device), 16, E))
+    x, xs = make_hidden(T, H, torch.float8_e4m3fn, SCHEMES["fp8-block"].act_group)
+    wts = parse_weights("fp8-block", _to(w13, device), "w13", E, 2 * N, H, 128, N)
+    c = torch.full((P, 2 * N), float("nan"), device=device)
+    moe_gemm(x.to(device), xs.to(device), wts, c, tw.view(-1).to(device), sorted_ids.to(device),
+             expert_ids.to(device), num_post_pad.to(device), P, k, N, False, 128, cfg)
+    dense = torch.stack([dequantize_stacked("fp8-block", w13, e, 2 * N, H, f.dequantize, f.split_rows)
+                         for e in range(E)])
+    ref = moe_gemm_ref(x, xs, dense, tw, sorted_ids, expert_ids, P, k, False, 16)
+    local = ids.view(-1) >= 0
+    assert rel_err(c.cpu()[local], ref[local]) < 1e-5, rel_err(c.cpu()[local], ref[local])
+
+
 def test_silu_and_mul(device):
     x = torch.randn(37, 2 * 200) * 4
     ref = silu_and_mul_ref(x)
