@@ -40,6 +40,13 @@ ratio = vLLM us / moetool us (> 1: moetool faster); the geometric mean is over a
 At T <= 16 a row also gives % of HBM bandwidth (bytes of the experts that got a token, their
 scales, hidden in and out, over the peak), at T = 4096 % of the dense MMA peak (6 * pairs * N
 * H FLOPs; bf16 989 TFLOP/s, fp8 1979 on an H100 SXM).
+
+The ceiling of each cell (``ceiling``): the fewest bytes the layer must move (those weights,
+scales, hidden in, output) over the copy bandwidth measured on the GPU at the start of the run,
+and its FLOPs over the measured rate of a large dense matmul (fp8 for the W8A8 schemes, bf16
+for the others: int4 and fp4 multiply bf16 tiles); the larger is the floor, and vLLM us / floor
+us the highest ratio any kernel could reach in that cell. Their geometric mean says whether
+a target mean is reachable at all (``--no-peaks``: datasheet numbers instead of measuring).
 """
 from __future__ import annotations
 
@@ -76,6 +83,8 @@ MEMBERS = (FMOE + "fused_moe.py", FMOE + "utils.py", FMOE + "config.py")
 CONFIGS = re.compile(re.escape(FMOE) + r"configs/[^/]*device_name=NVIDIA_H(100|200)[^/]*\.json")
 #: datasheet peaks: name substring -> (bf16 FLOP/s, fp8 FLOP/s, bytes/s)
 PEAKS = {"H200": (989e12, 1979e12, 4.8e12), "H100": (989e12, 1979e12, 3.35e12)}
+#: the schemes of issue 17's own table (its 25 cells); the fp4 ones came later (vLLM has no fp4 Triton GEMM)
+ISSUE_SCHEMES = ("dense", "fp8-block", "int4-group", "fp8-channel")
 #: outputs must agree this well before anything is timed (moetool bf16 vs vLLM bf16)
 MIN_SQNR_DB = {"dense": 30.0, "fp8-block": 20.0, "int4-group": 30.0, "fp8-channel": 20.0, "nvfp4": 30.0,
                "mxfp4": 30.0}
@@ -372,6 +381,49 @@ def load_vllm(src: Path = SRC_DIR) -> SimpleNamespace:
     return SimpleNamespace(module=mod, shims=shims, log=log)
 
 
+# --- the ceilings: what this GPU can move and multiply --------------------------------------
+
+def _median_us(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in ev:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return sorted(s.elapsed_time(e) * 1e3 for s, e in ev)[reps // 2]
+
+
+def measure_peaks(reps: int = 20) -> dict:
+    """What this GPU reaches on the two things a MoE layer's floor is made of -> {"hbm": bytes/s of
+    a 1 GiB device-to-device copy (bytes read + written), "bf16": FLOP/s of an 8192^3 bf16
+    matmul, "fp8": of the same in e4m3 (``torch._scaled_mm``, bf16 out)}; medians of ``reps``."""
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    hbm = 2 * n / (_median_us(lambda: dst.copy_(src), reps) * 1e-6)
+    m = 8192
+    a = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(m, m, device="cuda", dtype=torch.bfloat16)
+    bf16 = 2 * m ** 3 / (_median_us(lambda: a @ b, reps) * 1e-6)
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+    fp8 = 2 * m ** 3 / (_median_us(lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one,
+                                                             out_dtype=torch.bfloat16), reps) * 1e-6)
+    return {"hbm": hbm, "bf16": bf16, "fp8": fp8}
+
+
+def ceiling(row: dict, peaks: dict) -> dict:
+    """A timed row's floor (module docstring) -> {"bytes", "flops", "floor_us", "bound" ("HBM" or
+    "MMA"), "ceiling" (vLLM us / floor us), "ours_of_floor" (floor us / ours)}."""
+    mma = peaks["fp8"] if row["scheme"].startswith("fp8") else peaks["bf16"]
+    t_bytes, t_flops = row["bytes"] / peaks["hbm"] * 1e6, row["flops"] / mma * 1e6
+    floor = max(t_bytes, t_flops)
+    return {"floor_us": floor, "bound": "HBM" if t_bytes >= t_flops else "MMA",
+            "ceiling": row["vllm_us"] / floor, "ours_of_floor": floor / row["after_us"]}
+
+
 # --- one cell --------------------------------------------------------------------------------
 
 def dequantized_bf16(scheme: str, w13: dict, w2: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -495,9 +547,9 @@ def run_cell(vllm, layer_name: str, scheme: str, T: int, weights, reps: int, pea
         row[f"{name}_ratio"] = row["vllm_us"] / us[cfg]
     pairs = int((local >= 0).sum())
     active = int(torch.unique(local[local >= 0]).numel())
-    row.update(pairs=pairs, active_experts=active)
     nbytes = active * tune.weight_bytes_per_expert(w13, w2) + 2 * T * layer.H * 2  # bf16 hidden in, bf16 out
     flops = 6.0 * pairs * layer.N * layer.H
+    row.update(pairs=pairs, active_experts=active, bytes=nbytes, flops=flops)
     t = row["after_us"] * 1e-6
     row["tflops"] = flops / t / 1e12
     row["hbm_tbps"] = nbytes / t / 1e12
@@ -538,11 +590,31 @@ def table(rows: list[dict], key: str = "after_ratio") -> str:
 
 def summary(rows: list[dict]) -> str:
     ok = [r for r in rows if "error" not in r]
+    issue = [r for r in ok if r["scheme"] in ISSUE_SCHEMES]
     parts = [f"geomean before {geomean(r['before_ratio'] for r in ok):.2f}",
              f"rules {geomean(r['rules_ratio'] for r in ok):.2f}",
-             f"after {geomean(r['after_ratio'] for r in ok):.2f}",
+             f"after {geomean(r['after_ratio'] for r in ok):.2f} (the issue's {len(issue)} cells "
+             f"{geomean(r['after_ratio'] for r in issue):.2f})",
              f"cells < 1.0 after: {sum(r['after_ratio'] < 1.0 for r in ok)} of {len(ok)}"]
+    if any("ceiling" in r for r in ok):
+        parts.append(f"geomean of the ceilings {geomean(r['ceiling'] for r in ok):.2f} (the issue's cells "
+                     f"{geomean(r['ceiling'] for r in issue):.2f})")
     return ", ".join(parts)
+
+
+def ceiling_table(rows: list[dict], peaks: dict) -> str:
+    """One line per timed cell: its bytes, FLOPs, both sides' times, the floor and the ceiling."""
+    lines = [f"floors from {peaks['hbm'] / 1e12:.2f} TB/s, {peaks['bf16'] / 1e12:.0f} TFLOP/s bf16, "
+             f"{peaks['fp8'] / 1e12:.0f} TFLOP/s fp8 ({peaks['source']})",
+             "| cell | MB | GFLOP | ours us | vLLM us | floor us | bound | ours / floor | ratio | ceiling |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "ceiling" not in r:
+            continue
+        lines.append(f"| {r['layer']} {r['scheme']} T={r['T']} | {r['bytes'] / 1e6:.0f} | {r['flops'] / 1e9:.1f} | "
+                     f"{r['after_us']:.1f} | {r['vllm_us']:.1f} | {r['floor_us']:.1f} | {r['bound']} | "
+                     f"{100 * r['ours_of_floor']:.0f} % | {r['after_ratio']:.2f} | {r['ceiling']:.2f} |")
+    return "\n".join(lines)
 
 
 def print_row(r: dict) -> None:
@@ -575,6 +647,8 @@ def main(argv=None):
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--cache3", action="store_true", help="also time GEMM2 writing fp32 rows (column c3f32)")
     ap.add_argument("--prev-table", type=Path, default=None, help="also time this tile table's choice (column prev)")
+    ap.add_argument("--no-peaks", action="store_true",
+                    help="floors from the datasheet (PEAKS) instead of a copy and matmuls measured at the start")
     args = ap.parse_args(argv)
     if args.fetch or args.wheel:
         wheel = args.wheel or download_wheel(args.version, WHEEL_DIR)
@@ -590,6 +664,13 @@ def main(argv=None):
     peak = next((v for key, v in PEAKS.items() if key in name), None)
     print(f"device: {name}; vLLM module from {manifest['wheel']}; torch {torch.__version__}, triton "
           f"{triton.__version__}", flush=True)
+    if args.no_peaks or peak is None:
+        peaks = {"hbm": (peak or PEAKS["H100"])[2], "bf16": (peak or PEAKS["H100"])[0],
+                 "fp8": (peak or PEAKS["H100"])[1], "source": "datasheet"}
+    else:
+        peaks = {**measure_peaks(), "source": "measured here"}
+    print(f"floors: {peaks['hbm'] / 1e12:.2f} TB/s copy, {peaks['bf16'] / 1e12:.0f} TFLOP/s bf16, "
+          f"{peaks['fp8'] / 1e12:.0f} TFLOP/s fp8 ({peaks['source']})", flush=True)
     prev_table = None
     if args.prev_table:
         from moetool.kernels.moe_tiles import parse_table
@@ -610,6 +691,8 @@ def main(argv=None):
                 r = run_cell(vllm, layer_name, scheme, T, weights, args.reps, peak, dense, args.cache3, prev_table)
             except Exception as e:  # noqa: BLE001 - report the cell and go on
                 r = {"layer": layer_name, "scheme": scheme, "T": T, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+            if "error" not in r:
+                r.update(ceiling(r, peaks))
             rows.append(r)
             print_row(r)
         weights = None
@@ -618,11 +701,12 @@ def main(argv=None):
     for key, what in (("prev_ratio", "--prev-table's tiles"), ("c3f32_ratio", "after's tiles, fp32 cache3")):
         if any(key in r for r in rows):
             print(f"\n{what}:\n" + table([r for r in rows if key in r], key))
+    print("\nceilings (vLLM us / floor us: the most any kernel could reach in the cell):\n" + ceiling_table(rows, peaks))
     print("\n" + summary(rows))
     if args.json:
         args.json.write_text(json.dumps({"device": name, "vllm": manifest, "torch": torch.__version__,
                                          "triton": triton.__version__, "vllm_log": vllm.log.messages,
-                                         "rows": rows}, indent=1))
+                                         "peaks": peaks, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
