@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -639,9 +640,6 @@ def verify_whole_model_many(jobs: list[tuple], *, revision: str | None = None,
         with open_checkpoint(ref, revision) as ref_ckpt:
             spec = describe(ref_ckpt.config, ref_ckpt.tensors)
             check_reference(shards, ref_ckpt, spec, ref)
-            # the family's modules imported before the reads below start: they would starve
-            # the imports' small reads (the ranks import the same files, then from memory)
-            causal_lm_class(hf_config(ref_ckpt.config))
             vocab = int(text_config(ref_ckpt.config).get("vocab_size"))
             ids, source = make_token_ids(opts, vocab, ref_ckpt.root)
             ref_root = str(ref_ckpt.root)
@@ -658,13 +656,16 @@ def verify_whole_model_many(jobs: list[tuple], *, revision: str | None = None,
     if started is not None:
         timings["startup_s"] = t0_epoch - started  # this process's start to the ranks' spawn
     abort, reading_done = threading.Event(), threading.Event()
-    # the disk reads both checkpoints in the order the ranks take them (layer by layer, the
-    # reference then the shards) while the ranks start, build their modules and compile
     ep, backend = eps.pop(), backends.pop()
-    read_verify_inputs_ahead([(sh.root, Path(ref), None) for sh, ref, *_ in prepared], stop=reading_done,
-                             gpu=backend == "nccl")
+
+    def read_ahead() -> None:
+        # the disk reads both checkpoints in the order the ranks take them (layer by layer, the
+        # reference then the shards) while the ranks build their modules and compile
+        read_verify_inputs_ahead([(sh.root, Path(ref), None) for sh, ref, *_ in prepared], stop=reading_done,
+                                 gpu=backend == "nccl")
+
     with ThreadPoolExecutor(1, thread_name_prefix="moetool-check") as pool:
-        checked = pool.submit(_check_modules, [(p[0], p[1]) for p in prepared], revision, timings, t0)
+        checked = pool.submit(_check_modules, [(p[0], p[1]) for p in prepared], revision, timings, t0, read_ahead)
         checked.add_done_callback(lambda f: f.exception() is not None and abort.set())
         try:
             results = spawn_world(_rank_jobs, ep, backend, args=(rank_jobs,), timeout_s=timeout,
@@ -694,10 +695,18 @@ def verify_whole_model_many(jobs: list[tuple], *, revision: str | None = None,
     return reports
 
 
-def _check_modules(checkpoints: list[tuple[EPShards, str]], revision: str | None, timings: dict, t0: float) -> None:
+def _check_modules(checkpoints: list[tuple[EPShards, str]], revision: str | None, timings: dict, t0: float,
+                   imported: Callable[[], None] = lambda: None) -> None:
     """``Skeleton.check`` of each (shards, reference): the reference whole, the shards' rank 0
     but for the MoE blocks (moetool's forward runs them from tensors ``describe`` checked).
-    ``timings``: gets "checked_s", seconds from ``t0``."""
+    ``timings``: gets "checked_s", seconds from ``t0``. ``imported`` is called once the
+    families' modules are imported, before the checks: the checkpoints' reads start then, as
+    they would starve the imports' small reads (seconds on a cold disk; the ranks, starting
+    meanwhile, then import the same files from memory)."""
+    for _, ref in checkpoints:
+        with open_checkpoint(ref, revision) as ref_ckpt:
+            causal_lm_class(hf_config(ref_ckpt.config))
+    imported()
     for shards, ref in checkpoints:
         with open_checkpoint(ref, revision) as ref_ckpt:
             spec = describe(ref_ckpt.config, ref_ckpt.tensors)
