@@ -17,6 +17,8 @@ copy bytes without torch) and `start-up+torch` adds `import torch` and the quant
 (what quantize pays); the `after start-up` columns subtract the step's own start-up (the plain
 one where `start-up+torch` was not measured), which shows the conversion itself against cp
 when the input is small enough for the page cache to make cp faster than importing torch.
+``--old DIR...`` runs every moetool step again with the moetool of each older checkout DIR, as
+STEP@DIR in the same table: a before/after in one run, against the same cp.
 """
 from __future__ import annotations
 
@@ -168,9 +170,10 @@ def wait_idle(limit_s: float, busy_fraction: float = 0.05) -> float:
     return time.perf_counter() - t0
 
 
-def timed(cmd: list[str], env: dict | None = None) -> tuple[float, int, float]:
+def timed(cmd: list[str], env: dict | None = None, cwd: Path | None = None) -> tuple[float, int, float]:
     """(seconds, peak RSS of the process tree, CPU-seconds other processes used meanwhile:
-    the machine's busy time less the step's own, kernel writeback threads included)."""
+    the machine's busy time less the step's own, kernel writeback threads included).
+    ``cwd``: where it runs (``python -m`` puts it first on sys.path)."""
     import resource
 
     def own() -> float:  # the step's CPU, and this process's (its RSS sampling thread)
@@ -180,7 +183,7 @@ def timed(cmd: list[str], env: dict | None = None) -> tuple[float, int, float]:
     busy0, own0 = busy_cpu_seconds(), own()
     t0 = time.perf_counter()
     env = {**os.environ, **(env or {}), T0_ENV: repr(time.time())}
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=cwd)
     rss = TreeRSS(proc.pid)
     _, err = proc.communicate()
     seconds = time.perf_counter() - t0
@@ -334,11 +337,11 @@ def traced_check(trace_path: str, argv: list[str]) -> None:
     start = time.time()
     import moetool.convert.byte_check as byte_check
     ph.add("check: import byte_check (torch, formats)", start, time.time())
-    byte_check.open_checkpoint = ph.timing("check: open checkpoint", byte_check.open_checkpoint)
-    byte_check.build_shard_plan = ph.timing("check: build the torch plan", byte_check.build_shard_plan)
-    byte_check.shard_facts = ph.timing("check: shard_facts", byte_check.shard_facts)
-    for attr in ("_produce", "_stacked_slice"):
-        setattr(byte_check.Executor, attr, ph.timing("check: sample slices", getattr(byte_check.Executor, attr)))
+    for attr, phase in (("open_checkpoint", "check: open checkpoint"), ("shard_facts", "check: shard_facts"),
+                        ("format_profile", "check: the torch profile"), ("plan_facts", "check: the plan from it"),
+                        ("build_shard_plan", "check: build the torch plan")):  # whichever this checkout has
+        if hasattr(byte_check, attr):
+            setattr(byte_check, attr, ph.timing(phase, getattr(byte_check, attr)))
     real_exit = byte_check.exit_now
 
     def exit_now(status: int) -> None:
@@ -401,6 +404,8 @@ def traced_child(trace_path: str, argv: list[str]) -> None:
         wrap("moetool.convert.torch_executor", "Source", "ready", "wait for the GPU start-up")
         wrap("moetool.convert.byte_executor", "TorchCheck", "agrees", "check: parent waits for the answer")
         wrap("moetool.convert.byte_executor", "TorchCheck", "_expected", "check: parent reads its samples")
+        wrap("moetool.convert.byte_executor", "TorchCheck", "_from_profile", "check: from the input's profile")
+        wrap("moetool.convert.conversion", "", "_profile_entry", "profile of the output (manifest)")
 
     import moetool.lazy as lazy
 
@@ -565,6 +570,18 @@ def io_probe(src: Path, scratch: Path, gib: float = 2.0) -> list[tuple[str, floa
     return rows
 
 
+def importable_checkout(path: Path) -> Path:
+    """An --old checkout (a git archive of a commit, say), its ``moetool.formats`` and
+    ``moetool.kernels`` linked into the package where they are not (``package-dir`` maps
+    them only in an install)."""
+    path = path.resolve()
+    for sub in ("formats", "kernels"):
+        link = path / "moetool" / sub
+        if (path / sub).is_dir() and not link.exists():
+            link.symlink_to(Path("..") / sub)
+    return path
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--trace-child"]:
         traced_child(sys.argv[2], sys.argv[4:])  # --trace-child JSON -- moetool arguments
@@ -596,7 +613,11 @@ def main() -> None:
     ap.add_argument("--cold", action="store_true",
                     help="drop the page cache before each step (root only): reads come from the disk")
     ap.add_argument("--ep", type=int, default=8, help="ranks of the shard step")
+    ap.add_argument("--old", type=Path, nargs="*", default=[],
+                    help="other checkouts (a git archive of a commit, say) whose moetool runs each moetool step "
+                         "too, interleaved with this one's, as STEP@FOLDER (the same cp, the same run)")
     args = ap.parse_args()
+    args.workdir = args.workdir.resolve()  # --old steps run in their checkout's folder
 
     src = args.workdir / "src"
     params = [args.size_gib, args.shard_gib, args.hidden, args.intermediate, args.experts]
@@ -615,18 +636,23 @@ def main() -> None:
     if args.trace:
         trace_file = args.workdir / "trace.json"
         moetool = [sys.executable, str(Path(__file__).resolve()), "--trace-child", str(trace_file), "--"]
-    steps: list[tuple[str, list[str], Path]] = []
+    steps: list[tuple[str, list[str], Path, Path | None]] = []
     out = args.workdir / "out"
     if args.io_probe:
         io_probe(src, args.workdir / "probe")
+    olds = [importable_checkout(p) for p in args.old]
 
-    def add(name, cmd, dst):
-        if not only or name in only:
-            steps.append((name, cmd, dst))
+    def add(name, cmd, dst, moetool_step=True):
+        if only and name not in only:
+            return
+        steps.append((name, cmd, dst, None))
+        for old in olds if moetool_step else ():  # the same step with an older checkout's moetool
+            old_dst = dst.with_name(f"{dst.name}@{old.name}")
+            steps.append((f"{name}@{old.name}", [str(old_dst) if c == str(dst) else c for c in cmd], old_dst, old))
 
     # the floor for a durable copy: moetool fsyncs every file it writes, so cp must sync too
-    add("cp", ["sh", "-c", f"cp -r '{src}' '{out / 'cp'}' && sync"], out / "cp")
-    add("cat", ["sh", "-c", f"cat '{src}'/*.safetensors > /dev/null"], out / "cat")  # the read floor
+    add("cp", ["sh", "-c", f"cp -r '{src}' '{out / 'cp'}' && sync"], out / "cp", False)
+    add("cat", ["sh", "-c", f"cat '{src}'/*.safetensors > /dev/null"], out / "cat", False)  # the read floor
     add("start-up", moetool + ["--help"], out / "start-up")
     add("start-up+torch", [sys.executable, "-c", "import moetool.cli, moetool.lazy as l; l.freeze_imports = 1; l.import_module('moetool.convert.quantize')"],
         out / "start-up+torch")  # as `moetool quantize` imports it
@@ -636,23 +662,26 @@ def main() -> None:
     add("repack", moetool + ["repack", str(src), str(out / "repack"), "--layout", "stacked", "-q"], out / "repack")
     # the fp8-block output (kept from its step) copied and sharded: a quantized input
     fp8 = out / "fp8-block"
-    add("cp-fp8", ["sh", "-c", f"cp -r '{fp8}' '{out / 'cp-fp8'}' && sync"], out / "cp-fp8")
-    add("cat-fp8", ["sh", "-c", f"cat '{fp8}'/*.safetensors > /dev/null"], out / "cat-fp8")
+    add("cp-fp8", ["sh", "-c", f"cp -r '{fp8}' '{out / 'cp-fp8'}' && sync"], out / "cp-fp8", False)
+    add("cat-fp8", ["sh", "-c", f"cat '{fp8}'/*.safetensors > /dev/null"], out / "cat-fp8", False)
     add("shard-fp8", moetool + ["shard", str(fp8), str(out / "shard-fp8"), "--ep", "1", "-q"], out / "shard-fp8")
     if have_llmc(args.llmc_python):
         for fmt, scheme in LLMC_SCHEME.items():
             add(f"llmc-{fmt}", [args.llmc_python, "-c", LLMC_SCRIPT, str(src), str(out / f"llmc-{fmt}"), scheme,
-                                str(args.llmc_workers)], out / f"llmc-{fmt}")
+                                str(args.llmc_workers)], out / f"llmc-{fmt}", False)
     else:
         print("llm-compressor not installed (--llmc-python): its rows are skipped", file=sys.stderr)
 
-    keep = {fp8} if {"cp-fp8", "cat-fp8", "shard-fp8"} & {name for name, _, _ in steps} else set()
-    if keep and "fp8-block" not in {name for name, _, _ in steps}:
+    names = {name for name, _, _, _ in steps}
+    keep = {fp8} if {"cp-fp8", "cat-fp8", "shard-fp8"} & names else set()
+    if keep and "fp8-block" not in names:
         raise SystemExit("cp-fp8, cat-fp8 and shard-fp8 read the fp8-block step's output: add fp8-block to --only")
-    runs: dict[str, list[tuple[float, int, float]]] = {name: [] for name, _, _ in steps}
+    runs: dict[str, list[tuple[float, int, float]]] = {name: [] for name, _, _, _ in steps}
     repeated = 0
     for _ in range(args.repeat):  # interleaved, so drifting disk speed hits every step alike
-        for name, cmd, dst in steps:
+        for name, cmd, dst, old in steps:
+            # (shard-fp8@FOLDER shards this checkout's fp8-block output, whose profile is of other code)
+            env = {"PYTHONPATH": str(old)} if old else None
             for attempt in range(args.retries + 1):
                 shutil.rmtree(dst, ignore_errors=True)
                 dst.parent.mkdir(parents=True, exist_ok=True)
@@ -660,8 +689,8 @@ def main() -> None:
                 if args.cold:
                     Path("/proc/sys/vm/drop_caches").write_text("3\n")
                 wait_idle(args.idle_wait)
-                seconds, peak, foreign = timed(cmd)
-                if args.trace and name not in ("cp", "cat", "cp-fp8", "cat-fp8") and trace_file.exists():
+                seconds, peak, foreign = timed(cmd, env=env, cwd=old)
+                if args.trace and name.split("@")[0] not in ("cp", "cat", "cp-fp8", "cat-fp8") and trace_file.exists():
                     traces[name] = json.loads(trace_file.read_text())
                     trace_file.unlink()
                     print_trace(name, traces[name])
@@ -686,15 +715,17 @@ def main() -> None:
 
     cp = results.get("cp", {}).get("seconds")
     plain_startup = results.get("start-up", {}).get("seconds")
-    torch_startup = results.get("start-up+torch", {}).get("seconds") or plain_startup
     rows = []
     for name, r in results.items():
+        base, at, tag = name.partition("@")  # STEP@FOLDER: the step with an --old checkout's moetool
         llmc = results.get(f"llmc-{name}", {}).get("seconds")
-        startup = torch_startup if name in MOETOOL_FLAG else plain_startup  # quantize imports torch
-        work = (r["seconds"] - startup if startup and name not in ("cp", "start-up", "start-up+torch")
+        own_startup = results.get(f"start-up{at}{tag}", {}).get("seconds") or plain_startup
+        own_torch = results.get(f"start-up+torch{at}{tag}", {}).get("seconds") or own_startup
+        startup = own_torch if base in MOETOOL_FLAG else own_startup  # quantize imports torch
+        work = (r["seconds"] - startup if startup and base not in ("cp", "start-up", "start-up+torch")
                 and not name.startswith("llmc") else None)
         # a copy of its input
-        floor = results.get("cp-fp8", {}).get("seconds") if name in ("shard-fp8", "cat-fp8") else cp
+        floor = results.get("cp-fp8", {}).get("seconds") if base in ("shard-fp8", "cat-fp8") else cp
         rows.append({"step": name, **r, "vs_cp": (floor / r["seconds"]) if floor else None,
                      "vs_llmc": (llmc / r["seconds"]) if llmc and not name.startswith("llmc") else None,
                      "after_startup_s": work, "after_startup_vs_cp": (cp / work) if cp and work else None})

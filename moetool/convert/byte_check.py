@@ -2,13 +2,16 @@
 checkpoint is checked before any of its files is committed (``moetool.convert.byte_executor``).
 
 The byte copy takes each format's tensors on trust (``moetool.convert.byte_plan``); this module
-builds the torch executor's plan of the same shard and reports what must agree: the header of
-every file, the manifest's entries (the format and its parameters come from here: the byte copy
-never imports the format registry), the JSON files, and the bytes of one expert slice per
-sampled group (``Executor`` converting as it would). It imports torch, so a byte copy started
-without torch runs it in a child process while it copies (``python -m moetool.convert.byte_check
-ARGS_JSON``, printing the facts as JSON): on an H100 host its 4 s of import overlap the copy
-instead of preceding it; ``shard_facts`` runs in the calling process where torch is loaded.
+says what the torch executor would write instead. The torch part is the checkpoint's *profile*
+(:func:`format_profile`: the format and its parameters from the registry, and what the torch
+executor writes for one expert of each layer shape, the bytes of expert 0 sampled); the plan of
+the shard with its options is then built from it without torch (``moetool.convert.profile``):
+every file's header, the manifest's entries, the JSON files and the sampled slices' sha256.
+``quantize`` stores its output's profile in its manifest (:func:`checkpoint_profile`), so a
+shard of it needs no torch; otherwise a byte copy started without torch runs this module in a
+child process while it copies (``python -m moetool.convert.byte_check ARGS_JSON``, printing the
+facts as JSON): on an H100 host its 4-10 s of import overlap the copy instead of preceding it;
+``shard_facts`` runs in the calling process where torch is loaded.
 """
 from __future__ import annotations
 
@@ -20,41 +23,64 @@ import signal
 import sys
 from pathlib import Path
 
-from moetool.convert.conversion import build_shard_plan
-from moetool.convert.plan import ExpertLinear, Stacked
-from moetool.convert.planning import plan_placements
-from moetool.convert.torch_executor import ErrorStats, Executor, Source
-from moetool.model.families import describe
-from moetool.read.checkpoint import open_checkpoint
-from moetool.read.safetensors import tensor_bytes
+from moetool.convert.byte_plan import why_not_byte_copy
+from moetool.convert.profile import (SAMPLED_EXPERT, WHICH, code_digest, inputs_digest, plan_facts, probe_key,
+                                     sampled_layers, sealed)
+from moetool.convert.torch_executor import ErrorStats, Planner, Source
+from moetool.errors import MoetoolError
+from moetool.model.families import ModelSpec, describe
+from moetool.read.checkpoint import Checkpoint, open_checkpoint
+from moetool.read.safetensors import DTYPE_NAMES, tensor_bytes
 
 _PR_SET_PDEATHSIG = 1
 
 
-def shard_facts(source: str, *, ep: int, placement: str, redundant: int, expert_load: str | None, layout: str,
-                max_shard_size: int | None, samples: list[list]) -> dict:
-    """The torch plan of ``shard`` with these options: {"headers": {file: sha256 of its header},
-    "manifest_extra", "json_files", "samples": [[sha256 of each tensor of expert slice 0] for
-    each (file, group index) of ``samples``]}."""
+def format_profile(ckpt: Checkpoint, spec: ModelSpec) -> dict:
+    """The profile of a quantized checkpoint (``moetool.convert.profile``): {"code", "inputs"
+    (the digests it is keyed on), "format", "format_params", "layers" (the layer sampled for
+    each shape), "linears" and "samples" by ``probe_key``: what the torch executor's shard
+    writes for expert 0 of that layer (per-expert gate / up / down, stacked w13 / w2) as
+    [[suffix, dtype name, shape], ...] and the sha256 of each tensor's bytes; "digest"}."""
+    src = Source(ckpt, spec, None, ErrorStats())
+    Planner([src]).validate_experts(src)
+    layers = {m.index: m for m in spec.moe_layers}
+    sampled = sampled_layers(spec)
+    linears, samples = {}, {}
+    for index in sampled.values():
+        layer = layers[index]
+        for which in WHICH:
+            if which == "w13":
+                lin = src.expert_w13(layer, SAMPLED_EXPERT)
+            else:
+                lin = src.expert_role(layer, SAMPLED_EXPERT, "down" if which == "w2" else which)
+            key = probe_key(layer, which)
+            linears[key] = [[s, DTYPE_NAMES[t.dtype], list(t.shape)] for s, t in lin.items()]
+            samples[key] = [hashlib.sha256(tensor_bytes(t)).hexdigest() for t in lin.values()]
+    return sealed({"code": code_digest(), "inputs": inputs_digest(ckpt), "format": src.out_fmt.name,
+                   "format_params": {k: v for k, v in vars(src.out_fmt).items() if k != "suffixes"},
+                   "layers": sampled, "linears": linears, "samples": samples})
+
+
+def checkpoint_profile(root: Path) -> dict | None:
+    """The profile of the quantized checkpoint just written at ``root`` (its files, config and
+    index in place), for its manifest; None where a shard of it would not be a byte copy, or
+    the folder does not open as a checkpoint (other files beside ours)."""
+    try:
+        with open_checkpoint(root) as ckpt:
+            spec = describe(ckpt.config, ckpt.tensors)
+            if all(why_not_byte_copy(ckpt, spec, quantized=True, layout=layout) is not None
+                   for layout in ("stacked", "per-expert")):
+                return None
+            return format_profile(ckpt, spec)
+    except MoetoolError:  # the shard's torch path says why, when it runs
+        return None
+
+
+def shard_facts(source: str, **options) -> dict | None:
+    """The torch plan of ``shard`` with these options (``moetool.convert.profile.plan_facts``)."""
     with open_checkpoint(source) as ckpt:
         spec = describe(ckpt.config, ckpt.tensors)
-        placements = plan_placements(spec, ep, placement, redundant, Path(expert_load) if expert_load else None)
-        src = Source(ckpt, spec, None, ErrorStats())
-        plan = build_shard_plan(src, ep, placements, layout, max_shard_size, placement, redundant)
-        files = {pf.name: pf for pf in plan.files}
-        executor = Executor([src], workers=1)
-        shas = []
-        for name, index in samples:
-            g = files[name].groups[index]
-            if isinstance(g, Stacked):
-                tensors = list(executor._stacked_slice(g, 0, g.experts[0]).values())
-            elif isinstance(g, ExpertLinear):
-                tensors = executor._produce(g)
-            else:
-                tensors = []
-            shas.append([hashlib.sha256(tensor_bytes(t)).hexdigest() for t in tensors])
-        return {"headers": {pf.name: hashlib.sha256(pf.header()).hexdigest() for pf in plan.files if not pf.same_as},
-                "manifest_extra": plan.manifest_extra, "json_files": plan.json_files, "samples": shas}
+        return plan_facts(ckpt, spec, format_profile(ckpt, spec), **options)
 
 
 def main() -> None:

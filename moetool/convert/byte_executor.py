@@ -53,6 +53,8 @@ from moetool.read.checkpoint import Checkpoint
 from moetool.read.prefetch import prefetch
 from moetool.read.safetensors import pread_exactly
 from moetool.convert.plan import ExpertLinear, Layout, Plan, Stacked, Summary
+from moetool.convert.profile import SAMPLED_EXPERT, plan_facts, sampled_layers, stored_profile
+from moetool.errors import MoetoolError
 from moetool.convert.output import finish_plan
 from moetool.convert.planning import checkpoint_files, checkpoint_plan, shard_plan
 from moetool.model.spec import ExpertPlacement
@@ -508,27 +510,39 @@ CHECK_MODULE = "moetool.convert.byte_check"
 class TorchCheck:
     """Whether the torch executor would write the byte copy's plan of a quantized shard: the
     same file headers, manifest and JSON files, and the same bytes for one expert slice of each
-    layer shape. Where torch is loaded it is answered at once (``settled``); otherwise a child
-    process works it out while the files are copied (on an H100 host, ``import torch`` alone
-    takes 4 s there)."""
+    layer shape. Answered at once (``settled``) from the profile the checkpoint's manifest
+    holds (``moetool.convert.profile``: a quantize output's), or where torch is loaded;
+    otherwise a child process works it out while the files are copied (on an H100 host with a
+    cold page cache, ``import torch`` takes 10 s there, sharing the disk with the copy)."""
 
     def __init__(self, root: Path, options: dict, plan: Plan, source: ByteSource):
         self.plan, self.source = plan, source
         self.samples = _samples(plan, source)
         args = {"source": str(root), **options, "samples": self.samples}
-        self.facts: dict | None = None
         self.proc: subprocess.Popen | None = None
-        self.settled = torch_loaded()
-        if self.settled:
+        self.facts: dict | None = self._from_profile(options)
+        self.settled = self.facts is not None or torch_loaded()
+        if self.facts is None and self.settled:
             try:
                 self.facts = _plain(import_module(CHECK_MODULE).shard_facts(**args))
             except Exception:  # the torch executor raises it again as the command's error
                 self.facts = None
-        else:
+        elif not self.settled:
             self.proc = subprocess.Popen([sys.executable, "-m", CHECK_MODULE, json.dumps(args)],
                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                          env=_child_env())
         self._answer: bool | None = None
+
+    def _from_profile(self, options: dict) -> dict | None:
+        """The facts from the profile the checkpoint's manifest holds; None without one that fits."""
+        profile = stored_profile(self.source.ckpt)
+        if profile is None:
+            return None
+        try:
+            facts = plan_facts(self.source.ckpt, self.source.spec, profile, **options, samples=self.samples)
+        except (KeyError, TypeError, ValueError, MoetoolError):  # a profile that does not fit this checkpoint
+            return None
+        return None if facts is None else _plain(facts)
 
     def agrees(self) -> bool:
         """Wait for the facts (once); True when they are the byte plan's."""
@@ -599,16 +613,19 @@ FORMAT_ENTRIES = ("format", "format_params")
 
 
 def _samples(plan: Plan, source: ByteSource) -> list[list]:
-    """[file name, group index] of the first expert group of each kind and layer shape."""
+    """[file name, group index] of the first expert group of each kind and layer shape whose
+    expert (stacked: slot 0's) is the one a profile samples, in the first layer of that shape."""
+    first_layers = set(sampled_layers(source.spec).values())
     seen, out = set(), []
     for pf in plan.files:
         if pf.same_as:
             continue
         for i, g in enumerate(pf.groups):
             if isinstance(g, (Stacked, ExpertLinear)):
+                expert = g.experts[0] if isinstance(g, Stacked) else g.expert
                 layer = source.layers[g.layer]
                 key = (layer.hidden, layer.intermediate, g.which if isinstance(g, Stacked) else g.role)
-                if key not in seen:
+                if key not in seen and expert == SAMPLED_EXPERT and g.layer in first_layers:
                     seen.add(key)
                     out.append([pf.name, i])
     return out

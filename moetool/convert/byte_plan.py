@@ -241,6 +241,7 @@ class ByteSource:
 
     def __init__(self, ckpt: Checkpoint, spec: ModelSpec):
         self.ckpt = ckpt
+        self.spec = spec
         self.layers = {m.index: m for m in spec.moe_layers}
 
     def specs(self, g: Group) -> list[RawSpec]:

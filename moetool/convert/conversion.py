@@ -8,8 +8,10 @@ from pathlib import Path
 
 import torch
 
+from moetool.convert.byte_check import checkpoint_profile
 from moetool.convert.output import OutputDir
 from moetool.convert.plan import QUANTIZED_ONLY_SUFFIXES, Copy, Dequant, Group, Layout, Plan, SharedLinear, Summary
+from moetool.convert.profile import PROFILE_KEY
 from moetool.convert.planning import checkpoint_files, checkpoint_plan, non_expert_tensors, plan_id, shard_plan
 from moetool.convert.torch_executor import ErrorStats, Planner, Source, run_plan
 from moetool.errors import MoetoolError
@@ -137,9 +139,18 @@ def convert_checkpoint(
         outdir = OutputDir(Path(out), inputs=[ckpt.root], force=force,
                            plan_id=plan_id(ckpt, fmt=src.out_fmt.name, params=vars(src.out_fmt), layout=layout,
                                            shared=include_shared, max=max_shard_size))
-        return run_plan(plan, [src], outdir, bytes_in=ckpt.files_bytes(), progress=progress, stats=stats)
+        # a quantized output keeps the torch executor's profile of it: its shard is then checked
+        # without torch (``moetool.convert.profile``)
+        profile = (lambda: _profile_entry(outdir.root)) if src.out_fmt.quantized and layout != "fused" else None
+        return run_plan(plan, [src], outdir, bytes_in=ckpt.files_bytes(), progress=progress, stats=stats,
+                        more_manifest=profile)
     finally:
         ckpt.close()
+
+
+def _profile_entry(root: Path) -> dict:
+    profile = checkpoint_profile(root)
+    return {} if profile is None else {PROFILE_KEY: profile}
 
 
 def build_shard_plan(src, ep: int, placements: dict[int, ExpertPlacement], layout: Layout,

@@ -459,12 +459,13 @@ def write_indexes(plan: Plan, out: OutputDir) -> None:
         out.write_json(f"{folder}model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
 
 
-def finish_plan(plan: Plan, out: OutputDir) -> None:
-    """After the safetensors files: side files, JSON files, indexes, and the manifest last."""
+def finish_plan(plan: Plan, out: OutputDir, more_manifest: Callable[[], dict] | None = None) -> None:
+    """After the safetensors files: side files, JSON files, indexes, and the manifest last, with
+    the entries ``more_manifest`` returns (called once everything else is written)."""
     for src_path, name in plan.other_files:
         out.copy_file(src_path, name)
     for name, obj in plan.json_files.items():
         out.write_json(name, obj)
     if plan.write_index:
         write_indexes(plan, out)
-    out.finish(plan.manifest_extra)
+    out.finish({**plan.manifest_extra, **(more_manifest() if more_manifest else {})})

@@ -664,10 +664,12 @@ class Executor:
 
 
 def run_plan(plan: Plan, sources: list[Source], out: OutputDir, *, bytes_in: int, progress: bool = True,
-             stats: ErrorStats | None = None, links: bool = True, files: int | None = None) -> Summary:
+             stats: ErrorStats | None = None, links: bool = True, files: int | None = None,
+             more_manifest=None) -> Summary:
     """Write every file of ``plan`` (skipping ones a previous run finished), ``files`` at a time
     (``files_at_once``), in plan order; then each ``same_as`` file, hard-linked (or with
-    ``links=False`` copied) from its twin; then the JSON files, index and manifest last."""
+    ``links=False`` copied) from its twin; then the JSON files, index and manifest last (with
+    the entries ``more_manifest()`` returns then)."""
     from tqdm import tqdm
 
     try:
@@ -700,7 +702,7 @@ def run_plan(plan: Plan, sources: list[Source], out: OutputDir, *, bytes_in: int
             bar.close()
             executor.close()
             torch.set_num_threads(torch_threads)
-        finish_plan(plan, out)
+        finish_plan(plan, out, more_manifest)
     finally:
         out.close()  # the folder is released either way; without a manifest it stays unfinished
     return plan.summary(bytes_in=bytes_in, seconds=time.perf_counter() - t0, written=written,

@@ -7,6 +7,8 @@ is the one the torch executor writes one file at a time (``byte_copy=False``).
 """
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +19,7 @@ from moetool.convert import byte_executor as bytecopy
 from moetool.convert import conversion
 from moetool.convert import torch_executor as executor
 from moetool.convert.byte_plan import why_not_byte_copy
+from moetool.convert.profile import PROFILE_KEY, sealed, stored_profile
 from moetool.convert.quantize import quantize
 from moetool.convert.shard import shard
 from moetool.model.families import describe
@@ -103,10 +106,11 @@ def test_disagreeing_check_leaves_the_shard_to_torch(quantized, tmp_path, monkey
 
 
 def test_check_in_a_child_process_commits_after_it_agrees(quantized, tmp_path, monkeypatch):
-    """Without torch loaded the check runs in a child process while the files are copied; no
-    file has its final name before it answers, and the output is the torch executor's."""
+    """Without torch loaded nor a profile the check runs in a child process while the files are
+    copied; no file has its final name before it answers, and the output is the torch executor's."""
     src = quantized("fp8-block")
     monkeypatch.setattr(bytecopy, "torch_loaded", lambda: False)
+    monkeypatch.setattr(bytecopy, "stored_profile", lambda ckpt: None)
     seen = []
     real_agrees = bytecopy.TorchCheck.agrees
 
@@ -124,6 +128,7 @@ def test_check_in_a_child_process_commits_after_it_agrees(quantized, tmp_path, m
 def test_failed_copy_stops_the_check_and_commits_nothing(quantized, tmp_path, monkeypatch):
     src = quantized("fp8-block")
     monkeypatch.setattr(bytecopy, "torch_loaded", lambda: False)
+    monkeypatch.setattr(bytecopy, "stored_profile", lambda ckpt: None)
     checks = []
     real_init = bytecopy.TorchCheck.__init__
 
@@ -141,6 +146,87 @@ def test_failed_copy_stops_the_check_and_commits_nothing(quantized, tmp_path, mo
     assert checks and checks[0].proc is None  # killed and reaped
     assert not (tmp_path / "out" / MANIFEST_NAME).exists()
     assert not list((tmp_path / "out").rglob("*.safetensors"))
+
+
+@pytest.mark.parametrize("fmt, kw", [("fp8-block", {}), ("fp8-block", {"intermediate": 256}), ("mxfp4", {}),
+                                     ("int4-group", {"group_size": 64})])
+@pytest.mark.parametrize("layout", ["stacked", "per-expert"])
+def test_quantize_output_profile_checks_its_shard_without_torch(quantized, tmp_path, monkeypatch, fmt, kw, layout):
+    """A quantize output's manifest holds the torch executor's profile of it: its shard's check
+    is answered from it, no child process, no torch, and the files are the torch executor's."""
+    src = quantized(fmt, **kw)
+    if fmt == "int4-group" and layout == "stacked":
+        pytest.skip("int4 stacked shards are the torch executor's")
+    assert json.loads((src / MANIFEST_NAME).read_text())[PROFILE_KEY]["format"] == fmt
+    monkeypatch.setattr(bytecopy, "torch_loaded", lambda: False)
+    monkeypatch.setattr(bytecopy.subprocess, "Popen", lambda *a, **k: pytest.fail("a check process ran"))
+    got, want = shard_both(src, tmp_path, monkeypatch, byte_copy_expected=True, layout=layout, ep=3)
+    assert got == want
+
+
+def edit_profile(src: Path, dst: Path, edit, seal: bool = True) -> Path:
+    """A copy of ``src`` whose manifest's profile ``edit`` changed in place (``seal``: its
+    digest made again, as if the torch executor had said so)."""
+    shutil.copytree(src, dst)
+    manifest = json.loads((dst / MANIFEST_NAME).read_text())
+    edit(manifest[PROFILE_KEY])
+    if seal:
+        manifest[PROFILE_KEY] = sealed(manifest[PROFILE_KEY])
+    (dst / MANIFEST_NAME).write_text(json.dumps(manifest))
+    return dst
+
+
+def w13_key(profile: dict) -> str:
+    return next(k for k in profile["linears"] if k.endswith(":w13"))
+
+
+@pytest.mark.parametrize("what", ["spec", "sample"])
+def test_profile_that_disagrees_leaves_the_shard_to_torch(quantized, tmp_path, monkeypatch, what):
+    """A profile whose facts are not the byte plan's (a w13 scale's shape, a sampled slice's
+    bytes) fails the check: the torch executor writes the shard, no copy is kept."""
+    def edit(profile):
+        if what == "spec":
+            profile["linears"][w13_key(profile)][1][2][0] += 1
+        else:
+            profile["samples"][w13_key(profile)][0] = "0" * 64
+
+    src = edit_profile(quantized("fp8-block"), tmp_path / "src", edit)
+    with open_checkpoint(src) as ck:
+        assert stored_profile(ck) is not None
+    monkeypatch.setattr(bytecopy, "torch_loaded", lambda: False)
+    monkeypatch.setattr(bytecopy.subprocess, "Popen", lambda *a, **k: pytest.fail("a check process ran"))
+    ran = []
+    real = conversion.shard_checkpoint
+    monkeypatch.setattr(conversion, "shard_checkpoint", lambda *a, **k: ran.append(1) or real(*a, **k))
+    shard(src, tmp_path / "out", 2, progress=False, layout="stacked")
+    assert ran
+    monkeypatch.undo()
+    shard(src, tmp_path / "ref", 2, progress=False, byte_copy=False, layout="stacked")
+    assert tree_hashes(tmp_path / "out") == tree_hashes(tmp_path / "ref")
+
+
+@pytest.mark.parametrize("what", ["code", "inputs", "format", "unsealed"])
+def test_profile_of_other_code_or_files_is_ignored(quantized, tmp_path, monkeypatch, what):
+    """A profile made by other moetool code, of other headers (a file rewritten since), naming
+    another format than the manifest, or edited without its digest, is not used: the check
+    runs as without one."""
+    def edit(profile):
+        if what == "format":
+            profile["format"] = "fp8-channel"
+        elif what == "unsealed":
+            profile["samples"][w13_key(profile)][0] = "0" * 64
+        else:
+            profile[what] = "0" * 64
+
+    src = edit_profile(quantized("fp8-block"), tmp_path / "src", edit, seal=what != "unsealed")
+    with open_checkpoint(src) as ck:
+        assert stored_profile(ck) is None
+    monkeypatch.setattr(bytecopy, "torch_loaded", lambda: False)
+    spawned = []
+    real_popen = bytecopy.subprocess.Popen
+    monkeypatch.setattr(bytecopy.subprocess, "Popen", lambda *a, **k: spawned.append(1) or real_popen(*a, **k))
+    got, want = shard_both(src, tmp_path, monkeypatch, byte_copy_expected=True)
+    assert spawned and got == want
 
 
 def test_check_process_loads_what_the_byte_copy_does_not(quantized, tmp_path):
