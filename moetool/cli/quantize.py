@@ -84,7 +84,7 @@ def _prefetch_source(args: list[str]) -> None:
         return
     for arg in args[args.index("quantize") + 1:]:
         if not arg.startswith("-") and os.path.isdir(arg) and any(Path(arg).glob("*.safetensors")):
-            prefetch(Path(arg))
+            prefetch(Path(arg), idle=True)
             return
 
 

@@ -8,6 +8,7 @@ is the one the torch executor writes one file at a time (``byte_copy=False``).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -304,10 +305,29 @@ def test_prefetch_reads_the_source_named_after_quantize(tiny, tmp_path, monkeypa
     assert not thread.is_alive()
     assert prefetch(tmp_path / "missing") is None
     asked = []
-    monkeypatch.setattr(cli_quantize, "prefetch", asked.append)
+    monkeypatch.setattr(cli_quantize, "prefetch", lambda path, idle=False: asked.append((path, idle)))
     cli_quantize._prefetch_source(["quantize", "--format", "fp8-block", str(src), str(tmp_path / "out")])
     cli_quantize._prefetch_source(["shard", str(src), str(tmp_path / "out")])
-    assert asked == [src]
+    assert asked == [(src, True)]  # behind the import's reads
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or os.uname().machine != "x86_64", reason="ioprio_get")
+def test_idle_read_ahead_runs_at_the_idle_io_priority():
+    """The read-ahead quantize asks for before importing torch reads in the idle I/O class
+    (``ioprio_get`` of its thread: class 3 in bits 13 and up); this thread is left as it was."""
+    import ctypes
+    import threading
+
+    from moetool.read import prefetch as pf
+
+    def ioprio() -> int:
+        return ctypes.CDLL(None).syscall(252, 1, 0)  # ioprio_get(IOPRIO_WHO_PROCESS, this thread)
+
+    before, got = ioprio(), []
+    thread = threading.Thread(target=lambda: got.append((pf.idle_io_priority(), ioprio() >> 13)))
+    thread.start()
+    thread.join()
+    assert got == [(True, 3)] and ioprio() == before
 
 
 def test_prefetch_reads_each_folder_once(tiny, monkeypatch):
