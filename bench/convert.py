@@ -446,12 +446,15 @@ def traced_child(trace_path: str, argv: list[str]) -> None:
 
 
 def print_trace(name: str, trace: dict) -> None:
-    print(f"  {name}: phases (s from the process start; busy = summed over threads, wall = covered)")
-    print(f"    {'phase':<34} {'calls':>7} {'GB':>7} {'busy s':>8} {'wall s':>8} {'first':>7} {'last':>7} {'GB/s busy':>9}")
+    """The phases of one step, on stderr (with the step's time: stdout keeps the table or JSON)."""
+    out = sys.stderr
+    print(f"  {name}: phases (s from the process start; busy = summed over threads, wall = covered)", file=out)
+    print(f"    {'phase':<34} {'calls':>7} {'GB':>7} {'busy s':>8} {'wall s':>8} {'first':>7} {'last':>7} {'GB/s busy':>9}",
+          file=out)
     for phase, r in trace.items():
         gbps = r["bytes"] / r["busy_s"] / 1e9 if r["bytes"] and r["busy_s"] else 0
         print(f"    {phase:<34} {r['calls']:>7} {r['bytes'] / 1e9:>7.2f} {r['busy_s']:>8.2f} {r['wall_s']:>8.2f} "
-              f"{r['first_s']:>7.2f} {r['last_s']:>7.2f} {gbps or '':>9.3}")
+              f"{r['first_s']:>7.2f} {r['last_s']:>7.2f} {gbps or '':>9.3}", file=out)
 
 
 # ------------------------------------------------------------------ I/O floors and alternatives
