@@ -38,7 +38,7 @@ from .moe_align import moe_align_block_size
 from .moe_gemm import _moe_gemm_kernel, moe_gemm
 from .moe_silu import silu_and_mul, silu_and_mul_ref
 from .moe_sum import OUT_DTYPES, check_out, moe_sum
-from .moe_tiles import MoeConfig, select_config, swap_race
+from .moe_tiles import MoeConfig, select_config
 from .moe_weights import SCHEMES, dequantize_stacked, parse_weights
 from .quant import fp8_act_quant, fp8_act_quant_ref, fp8_dequant_act_ref
 
@@ -172,8 +172,6 @@ def fused_experts(
     act_group = SCHEMES[scheme].act_group
     fp8 = act_group is not None
     check(act_group != FP8_BLOCK or FP8_BLOCK % cfg.block_k == 0, f"fp8-block needs block_k dividing 128: {cfg}")
-    race = swap_race(scheme, cfg)
-    check(race is None, f"config {cfg}: {race}")
     fp4_group = SCHEMES[scheme].fp4_group
     check(fp4_group is None or cfg.block_k % fp4_group == 0,
           f"{scheme} needs block_k of whole groups of {fp4_group}: {cfg}")

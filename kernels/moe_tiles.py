@@ -66,11 +66,6 @@ TILE_FIELDS = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_sta
 OPTIONAL_FIELDS = ("split_w13", "split_w2", "fuse_silu", "swap_ab")
 #: most K slices a GEMM may split into
 MAX_SPLIT = 32
-#: swapped-operand tiles (block_m, num_warps, block_k) per scheme whose rows changed from run to
-#: run on an H100 with Triton 3.6 (nvfp4, 256 x 128 tiles: SQNR 13-22 dB at DeepSeek-V3 EP8, fused
-#: silu or not; the same tiles on mxfp4, 128-row, 4-warp or 128-wide K ones were exact): a race in
-#: the compiled kernel, so :func:`config_problem` refuses them
-SWAP_RACES = {"nvfp4": ((256, 8, 64),)}
 
 
 #: where the tuned tables live, one JSON file per GPU name (:func:`table_path`)
@@ -155,14 +150,6 @@ def config_problem(scheme: str, cfg: MoeConfig, group_size: int = 128) -> str | 
     fp4_group = SCHEMES[scheme].fp4_group
     if fp4_group is not None and (cfg.block_k % fp4_group or cfg.block_k < 32):
         return f"block_k = {cfg.block_k} is not whole {scheme} groups of {fp4_group} (and >= 32)"
-    return swap_race(scheme, cfg)
-
-
-def swap_race(scheme: str, cfg: MoeConfig) -> str | None:
-    """Why ``cfg`` must not run ``scheme`` with swapped operands (:data:`SWAP_RACES`), or None."""
-    if cfg.swap_ab and (cfg.block_m, cfg.num_warps, cfg.block_k) in SWAP_RACES.get(scheme, ()):
-        return (f"swap_ab with block_m {cfg.block_m}, {cfg.num_warps} warps and block_k {cfg.block_k} races on "
-                f"{scheme} (Triton 3.6, H100)")
     return None
 
 
@@ -203,7 +190,8 @@ def rule_config(scheme: str, E: int, N: int, H: int, top_k: int, T: int, act_dty
     (8 warps / group 8, the older default: 35-56 % slower); fp8-channel and int4 BLOCK_M 128;
     fp4 BLOCK_M 256 with 8 warps and 3 stages, so each weight tile is dequantized once per 256
     pairs (DeepSeek-V3 EP8 T=4096, ~190 pairs an expert: mxfp4 2460 -> 2028 us, nvfp4 2825 ->
-    2352; 2 stages 31 % slower), mxfp4 with swapped operands (``swap_ab``: 2018 -> 1640 us).
+    2352; 2 stages 31 % slower), with swapped operands (``swap_ab``: mxfp4 2018 -> 1640 us,
+    nvfp4 2354 -> 1693).
     fp4 at decode with few programs swaps operands too, 64 weight rows by 128-wide K tiles in 4 +
     4 slices (DeepSeek-V3 EP8 T=1: nvfp4 107 -> 97 us, mxfp4 96 -> 89). int4 keeps its unswapped
     tiles (swapped: 5-25 % slower at T = 1 / 128 / 4096).
@@ -227,7 +215,7 @@ def rule_config(scheme: str, E: int, N: int, H: int, top_k: int, T: int, act_dty
             bn = next((b for b in (128, 64, 32) if blocks * triton.cdiv(narrow, b) >= num_sms), 32)
             cfg = MoeConfig(16, bn, 128, 1, 4, 4, fuse_silu=fuse)
     elif ppe > LARGE_PPE and sch.fp4_group:
-        cfg = MoeConfig(256, 128, 64, 8, 8, 3, swap_ab=scheme == "mxfp4")
+        cfg = MoeConfig(256, 128, 64, 8, 8, 3, swap_ab=True)
     elif ppe > LARGE_PPE:
         cfg = MoeConfig(*{"dense": (128, 256, 64, 8, 8, 4), "fp8-block": (64, 128, 128, 32, 4, 3),
                           "fp8-channel": (128, 128, 128, 8, 4, 3), "int4": (128, 128, 64, 8, 4, 3)}[kind])
