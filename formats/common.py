@@ -95,8 +95,8 @@ class scripted:
     wakes the other core (tens of µs in this VM); compiled, the loop runs with the GIL
     released: 3584 x 1024 fp8-block linears on two threads of the 2-core Xeon, 3.4 ms a linear
     against 9.4 eager in the same tiles (5.9 eager in bands of 512K elements). Compiling takes
-    ~10 ms, the first call ~25 ms more. ``torch.jit.script`` is deprecated in torch 2.x, yet
-    present; it needs the function's source (a .py file)."""
+    ~10 ms. ``torch.jit.script`` is deprecated in torch 2.x, yet present; it needs the
+    function's source (a .py file)."""
 
     def __init__(self, fn):
         self.fn = fn
@@ -111,7 +111,12 @@ class scripted:
                 if self._compiled is None:
                     self._compiled = _script(self.fn)
                 compiled = self._compiled
-        return compiled(*args)
+        if compiled is self.fn:  # eager
+            return compiled(*args)
+        # unoptimized: the profiling runs and graph passes of the first calls took ~25 ms of
+        # start-up, and ran no faster after (6.5 ms a 3584 x 1024 linear either way)
+        with torch.jit.optimized_execution(False):
+            return compiled(*args)
 
 
 def _script(fn):

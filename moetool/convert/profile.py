@@ -42,17 +42,23 @@ WHICH = ("gate", "up", "down", "w13", "w2")
 SAMPLED_EXPERT = 0
 
 
+#: the moetool packages whose code a profile depends on (besides the version and the formats)
+CODE = ("convert", "read", "model")
+
+
 @cache
 def code_digest() -> str:
-    """sha256 of the source of moetool's conversion code (every .py file of moetool and of its
-    formats): a profile made by other code is not trusted."""
+    """sha256 of the source of moetool's conversion code (its version, ``CODE`` and every
+    format's module): a profile made by other code is not trusted."""
     package = Path(__file__).resolve().parents[1]
     formats = Path(format_cards.__file__).resolve().parent
+    paths = [(package, package / "__init__.py")]
+    paths += [(package, p) for part in CODE for p in sorted((package / part).rglob("*.py"))]
+    paths += [(formats, p) for p in sorted(formats.glob("*.py"))]
     h = hashlib.sha256()
-    for root in (package, formats):
-        for path in sorted(root.rglob("*.py")):
-            h.update(f"{path.relative_to(root)}\0".encode())
-            h.update(path.read_bytes())
+    for root, path in paths:
+        h.update(f"{path.relative_to(root)}\0".encode())
+        h.update(path.read_bytes())
     return h.hexdigest()
 
 
