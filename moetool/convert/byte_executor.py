@@ -23,7 +23,8 @@ every header, dtype, shape and byte range was validated when the checkpoint was 
 ``why_not_byte_copy`` leaves everything it does not fully understand to the torch executor.
 
 A quantized checkpoint is sharded this way too (``shard_by_copy``): a :class:`TorchCheck`
-builds the torch executor's plan of the same shard meanwhile (in a child process when torch is
+builds the torch executor's plan of the same shard (from the profile a quantize output's
+manifest holds, ``moetool.convert.profile``; else meanwhile, in a child process when torch is
 not loaded) and the files are committed only once it agrees; where it does not, or fails, the
 copies are removed and the torch executor shards the checkpoint (raising its error, if any).
 """

@@ -74,16 +74,21 @@ def inputs_digest(ckpt: Checkpoint) -> str:
     return h.hexdigest()
 
 
+def shape_key(layer: MoELayerSpec) -> str:
+    """A layer's shape, as profiles name it: "HIDDENxINTERMEDIATE"."""
+    return f"{layer.hidden}x{layer.intermediate}"
+
+
 def probe_key(layer: MoELayerSpec, which: str) -> str:
     """The profile's key of ``which`` (one of ``WHICH``) of a layer's shape."""
-    return f"{layer.hidden}x{layer.intermediate}:{which}"
+    return f"{shape_key(layer)}:{which}"
 
 
 def sampled_layers(spec: ModelSpec) -> dict[str, int]:
-    """The first MoE layer of each shape: ``probe_key`` without its ``which`` -> layer index."""
+    """The first MoE layer of each shape: ``shape_key`` -> layer index."""
     out: dict[str, int] = {}
     for layer in spec.moe_layers:
-        out.setdefault(probe_key(layer, "").rstrip(":"), layer.index)
+        out.setdefault(shape_key(layer), layer.index)
     return out
 
 
@@ -146,7 +151,7 @@ def plan_facts(ckpt: Checkpoint, spec: ModelSpec, profile: dict, *, ep: int, pla
         layer = layers[g.layer]
         expert = g.experts[0] if isinstance(g, Stacked) else g.expert if isinstance(g, ExpertLinear) else None
         key = probe_key(layer, g.which if isinstance(g, Stacked) else g.role)
-        if expert != SAMPLED_EXPERT or profile["layers"].get(probe_key(layer, "").rstrip(":")) != g.layer:
+        if expert != SAMPLED_EXPERT or profile["layers"].get(shape_key(layer)) != g.layer:
             return None
         shas.append(profile["samples"][key])
     return {"headers": {pf.name: hashlib.sha256(pf.header()).hexdigest() for pf in plan.files if not pf.same_as},
