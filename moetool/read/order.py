@@ -7,9 +7,12 @@ import importlib.util
 import os
 import re
 import threading
+from bisect import bisect_left
+from itertools import accumulate
 from pathlib import Path
 from typing import Iterable
 
+from moetool.errors import MoetoolError
 from moetool.read.checkpoint import Checkpoint, open_checkpoint
 from moetool.read.prefetch import PREFETCH_SHARE, available_memory, read_ahead_ranges
 
@@ -42,10 +45,15 @@ def read_order(ckpt: Checkpoint) -> list[Range]:
     return [r for _, r in staged_ranges(ckpt)]
 
 
-def verify_order(shard_roots: list[Path], ref: Checkpoint, layers: Iterable[int] | None) -> list[Range]:
-    """What a verify run reads, in the order it reads it: stage by stage, the reference's
-    tensors then every rank's (``shard_roots``: the rank folders); then the rest of the rank
-    folders' ``*.safetensors`` files whole (their sha256 check reads every byte).
+#: the stage of the rank files read whole at the end (for their sha256 check)
+WHOLE_FILES_STAGE = LAST_STAGE + 1
+
+
+def verify_order(shard_roots: list[Path], ref: Checkpoint, layers: Iterable[int] | None) -> list[tuple[int, Range]]:
+    """What a verify run reads, in the order it reads it, each with its stage: stage by stage,
+    the reference's tensors then every rank's (``shard_roots``: the rank folders); then the
+    rank folders' ``*.safetensors`` files whole (their sha256 check reads every byte),
+    stage WHOLE_FILES_STAGE.
 
     ``layers``: the stages taken (MoE-only verify: its MoE layers), or None for every stage
     (--whole-model). A file hard-linked into several rank folders is read once."""
@@ -58,7 +66,7 @@ def verify_order(shard_roots: list[Path], ref: Checkpoint, layers: Iterable[int]
             staged += [(s, 1, r) for s, r in staged_ranges(ckpt) if keep is None or s in keep]
             whole += [Path(ckpt.root) / f for f in ckpt.files]
     staged.sort(key=lambda x: (x[0], x[1]))
-    out: list[Range] = [r for _, _, r in staged]
+    out: list[tuple[int, Range]] = [(s, r) for s, _, r in staged]
     seen: set[tuple[int, int]] = set()
     for path in whole:
         try:
@@ -67,8 +75,71 @@ def verify_order(shard_roots: list[Path], ref: Checkpoint, layers: Iterable[int]
             continue
         if (st.st_dev, st.st_ino) not in seen:
             seen.add((st.st_dev, st.st_ino))
-            out.append((path, 0, st.st_size))
+            out.append((WHOLE_FILES_STAGE, (path, 0, st.st_size)))
     return out
+
+
+class PacedReadAhead:
+    """Reads ranges into the page cache in their order on a daemon thread, at most ``window``
+    bytes past what the run still needs: a model larger than memory is read once, just ahead
+    of its use (unpaced, the reads would run ahead, evict pages not used yet, and the run
+    would read them again).
+
+    ``keyed``: [(key, range)], keys ascending (a run's (job, stage)). ``reached(key)``: the run
+    is done with every range before the first one of ``key``. A hint: a read that fails
+    ends it quietly."""
+
+    def __init__(self, keyed: list[tuple[tuple, Range]], window: int, stop: threading.Event | None = None):
+        self.window = window
+        self._keys = [k for k, _ in keyed]
+        self._ranges = [r for _, r in keyed]
+        self._starts = list(accumulate((r[2] for r in self._ranges), initial=0))
+        self._consumed = 0
+        self._cond = threading.Condition()
+        self._stop = stop if stop is not None else threading.Event()
+        #: bytes handed to the reader so far (tests watch it stay within the window)
+        self.issued = 0
+        self.thread = threading.Thread(target=self._run, name="moetool-read-ahead", daemon=True)
+        self.thread.start()
+
+    def reached(self, key: tuple) -> None:
+        with self._cond:
+            self._consumed = max(self._consumed, self._starts[bisect_left(self._keys, key)])
+            self._cond.notify_all()
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        for i, r in enumerate(self._ranges):
+            with self._cond:
+                # a range larger than the window alone is read once it is the next one needed
+                while (self._starts[i + 1] - self._consumed > self.window and self._starts[i] > self._consumed
+                       and not self._stop.is_set()):
+                    self._cond.wait(0.5)
+            if self._stop.is_set():
+                return
+            self.issued = self._starts[i + 1]
+            if self._starts[i + 1] <= self._consumed:
+                continue  # the run is past it
+            thread = read_ahead_ranges([r], r[2], stop=self._stop)
+            if thread is None:
+                return
+            thread.join()
+
+
+def read_ahead_window() -> int:
+    """Bytes a verify run may read ahead of its use: ``PREFETCH_SHARE`` of the memory
+    available, or MOETOOL_READ_AHEAD_MB."""
+    forced = os.environ.get("MOETOOL_READ_AHEAD_MB")
+    if forced:
+        try:
+            return int(float(forced) * 2**20)
+        except ValueError:
+            raise MoetoolError(f"MOETOOL_READ_AHEAD_MB={forced!r}: expected a number of MiB") from None
+    return int(available_memory() * PREFETCH_SHARE)
 
 
 def package_files(name: str) -> list[Range]:
@@ -92,21 +163,23 @@ def package_files(name: str) -> list[Range]:
 
 
 def read_verify_inputs_ahead(jobs: list[tuple[Path, Path, Iterable[int] | None]],
-                             stop: threading.Event | None = None, *, gpu: bool = False) -> threading.Thread | None:
-    """Start reading what verify runs will read, in their order, into the page cache on a daemon
-    thread (up to ``PREFETCH_SHARE`` of the memory available), until ``stop`` is set.
+                             stop: threading.Event | None = None, *, gpu: bool = False) -> PacedReadAhead | None:
+    """Start reading what verify runs will read, in their order, into the page cache (keys
+    (job, stage); paced by ``reached`` within ``read_ahead_window()``), until ``stop`` is set.
     ``jobs``: [(shard root, reference folder, the MoE-only run's layers or None for
     --whole-model)]. A hint: what cannot be opened here is left for the run to report.
 
     ``gpu``: the ranks run on GPUs, where Triton's files come first (the ranks load and compile
     with it, this process never does; they read it in small pieces, which a disk busy with
     the checkpoints serves seconds late)."""
-    ranges: list[Range] = package_files("triton") if gpu else []
+    keyed: list[tuple[tuple, Range]] = [((-1, EMBED_STAGE), r) for r in package_files("triton")] if gpu else []
     try:
-        for shards, ref, layers in jobs:
+        for j, (shards, ref, layers) in enumerate(jobs):
             rank_roots = sorted(p for p in Path(shards).iterdir() if p.is_dir() and p.name.startswith("rank-"))
             with open_checkpoint(Path(ref)) as ref_ckpt:
-                ranges += verify_order(rank_roots, ref_ckpt, layers)
+                keyed += [((j, s), r) for s, r in verify_order(rank_roots, ref_ckpt, layers)]
     except Exception:  # noqa: BLE001 - a hint only: the run itself names what is wrong
         return None
-    return read_ahead_ranges(ranges, int(available_memory() * PREFETCH_SHARE), stop=stop)
+    if getattr(os, "sendfile", None) is None:
+        return None
+    return PacedReadAhead(keyed, read_ahead_window(), stop)

@@ -182,8 +182,11 @@ class LayerCollector:
     Keys are (job, layer). ``stop``: set when the run failed; a waiting side then returns. A
     failed comparison is kept in ``error`` and sets ``stop`` and ``abort`` (the world's)."""
 
-    def __init__(self, ep: int, dps: list[int], window: int, stop: threading.Event, abort: threading.Event):
+    def __init__(self, ep: int, dps: list[int], window: int, stop: threading.Event, abort: threading.Event,
+                 on_compared: Callable[[tuple[int, int]], None] = lambda key: None):
         self.ep, self.dps, self.window, self.stop, self.abort = ep, dps, window, stop, abort
+        #: called with (job, layer) once the layer is compared (its inputs are no longer needed)
+        self.on_compared = on_compared
         self.outcomes: dict[tuple[int, int], LayerOutcome] = {}
         self.error: BaseException | None = None
         #: seconds ``add_reference`` waited for the ranks (not the reference's own work)
@@ -238,6 +241,7 @@ class LayerCollector:
             self._cond.notify_all()
         for _, release in outputs.values():
             release()
+        self.on_compared(key)
 
 
 def _metrics(y: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float]:
@@ -378,15 +382,18 @@ def verify_many(jobs: list[tuple], *, revision: str | None = None) -> list[Verif
             check_reference(shards, ref_ckpt, specs[-1], ref)
             rank_jobs.append((str(shards.root), opts, _layers_to_check(shards, specs[-1], opts)))
         # the disk reads what the run takes, in its order, while the ranks start (seconds a cold
-        # disk would otherwise idle); not before this process's imports, which it would starve
+        # disk would otherwise idle); not before this process's imports, which it would starve;
+        # paced by the comparisons (a layer compared is a layer read)
         ep, backend = eps.pop(), backends.pop()
-        read_verify_inputs_ahead([(p[0].root, r.root, job[2]) for p, r, job in zip(prepared, refs, rank_jobs)],
-                                 stop=reading_done, gpu=backend == "nccl")
+        ahead = read_verify_inputs_ahead([(p[0].root, r.root, job[2]) for p, r, job in zip(prepared, refs, rank_jobs)],
+                                         stop=reading_done, gpu=backend == "nccl")
         timeout = sum(p[2].timeout_s for p in prepared)
         device = reference_device(ep)
         stop, abort = threading.Event(), threading.Event()
         timings = [{} for _ in prepared]
-        collector = LayerCollector(ep, [p[2].dp for p in prepared], COMPARE_WINDOW, stop, abort)
+        collector = LayerCollector(ep, [p[2].dp for p in prepared], COMPARE_WINDOW, stop, abort,
+                                   on_compared=(lambda key: None) if ahead is None else
+                                   (lambda key: ahead.reached((key[0], key[1] + 1))))
 
         def references() -> None:
             for j, (p, ref_ckpt, spec, job, t) in enumerate(zip(prepared, refs, specs, rank_jobs, timings)):

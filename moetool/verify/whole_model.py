@@ -43,7 +43,7 @@ from moetool.formats.registry import FORMATS
 from moetool.model.families import describe, text_config
 from moetool.read.checkpoint import open_checkpoint
 from moetool.read.experts import ExpertReader
-from moetool.read.order import read_verify_inputs_ahead
+from moetool.read.order import LAST_STAGE, read_verify_inputs_ahead
 from moetool.read.shards import EPShards
 from moetool.verify.driver import THRESHOLDS as MOE_THRESHOLDS
 from moetool.verify.driver import check_files_present, check_reference, process_started, resolve_backend
@@ -384,6 +384,9 @@ def _rank_job_on(rank: int, topo, job: dict, shards: EPShards, ckpt, spec) -> di
     opts: WholeModelOptions = job["opts"]
     reporting = topo.tp_index == 0
     ref_ckpt = open_checkpoint(job["ref"], job["revision"]) if reporting else None
+    # the reporting rank paces the reads ahead by its layers (the parent's, from the spawn,
+    # stop at the window: it cannot see how far the ranks are)
+    ahead = read_verify_inputs_ahead([(shards.root, Path(job["ref"]), None)]) if reporting else None
     try:
         transport = choose_transport(opts.transport, topo.device) if opts.dispatch == "all2all" else None
         numerics = model_numerics(opts.numerics, FORMATS[shards.manifest["format"]], ckpt, spec)
@@ -392,15 +395,17 @@ def _rank_job_on(rank: int, topo, job: dict, shards: EPShards, ckpt, spec) -> di
         experts = get_experts(opts.experts, numerics)
         ids = job["ids"][topo.group_index]  # [B, S]
         return _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts, load_local_experts,
-                    run_moe_layer)
+                    run_moe_layer, ahead)
     finally:
+        if ahead is not None:
+            ahead.stop()
         if ref_ckpt is not None:
             ref_ckpt.close()
 
 
 @torch.no_grad()
 def _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts, load_local_experts,
-         run_moe_layer) -> dict:
+         run_moe_layer, ahead=None) -> dict:
     opts: WholeModelOptions = job["opts"]
     clock = _Clock(topo.device)
     ids = ids.to(topo.device)
@@ -436,6 +441,8 @@ def _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts
     for i in range(len(conv.layers)):
         name = str(i)
         clock.row = name
+        if ahead is not None:
+            ahead.reached((0, i))  # the layers before are done with
         layer = conv.layers[i]
         moe = conv.moe_index.get(i)
         mlp_attr = conv.mlp_attr(layer)
@@ -509,6 +516,8 @@ def _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts
 
     # final norm and lm_head
     clock.row = "head"
+    if ahead is not None:
+        ahead.reached((0, LAST_STAGE))
     with clock("read_shards"):
         norm = conv.fill(conv.base.norm, "model.norm.")
         head = conv.fill(conv.model.lm_head, "lm_head.")

@@ -58,14 +58,21 @@ def test_cli_report_json_and_exit_status(verify_chain, verify_shards, cli, monke
 
     model = verify_chain[0]
     sh = verify_shards("int4-group", 2, layout="stacked")
-    asked = []  # the run reads ahead what it takes, in its order, and stops reading when it ends
-    real = driver.read_verify_inputs_ahead
-    monkeypatch.setattr(driver, "read_verify_inputs_ahead",
-                        lambda jobs, stop, gpu: asked.append((jobs, stop)) or real(jobs, stop, gpu=gpu))
+    asked, reached = [], []  # the run reads ahead what it takes, in its order, paced by the layers
+    real = driver.read_verify_inputs_ahead                  # compared, and stops reading when it ends
+
+    def read_ahead(jobs, stop, gpu):
+        asked.append((jobs, stop))
+        ahead = real(jobs, stop, gpu=gpu)
+        move = ahead.reached
+        ahead.reached = lambda key: reached.append(key) or move(key)
+        return ahead
+
+    monkeypatch.setattr(driver, "read_verify_inputs_ahead", read_ahead)
     r = cli("verify", sh, "--ref", model, "--ep", "2", "--tokens", TOKENS, "--layers", "2", "--json",
             "--warmup", "1", "--repeat", "2", "--all2all", "all2all")
     assert r.code == 0, r.err
-    assert [jobs for jobs, _ in asked] == [[(sh, model, [2])]] and asked[0][1].is_set()
+    assert [jobs for jobs, _ in asked] == [[(sh, model, [2])]] and asked[0][1].is_set() and reached == [(0, 3)]
     rep = json.loads(r.out)
     assert rep["passed"] and [l["layer"] for l in rep["layers"]] == [2] and rep["format"] == "int4-group"
     assert rep["options"]["repeat"] == 2 and all(v > 0 for v in rep["layers"][0]["timings_ms"].values())

@@ -2,11 +2,18 @@
 then the rest; file order within each; the reference before the shards within a stage."""
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
+from moetool.errors import MoetoolError
+
 from moetool.read.safetensors import TensorInfo
-from moetool.read.order import package_files, read_order, read_verify_inputs_ahead, stage, verify_order
+from moetool.read.order import (WHOLE_FILES_STAGE, PacedReadAhead, package_files, read_order, read_ahead_window,
+                                read_verify_inputs_ahead, stage, verify_order)
 
 
 def test_the_reference_is_read_ahead_layer_by_layer():
@@ -49,10 +56,13 @@ def test_verify_reads_each_layer_reference_then_shards_then_whole_files(verify_c
     model, shards = verify_chain[0], verify_shards("fp8-block", 2)
     ranks = sorted(p for p in shards.iterdir() if p.name.startswith("rank-"))
     with open_checkpoint(model) as ref:
-        moe_only = verify_order(ranks, ref, [2, 1])
-        whole = verify_order(ranks, ref, None)
+        moe_only_keyed = verify_order(ranks, ref, [2, 1])
+        whole = [r for _, r in verify_order(ranks, ref, None)]
         ref_bytes = sum(t.end - t.begin for t in ref.tensors.values())
-    staged = [r for r in moe_only if r[1] or r[2] != r[0].stat().st_size]
+    moe_only = [r for _, r in moe_only_keyed]
+    staged = [r for s, r in moe_only_keyed if s != WHOLE_FILES_STAGE]
+    assert staged == [r for r in moe_only if r[1] or r[2] != r[0].stat().st_size]
+    assert [s for s, _ in moe_only_keyed] == sorted(s for s, _ in moe_only_keyed)
     sides = [r[0].parent == model for r in staged]
     stages = _stages(model, staged)
     assert set(stages) == {1, 2} and stages == sorted(stages)  # layer 1 before layer 2, nothing else
@@ -73,10 +83,11 @@ def test_verify_reads_each_layer_reference_then_shards_then_whole_files(verify_c
 
 def test_read_ahead_of_a_verify_is_only_a_hint(verify_chain, verify_shards, tmp_path):
     model, shards = verify_chain[0], verify_shards("fp8-block", 2)
-    thread = read_verify_inputs_ahead([(shards, model, [1]), (shards, model, None)])
-    assert thread is not None
-    thread.join(30)
-    assert not thread.is_alive()
+    ahead = read_verify_inputs_ahead([(shards, model, [1]), (shards, model, None)])
+    assert ahead is not None
+    ahead.reached((2, 0))  # past every key: the run is done with all of it
+    ahead.thread.join(30)
+    assert not ahead.thread.is_alive()
     # what the run itself reports (no such folder, a damaged header) is not raised here
     assert read_verify_inputs_ahead([(shards, tmp_path / "nothing", None)]) is None
     bad = tmp_path / "ref"
@@ -93,3 +104,49 @@ def test_the_code_the_ranks_load_is_found_not_imported():
     assert {"order.py", "__main__.py"} <= files
     assert package_files("moetool_no_such_package") == []
     assert "moetool_no_such_package" not in sys.modules
+
+
+def _settled(ahead: PacedReadAhead, want: int) -> int:
+    """``ahead.issued`` once it reaches ``want`` (or 5 s pass), then 0.2 s more: what it holds at."""
+    deadline = time.monotonic() + 5
+    while ahead.issued < want and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)
+    return ahead.issued
+
+
+def test_reads_ahead_stay_within_the_window_of_what_the_run_still_needs(tmp_path):
+    """A model larger than memory is read just ahead of its use, never evicting what the run has
+    not used yet: the reader holds at ``window`` bytes past the run's position, moves on as
+    the run does, takes a range larger than the window once it is the next one needed, and
+    ends when told."""
+    data = tmp_path / "data.bin"
+    data.write_bytes(os.urandom(16 << 20))
+    mib = 1 << 20
+    keyed = [((0, i), (data, i * mib, mib)) for i in range(8)] + [((0, 8), (data, 8 * mib, 8 * mib))]
+    ahead = PacedReadAhead(keyed, window=3 * mib)
+    assert _settled(ahead, 3 * mib) == 3 * mib  # layers 0-2, then waits
+    ahead.reached((0, 2))  # done with 0 and 1
+    assert _settled(ahead, 5 * mib) == 5 * mib
+    ahead.reached((0, 7))
+    assert _settled(ahead, 8 * mib) == 8 * mib  # the 8 MiB range waits until it is next
+    ahead.reached((0, 8))
+    assert _settled(ahead, 16 * mib) == 16 * mib
+    ahead.thread.join(5)
+    assert not ahead.thread.is_alive()
+
+    stopped = PacedReadAhead(keyed, window=mib)
+    assert _settled(stopped, mib) == mib
+    stopped.stop()
+    stopped.thread.join(5)
+    assert not stopped.thread.is_alive() and stopped.issued == mib
+
+
+def test_the_read_ahead_window_can_be_set(monkeypatch):
+    monkeypatch.setenv("MOETOOL_READ_AHEAD_MB", "64")
+    assert read_ahead_window() == 64 << 20
+    monkeypatch.setenv("MOETOOL_READ_AHEAD_MB", "lots")
+    with pytest.raises(MoetoolError, match="MOETOOL_READ_AHEAD_MB='lots': expected a number of MiB"):
+        read_ahead_window()
+    monkeypatch.delenv("MOETOOL_READ_AHEAD_MB")
+    assert read_ahead_window() > 0
