@@ -125,11 +125,11 @@ def write_model(path: Path, cfg: dict, shard_bytes: float) -> float:
     return total / 1e9
 
 
-def timed(cmd: list[str], log: Path) -> float:
+def timed(cmd: list[str], log: Path, env: dict | None = None) -> float:
     """Run ``cmd``, stdout to ``log`` and stderr to ``log``.err; seconds of wall time."""
     t0 = time.perf_counter()
     with open(log, "w") as f, open(f"{log}.err", "w") as e:
-        p = subprocess.run(cmd, stdout=f, stderr=e)
+        p = subprocess.run(cmd, stdout=f, stderr=e, env=env)
     dt = time.perf_counter() - t0
     if p.returncode not in (0, 1):  # 1: verify ran and some check failed; the report says which
         print(Path(f"{log}.err").read_text()[-3000:], file=sys.stderr)
@@ -181,8 +181,14 @@ class DiskReads:
 
 
 def disk_line(rates: list[tuple[float, float]]) -> str:
-    """'0:1.2 2:1.4 ...' (bucket start s: GB/s)."""
-    return " ".join(f"{t:.0f}:{r:.2f}" for t, r in rates)
+    """'0:1.2 2:1.4 ... (total 44.6 GB)' (bucket start s: GB/s)."""
+    total = sum(r for _, r in rates) * (rates[1][0] - rates[0][0] if len(rates) > 1 else 0)
+    return " ".join(f"{t:.0f}:{r:.2f}" for t, r in rates) + f" (total {total:.1f} GB)"
+
+
+def new_env(args) -> dict:
+    """``--env NAME=VALUE ...``: the environment of this checkout's runs (not the --old ones)."""
+    return dict(kv.split("=", 1) for kv in args.env)
 
 
 def drop_caches() -> None:
@@ -201,7 +207,7 @@ def moe_only(moetool: list[str], sh: Path, src: Path, args, w: Path, res: dict) 
     floor = res["read_floor_s"] + res["shards_read_s"]
     out = {"read_floor_s": floor, "tokens": args.moe_only_tokens}
     for name, path in [*((p.name, p) for p in args.old), ("new", None)]:
-        env = dict(os.environ)
+        env = dict(os.environ, **(new_env(args) if path is None else {}))
         if path is not None:
             env["PYTHONPATH"] = str(path)
         drop_caches()
@@ -248,6 +254,8 @@ def main() -> None:
     ap.add_argument("--old", type=Path, nargs="*", default=[],
                     help="checkouts whose moetool to time too (MoE-only and whole-model), each before this one")
     ap.add_argument("--skip-whole-model", action="store_true")
+    ap.add_argument("--env", nargs="*", default=[], metavar="NAME=VALUE",
+                    help="environment of this checkout's verify runs only (an A/B of a setting against --old)")
     args = ap.parse_args()
     w = args.workdir.resolve()  # the older checkouts run from their own folders
     w.mkdir(parents=True, exist_ok=True)
@@ -307,7 +315,7 @@ def main() -> None:
     drop_caches()
     report_path = w / "report.json"
     disk = DiskReads()
-    res["verify_wall_s"] = timed(whole[0], report_path)
+    res["verify_wall_s"] = timed(whole[0], report_path, env=dict(os.environ, **new_env(args)))
     res["disk_gbps"] = disk.stop()
     text = report_path.read_text()
     report = json.loads(text)
