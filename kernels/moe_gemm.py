@@ -109,19 +109,6 @@ def _swap_scales(b_scale_ptr, b_zp_ptr, s_rows, z_rows, z_shift, k0, K, group_k,
 
 
 @triton.jit
-def _fp8_block_scales(a_scale_ptr, bs_base, a_rows, m_mask, k0, k_hi, stride_asm, stride_ask, stride_sk):
-    """fp8-block: the scales of the 128-wide K block holding column k0 (from k_hi on, those of
-    column k_hi - 1: in bounds, never used) -> (a_s fp32 [BM], b_s fp32 [BN], or one number with
-    BS_TILE, bs_base then one pointer). Loaded one K tile ahead of their use: a plain load's
-    latency would otherwise stall every K tile after its dot (the pipeliner prefetches only the
-    dot's operands)."""
-    kb = tl.minimum(k0, k_hi - 1) // 128
-    a_s = tl.load(a_scale_ptr + a_rows * stride_asm + kb * stride_ask, mask=m_mask, other=0.0)
-    b_s = tl.load(bs_base + kb * stride_sk)
-    return a_s, b_s
-
-
-@triton.jit
 def _moe_gemm_kernel(
     a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, b_zp_ptr, b_gs_ptr, c_ptr, topk_weights_ptr, bias_ptr,
     sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr,
@@ -252,9 +239,6 @@ def _moe_gemm_kernel(
                                       stride_zk, FMT, HAS_ZP, GROUP_TILE, FP4_GROUP, BLOCK_K, BLOCK_N)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if FMT == 1:  # the first K block's scales; each iteration loads the next one's (_fp8_block_scales)
-        a_s_next, b_s_next = _fp8_block_scales(a_scale_ptr, bs_base, a_rows, m_mask, k_lo, k_hi, stride_asm,
-                                               stride_ask, stride_sk)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + offs_k  # [BK]
         k_mask = kk < K
@@ -337,9 +321,9 @@ def _moe_gemm_kernel(
         elif FMT == 1:
             b = _load_k(b_base + offs_bn64[None, :] * stride_bn + kk[:, None] * stride_bk,
                         None, k_mask[:, None], EVEN_K)  # [BK, BN] e4m3
-            a_s, b_s = a_s_next, b_s_next  # [BM]; [BN], or one scale (BS_TILE)
-            a_s_next, b_s_next = _fp8_block_scales(a_scale_ptr, bs_base, a_rows, m_mask, k0 + BLOCK_K, k_hi,
-                                                   stride_asm, stride_ask, stride_sk)
+            kb = k0 // 128
+            a_s = tl.load(a_scale_ptr + a_rows * stride_asm + kb * stride_ask, mask=m_mask, other=0.0)
+            b_s = tl.load(bs_base + kb * stride_sk)  # [BN], or one scale (BS_TILE)
             if BS_TILE:  # one FMA an element: the row scales times the tile's one weight scale first
                 acc += tl.dot(a, b) * (a_s * b_s)[:, None]
             else:
