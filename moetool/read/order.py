@@ -4,17 +4,17 @@ each decoder layer in turn, then the rest (final norm, lm_head). Torch-free.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import re
 import threading
 from bisect import bisect_left
 from itertools import accumulate
 from pathlib import Path
-from typing import Iterable
 
 from moetool.errors import MoetoolError
 from moetool.read.checkpoint import Checkpoint, open_checkpoint
-from moetool.read.prefetch import PREFETCH_SHARE, available_memory, read_ahead_ranges
+from moetool.read.prefetch import PREFETCH_SHARE, CacheFiller, available_memory
 
 #: (file, offset, length) of bytes to read
 Range = tuple[Path, int, int]
@@ -49,21 +49,22 @@ def read_order(ckpt: Checkpoint) -> list[Range]:
 WHOLE_FILES_STAGE = LAST_STAGE + 1
 
 
-def verify_order(shard_roots: list[Path], ref: Checkpoint, layers: Iterable[int] | None) -> list[tuple[int, Range]]:
-    """What a verify run reads, in the order it reads it, each with its stage: stage by stage,
+def verify_order(shard_roots: list[Path], ref: Checkpoint, layers: list[int] | None) -> list[tuple[int, Range]]:
+    """What a verify run reads, in the order it reads it, each with its step: step by step,
     the reference's tensors then every rank's (``shard_roots``: the rank folders); then the
     rank folders' ``*.safetensors`` files whole (their sha256 check reads every byte),
-    stage WHOLE_FILES_STAGE.
+    step WHOLE_FILES_STAGE.
 
-    ``layers``: the stages taken (MoE-only verify: its MoE layers), or None for every stage
-    (--whole-model). A file hard-linked into several rank folders is read once."""
-    keep = None if layers is None else set(layers)
+    ``layers``: the layers the run takes, in its order (MoE-only verify; a layer's step is its
+    place in the list), or None for every stage in stage order (--whole-model; the step is
+    the stage). A file hard-linked into several rank folders is read once."""
+    step = (lambda s: s) if layers is None else {layer: k for k, layer in enumerate(dict.fromkeys(layers))}.get
     staged: list[tuple[int, int, Range]] = []
     whole: list[Path] = []
-    staged += [(s, 0, r) for s, r in staged_ranges(ref) if keep is None or s in keep]
+    staged += [(step(s), 0, r) for s, r in staged_ranges(ref) if step(s) is not None]
     for root in shard_roots:
         with open_checkpoint(root, ep_rank=True) as ckpt:
-            staged += [(s, 1, r) for s, r in staged_ranges(ckpt) if keep is None or s in keep]
+            staged += [(step(s), 1, r) for s, r in staged_ranges(ckpt) if step(s) is not None]
             whole += [Path(ckpt.root) / f for f in ckpt.files]
     staged.sort(key=lambda x: (x[0], x[1]))
     out: list[tuple[int, Range]] = [(s, r) for s, _, r in staged]
@@ -91,6 +92,7 @@ class PacedReadAhead:
 
     def __init__(self, keyed: list[tuple[tuple, Range]], window: int, stop: threading.Event | None = None):
         self.window = window
+        keyed = _merged(keyed)
         self._keys = [k for k, _ in keyed]
         self._ranges = [r for _, r in keyed]
         self._starts = list(accumulate((r[2] for r in self._ranges), initial=0))
@@ -113,21 +115,41 @@ class PacedReadAhead:
             self._cond.notify_all()
 
     def _run(self) -> None:
-        for i, r in enumerate(self._ranges):
-            with self._cond:
-                # a range larger than the window alone is read once it is the next one needed
-                while (self._starts[i + 1] - self._consumed > self.window and self._starts[i] > self._consumed
-                       and not self._stop.is_set()):
-                    self._cond.wait(0.5)
-            if self._stop.is_set():
-                return
-            self.issued = self._starts[i + 1]
-            if self._starts[i + 1] <= self._consumed:
-                continue  # the run is past it
-            thread = read_ahead_ranges([r], r[2], stop=self._stop)
-            if thread is None:
-                return
-            thread.join()
+        try:
+            filler = CacheFiller()
+        except OSError:
+            return
+        try:
+            for i, (path, offset, length) in enumerate(self._ranges):
+                with self._cond:
+                    # a range larger than the window alone is read once it is the next one needed
+                    while (self._starts[i + 1] - self._consumed > self.window and self._starts[i] > self._consumed
+                           and not self._stop.is_set()):
+                        self._cond.wait(0.5)
+                if self._stop.is_set():
+                    return
+                self.issued = self._starts[i + 1]
+                if self._starts[i + 1] <= self._consumed:
+                    continue  # the run is past it
+                try:
+                    filler.fill(path, offset, length, self._stop)
+                except OSError:
+                    continue
+        finally:
+            filler.close()
+
+
+def _merged(keyed: list[tuple[tuple, Range]]) -> list[tuple[tuple, Range]]:
+    """Ranges of one key that follow each other in a file, as one (a tensor each: 100k of
+    them in a DeepSeek-V3 checkpoint stored per expert)."""
+    out: list[tuple[tuple, Range]] = []
+    for key, (path, offset, length) in keyed:
+        if out and out[-1][0] == key and out[-1][1][0] == path and sum(out[-1][1][1:]) == offset:
+            last = out[-1][1]
+            out[-1] = (key, (path, last[1], last[2] + length))
+        else:
+            out.append((key, (path, offset, length)))
+    return out
 
 
 def read_ahead_window() -> int:
@@ -136,9 +158,12 @@ def read_ahead_window() -> int:
     forced = os.environ.get("MOETOOL_READ_AHEAD_MB")
     if forced:
         try:
-            return int(float(forced) * 2**20)
+            mib = float(forced)
         except ValueError:
-            raise MoetoolError(f"MOETOOL_READ_AHEAD_MB={forced!r}: expected a number of MiB") from None
+            mib = math.nan
+        if not (math.isfinite(mib) and mib > 0):
+            raise MoetoolError(f"MOETOOL_READ_AHEAD_MB={forced!r}: expected a positive number of MiB")
+        return int(mib * 2**20)
     return int(available_memory() * PREFETCH_SHARE)
 
 
@@ -162,12 +187,12 @@ def package_files(name: str) -> list[Range]:
     return out
 
 
-def read_verify_inputs_ahead(jobs: list[tuple[Path, Path, Iterable[int] | None]],
+def read_verify_inputs_ahead(jobs: list[tuple[Path, Path, list[int] | None]],
                              stop: threading.Event | None = None, *, gpu: bool = False) -> PacedReadAhead | None:
     """Start reading what verify runs will read, in their order, into the page cache (keys
-    (job, stage); paced by ``reached`` within ``read_ahead_window()``), until ``stop`` is set.
-    ``jobs``: [(shard root, reference folder, the MoE-only run's layers or None for
-    --whole-model)]. A hint: what cannot be opened here is left for the run to report.
+    (job, step): see ``verify_order``; paced by ``reached`` within ``read_ahead_window()``),
+    until ``stop`` is set. ``jobs``: [(shard root, reference folder, the MoE-only run's layers
+    in its order, or None for --whole-model)]. A hint: what cannot be opened here is left for the run to report.
 
     ``gpu``: the ranks run on GPUs, where Triton's files come first (the ranks load and compile
     with it, this process never does; they read it in small pieces, which a disk busy with

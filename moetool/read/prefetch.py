@@ -57,13 +57,50 @@ def idle_io_priority() -> bool:
         return False
 
 
+class CacheFiller:
+    """Reads byte ranges of files into the page cache: ``sendfile`` to /dev/null,
+    ``PREFETCH_STEP`` a call (the GIL released meanwhile), one descriptor per file kept open
+    until ``close`` (and with it the kernel's sequential read-ahead state)."""
+
+    #: descriptors kept open at most (all are closed when one more is needed)
+    MAX_OPEN = 256
+
+    def __init__(self):
+        self._null = os.open(os.devnull, os.O_WRONLY)
+        self._fds: dict[Path, int] = {}
+
+    def fill(self, path: Path, offset: int, length: int, stop: threading.Event | None = None) -> int:
+        """Bytes read into the cache from ``offset`` (fewer at the end of the file or once
+        ``stop`` is set). OSError where the file cannot be read."""
+        fd = self._fds.get(path)
+        if fd is None:
+            if len(self._fds) >= self.MAX_OPEN:
+                self._close_files()
+            fd = self._fds[path] = os.open(path, os.O_RDONLY)
+        done = 0
+        while done < length and not (stop is not None and stop.is_set()):
+            n = os.sendfile(self._null, fd, offset + done, min(PREFETCH_STEP, length - done))
+            if n <= 0:
+                break
+            done += n
+        return done
+
+    def _close_files(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def close(self) -> None:
+        self._close_files()
+        os.close(self._null)
+
+
 def read_ahead_ranges(ranges: Iterable[tuple[Path, int, int]], budget: int,
                       stop: threading.Event | None = None, idle: bool = False) -> threading.Thread | None:
     """On a daemon thread, read each (file, offset, length) in order into the page cache until
     ``budget`` bytes are read (or ``stop`` is set); ``idle``: at the idle I/O priority. Returns
     the thread, or None where there is no ``sendfile``."""
-    sendfile = getattr(os, "sendfile", None)
-    if sendfile is None:
+    if getattr(os, "sendfile", None) is None:
         return None
     ranges = list(ranges)
 
@@ -72,31 +109,19 @@ def read_ahead_ranges(ranges: Iterable[tuple[Path, int, int]], budget: int,
             idle_io_priority()
         left = budget
         try:
-            null = os.open(os.devnull, os.O_WRONLY)
+            filler = CacheFiller()
         except OSError:
             return
         try:
             for path, offset, length in ranges:
-                try:
-                    fd = os.open(path, os.O_RDONLY)
-                except OSError:
-                    continue
-                try:
-                    end = offset + length
-                    while left > 0 and offset < end and not (stop is not None and stop.is_set()):
-                        n = sendfile(null, fd, offset, min(PREFETCH_STEP, left, end - offset))
-                        if n <= 0:
-                            break
-                        offset += n
-                        left -= n
-                finally:
-                    os.close(fd)
                 if left <= 0 or (stop is not None and stop.is_set()):
                     return
-        except OSError:
-            return
+                try:
+                    left -= filler.fill(path, offset, min(length, left), stop)
+                except OSError:
+                    continue
         finally:
-            os.close(null)
+            filler.close()
 
     thread = threading.Thread(target=run, name="moetool-prefetch", daemon=True)
     thread.start()

@@ -391,9 +391,13 @@ def verify_many(jobs: list[tuple], *, revision: str | None = None) -> list[Verif
         device = reference_device(ep)
         stop, abort = threading.Event(), threading.Event()
         timings = [{} for _ in prepared]
-        collector = LayerCollector(ep, [p[2].dp for p in prepared], COMPARE_WINDOW, stop, abort,
-                                   on_compared=(lambda key: None) if ahead is None else
-                                   (lambda key: ahead.reached((key[0], key[1] + 1))))
+        place = [{layer: k for k, layer in enumerate(job[2])} for job in rank_jobs]  # the read-ahead's steps
+
+        def compared(key: tuple[int, int]) -> None:
+            if ahead is not None:
+                ahead.reached((key[0], place[key[0]][key[1]] + 1))
+
+        collector = LayerCollector(ep, [p[2].dp for p in prepared], COMPARE_WINDOW, stop, abort, on_compared=compared)
 
         def references() -> None:
             for j, (p, ref_ckpt, spec, job, t) in enumerate(zip(prepared, refs, specs, rank_jobs, timings)):

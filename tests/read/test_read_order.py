@@ -3,6 +3,7 @@ then the rest; file order within each; the reference before the shards within a 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -56,7 +57,9 @@ def test_verify_reads_each_layer_reference_then_shards_then_whole_files(verify_c
     model, shards = verify_chain[0], verify_shards("fp8-block", 2)
     ranks = sorted(p for p in shards.iterdir() if p.name.startswith("rank-"))
     with open_checkpoint(model) as ref:
-        moe_only_keyed = verify_order(ranks, ref, [2, 1])
+        moe_only_keyed = verify_order(ranks, ref, [1, 2])
+        # the run's order, not the layers' (--layers 2,1): layer 2's step first
+        assert verify_order(ranks, ref, [2, 1])[:3] == [(0, r) for s, r in moe_only_keyed if s == 1][:3]
         whole = [r for _, r in verify_order(ranks, ref, None)]
         ref_bytes = sum(t.end - t.begin for t in ref.tensors.values())
     moe_only = [r for _, r in moe_only_keyed]
@@ -66,6 +69,7 @@ def test_verify_reads_each_layer_reference_then_shards_then_whole_files(verify_c
     sides = [r[0].parent == model for r in staged]
     stages = _stages(model, staged)
     assert set(stages) == {1, 2} and stages == sorted(stages)  # layer 1 before layer 2, nothing else
+    assert [s for s, r in moe_only_keyed if s != WHOLE_FILES_STAGE] == [{1: 0, 2: 1}[x] for x in stages]  # steps: places in the run's list
     for s in (1, 2):  # within a layer, the reference before the shards
         mine = [ref_side for ref_side, st in zip(sides, stages) if st == s]
         assert mine == sorted(mine, reverse=True) and mine[0] and not mine[-1]
@@ -124,6 +128,11 @@ def test_reads_ahead_stay_within_the_window_of_what_the_run_still_needs(tmp_path
     data.write_bytes(os.urandom(16 << 20))
     mib = 1 << 20
     keyed = [((0, i), (data, i * mib, mib)) for i in range(8)] + [((0, 8), (data, 8 * mib, 8 * mib))]
+    # ranges of one key that follow each other in a file are read as one (a tensor each, 100k of them)
+    split = [((0, i), (data, i * mib + h * (mib // 2), mib // 2)) for i in range(8) for h in range(2)]
+    stopped_at_once = threading.Event()
+    stopped_at_once.set()
+    assert PacedReadAhead(split, window=0, stop=stopped_at_once)._ranges == [r for _, r in keyed[:8]]
     ahead = PacedReadAhead(keyed, window=3 * mib)
     assert _settled(ahead, 3 * mib) == 3 * mib  # layers 0-2, then waits
     ahead.reached((0, 2))  # done with 0 and 1
@@ -145,8 +154,9 @@ def test_reads_ahead_stay_within_the_window_of_what_the_run_still_needs(tmp_path
 def test_the_read_ahead_window_can_be_set(monkeypatch):
     monkeypatch.setenv("MOETOOL_READ_AHEAD_MB", "64")
     assert read_ahead_window() == 64 << 20
-    monkeypatch.setenv("MOETOOL_READ_AHEAD_MB", "lots")
-    with pytest.raises(MoetoolError, match="MOETOOL_READ_AHEAD_MB='lots': expected a number of MiB"):
-        read_ahead_window()
+    for bad in ("lots", "inf", "0", "-5", "nan"):
+        monkeypatch.setenv("MOETOOL_READ_AHEAD_MB", bad)
+        with pytest.raises(MoetoolError, match=f"MOETOOL_READ_AHEAD_MB='{bad}': expected a positive number of MiB"):
+            read_ahead_window()
     monkeypatch.delenv("MOETOOL_READ_AHEAD_MB")
     assert read_ahead_window() > 0
