@@ -110,7 +110,8 @@ def _fp8_block_tiles(w: torch.Tensor, q: torch.Tensor, q_int8: torch.Tensor, sca
             torch.bitwise_and(ref_int32[:e], 0x7FFFFFFF, out=work_int32[:e])
             torch.amax(work_int32[:e].view([rb, block, cb, block]), [1, 3], out=amax_int32[:rb * cb].view([rb, cb]))
             s = amax[:rb * cb].view([rb, cb]).clamp_(min=floor).div_(fp8_max)
-            scale[r0 // block:(r0 + m) // block, c0 // block:(c0 + c) // block] = s
+            stored = scale[r0 // block:(r0 + m) // block, c0 // block:(c0 + c) // block]
+            stored.copy_(s)
             s4 = s.view([rb, 1, cb, 1])
             x = work[:e].view([rb, block, cb, block])
             # no clamp to +-448 as the reference has: |w| <= amax, s = amax / 448 rounded once,
@@ -125,7 +126,8 @@ def _fp8_block_tiles(w: torch.Tensor, q: torch.Tensor, q_int8: torch.Tensor, sca
             codes.bitwise_left_shift_(7)
             codes.bitwise_and_(-16385)  # ~(1 << 14): bit 14 cleared
             x.view([m, c]).copy_(half_float16[:e].view([m, c]))
-            torch.addcmul(blocks, x, s4 * 256.0, value=-1.0, out=x)  # w32 - q * s
+            # the error of the scale as stored, not of ``s``: a scale stored wrong shows in it
+            torch.addcmul(blocks, x, stored.view([rb, 1, cb, 1]) * 256.0, value=-1.0, out=x)  # w32 - q * s
             diff = work[:e]
             noise += float(torch.dot(diff, diff))
     return sig, noise

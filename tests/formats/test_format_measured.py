@@ -140,3 +140,44 @@ def test_e4m3_dequantize_band_is_exact(scale):
     got = common.e4m3_dequantize_band(q, s, torch.empty(q.shape), torch.empty(q.numel(), dtype=torch.int32))
     want = q.float() * s
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+class _MisStoredScale(torch.Tensor):
+    """A scale tensor that stores twice what is written into it: a bug in where or how the
+    tile loop stores a scale, made on purpose."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.copy_ and isinstance(args[0], cls):
+            args = (args[0], args[1] * 2)
+        elif func is torch.Tensor.__setitem__ and isinstance(args[0], cls):
+            args = (args[0], args[1], args[2] * 2)
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (128, 2048), (384, 1152)])
+def test_fp8_block_measured_error_is_of_the_stored_scale(shape, band):
+    """The tile loop's error is that of q and the scale as stored: a scale stored wrong on
+    purpose (``_MisStoredScale``, eager loop) shows in the measured error exactly as in an
+    independent dequantize of the stored tensors (K chunked in columns with a remainder where
+    the tiles are small)."""
+    w = random_weight(shape)
+    n, k = shape
+    rows, cols = common.block_tile(n, k, fp8_block.BLOCK)
+    q = torch.empty((n, k), dtype=torch.float8_e4m3fn)
+    scale = torch.empty((n // 128, k // 128)).as_subclass(_MisStoredScale)
+    ref, work, bits = common.fp8_band_buffers(rows * cols)
+    half = bits.view(torch.int16)[: rows * cols]
+    amax = scratch("amax", rows * cols // (128 * 128), torch.float32)
+    sig, noise = fp8_block._fp8_block_tiles.fn(
+        w, q, q.view(torch.int8), scale, ref, ref.view(torch.int32), work, work.view(torch.int32), half,
+        half.view(torch.float16), amax, amax.view(torch.int32), rows, cols, 128, fp8_block.AMAX_FLOOR,
+        fp8_block.FP8_E4M3_MAX)
+    scale = scale.as_subclass(torch.Tensor)
+    _, want_scale = fp8_block.fp8_block_quant_ref(w.float())
+    assert torch.equal(scale, want_scale * 2)  # the bug took
+    w64 = w.double()
+    diff = fp8_block.dequantize_blocks(q, scale).double() - w64
+    assert noise == pytest.approx(float((diff * diff).sum()), rel=1e-4)
+    assert noise / sig > 0.1  # the true error of a scale twice too large
