@@ -523,10 +523,13 @@ class Executor:
         self.stop = threading.Event()
         self._fds: dict[tuple[int, str], int] = {}
         self._fds_lock = threading.Lock()
+        self._closed = False
 
     def close(self) -> None:
-        """Close the input files ``Copy`` pieces were read from."""
+        """Close the input files ``Copy`` pieces were read from; a piece asked for after this
+        raises ``_Stopped`` (a late one must neither read a closed fd nor open one that leaks)."""
         with self._fds_lock:
+            self._closed = True
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
@@ -540,7 +543,9 @@ class Executor:
             pass
 
     def chunks(self, pf: PlannedFile) -> Iterator[tuple[str, torch.Tensor]]:
-        """``pf``'s (tensor name, data) pairs in file order; raises ``_Stopped`` once ``stop`` is set."""
+        """``pf``'s (tensor name, data) pairs in file order; raises ``_Stopped`` once ``stop`` is set.
+        Closed early (``close()``, or an error while it runs), it cancels the tasks not yet
+        started and returns once those running have finished."""
         specs = iter(pf.specs)
         tasks = self._tasks(pf)
         since_trim = 0
@@ -548,19 +553,24 @@ class Executor:
         with ThreadPoolExecutor(self.workers, thread_name_prefix="moetool-convert", **pin) as pool:
             window: deque = deque()
             group = _StackedGroup()
-            for kind, fn in tasks:
-                if self.stop.is_set():
-                    raise _Stopped
-                window.append((kind, pool.submit(fn)))
-                if len(window) > self.workers:
-                    for name, t in self._emit(*window.popleft(), specs, group):
-                        since_trim += t.numel() * t.element_size()
-                        yield name, t
-                if since_trim >= TRIM_EVERY_BYTES:
-                    trim_in_background()
-                    since_trim = 0
-            while window:
-                yield from self._emit(*window.popleft(), specs, group)
+            try:
+                for kind, fn in tasks:
+                    if self.stop.is_set():
+                        raise _Stopped
+                    window.append((kind, pool.submit(fn)))
+                    if len(window) > self.workers:
+                        for name, t in self._emit(*window.popleft(), specs, group):
+                            since_trim += t.numel() * t.element_size()
+                            yield name, t
+                    if since_trim >= TRIM_EVERY_BYTES:
+                        trim_in_background()
+                        since_trim = 0
+                while window:
+                    yield from self._emit(*window.popleft(), specs, group)
+            finally:
+                # the pool's exit waits for the tasks still running; the queued ones need not run
+                for _, future in window:
+                    future.cancel()
 
     def _emit(self, kind: str, future, specs: Iterator[TensorSpec], group: "_StackedGroup") -> Iterator[tuple[str, torch.Tensor]]:
         """kind "plain": every tensor in spec order; "piece" / "first piece": a piece of a copied
@@ -611,6 +621,8 @@ class Executor:
         """Bytes [start, start + nbytes) of a tensor's data, as its dtype (plain memory)."""
         root = self.sources[source].ckpt.root
         with self._fds_lock:
+            if self._closed:
+                raise _Stopped
             fd = self._fds.get((source, info.file))
             if fd is None:
                 fd = self._fds[(source, info.file)] = os.open(root / info.file, os.O_RDONLY | os.O_CLOEXEC)
@@ -722,8 +734,14 @@ def _write_files(todo: list[PlannedFile], executor: Executor, out: OutputDir, fi
             if out.already_done(pf.name, pf.file_size()):
                 on_bytes(pf.nbytes)
                 return 0
-            out.write_safetensors(pf.name, pf.specs, executor.chunks(pf), metadata=SAFETENSORS_METADATA,
-                                  on_bytes=on_bytes)
+            chunks = executor.chunks(pf)
+            try:
+                out.write_safetensors(pf.name, pf.specs, chunks, metadata=SAFETENSORS_METADATA,
+                                      on_bytes=on_bytes)
+            finally:
+                # now, not when the traceback holding it goes: its piece tasks finish before
+                # run_plan closes the files they read
+                chunks.close()
             return 1
         except _Stopped:
             return 0

@@ -98,3 +98,40 @@ def test_int4_to_int4_copies_whatever_the_clip(tiny, tmp_path):
     # a different group size is another storage: requantized, and the summary gives its error
     other = quantize(mse, tmp_path / "g16", "int4-group", group_size=16, progress=False)
     assert "int4-group error over " in other.render(), other.render()
+
+
+def test_a_failed_write_leaves_no_piece_running_and_no_fd_open(tiny, tmp_path, monkeypatch):
+    """A file whose write fails after its first chunk: run_plan returns (raising) only once no
+    ``Copy`` piece runs any more, and with every input fd it opened closed (a piece that ran
+    after ``close()`` read a closed fd, or opened one that leaked)."""
+    import time
+
+    from moetool.convert import torch_executor
+    from moetool.convert.output import OutputDir
+    from moetool.convert.quantize import quantize
+
+    src = tiny("mixtral", hidden=64, intermediate=32, experts=4)
+    monkeypatch.setattr(torch_executor, "COPY_PIECE", 64)  # every copied tensor in many pieces
+    running = []
+    copy_piece = Executor._copy_piece
+
+    def slow_piece(self, *args):
+        running.append(1)
+        try:
+            time.sleep(0.02)
+            return copy_piece(self, *args)
+        finally:
+            running.pop()
+
+    def failing_write(self, name, specs, chunks, metadata=None, on_bytes=None):
+        next(iter(chunks))
+        raise OSError(f"{name}: disk full")
+
+    monkeypatch.setattr(Executor, "_copy_piece", slow_piece)
+    monkeypatch.setattr(OutputDir, "write_safetensors", failing_write)
+    fds = set(os.listdir("/proc/self/fd"))
+    with pytest.raises(OSError, match="disk full"):
+        quantize(src, tmp_path / "out", "fp8-block", progress=False)
+    assert not running
+    time.sleep(0.2)  # a piece left behind would open its file by now
+    assert set(os.listdir("/proc/self/fd")) <= fds
