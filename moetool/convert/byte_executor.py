@@ -55,7 +55,6 @@ from moetool.read.prefetch import prefetch
 from moetool.read.safetensors import pread_exactly
 from moetool.convert.plan import ExpertLinear, Layout, Plan, Stacked, Summary
 from moetool.convert.profile import SAMPLED_EXPERT, plan_facts, sampled_layers, stored_profile
-from moetool.errors import MoetoolError
 from moetool.convert.output import finish_plan
 from moetool.convert.planning import checkpoint_files, checkpoint_plan, shard_plan
 from moetool.model.spec import ExpertPlacement
@@ -541,7 +540,7 @@ class TorchCheck:
             return None
         try:
             facts = plan_facts(self.source.ckpt, self.source.spec, profile, **options, samples=self.samples)
-        except (KeyError, TypeError, ValueError, MoetoolError):  # a profile that does not fit this checkpoint
+        except Exception:  # a profile that does not fit this checkpoint, or malformed: the torch check says
             return None
         return None if facts is None else _plain(facts)
 

@@ -105,8 +105,11 @@ def _digest(profile: dict) -> str:
 
 def stored_profile(ckpt: Checkpoint) -> dict | None:
     """The profile a checkpoint's manifest holds, when it is whole (its digest), this code made
-    it, it names the manifest's format, and the checkpoint's headers and config are still
-    those it was made of; else None."""
+    it, it names the manifest's format (and format parameters, where the manifest gives them:
+    a shard's), config.json's quantization_config does not contradict its format parameters,
+    and the checkpoint's headers and config are still those it was made of; else None. (The
+    digest only says the profile is whole: anyone can make it again, so what it says of the
+    format is checked against what the input declares.)"""
     try:
         manifest = json.loads((ckpt.root / MANIFEST_NAME).read_text())
         profile = manifest.get(PROFILE_KEY)
@@ -116,10 +119,32 @@ def stored_profile(ckpt: Checkpoint) -> dict | None:
         return None
     if profile.get("code") != code_digest() or profile.get("format") != manifest.get("format"):
         return None
+    params = profile.get("format_params")
+    if not isinstance(params, dict) or manifest.get("format_params", params) != params:
+        return None
+    if _config_contradicts(params, ckpt.config):
+        return None
     try:
         return profile if profile.get("inputs") == inputs_digest(ckpt) else None
     except OSError:
         return None
+
+
+def _config_contradicts(params: dict, config: dict) -> bool:
+    """Whether config.json's compressed-tensors quantization_config (its one group's weights
+    arguments) gives another value for one of the format parameters ``params`` (group_size,
+    symmetric) than ``params`` does; torch-free, for the byte copy."""
+    qc = config.get("quantization_config") if isinstance(config, dict) else None
+    groups = qc.get("config_groups") if isinstance(qc, dict) else None
+    if not groups:
+        return False
+    if not isinstance(groups, dict) or len(groups) != 1:
+        return True
+    scheme = next(iter(groups.values()))
+    weights = scheme.get("weights") if isinstance(scheme, dict) else None
+    if not isinstance(weights, dict):
+        return True
+    return any(key in weights and weights[key] != value for key, value in params.items())
 
 
 def plan_facts(ckpt: Checkpoint, spec: ModelSpec, profile: dict, *, ep: int, placement: str, redundant: int,

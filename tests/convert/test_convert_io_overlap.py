@@ -367,3 +367,37 @@ def test_probes_ahead_give_the_probes_one_by_one(tiny, monkeypatch):
         partial = executor.Planner([src])
         partial.probe_ahead(("gate", "up", "down"))
         assert len(partial._probe_cache) == 2 and src.stats.count == 0
+
+
+@pytest.mark.parametrize("where", ["profile", "profile and manifest"])
+def test_profile_with_other_format_params_is_refused(quantized, tmp_path, monkeypatch, where):
+    """A re-sealed profile whose format parameters are not those the input declares (its
+    manifest's, config.json's quantization_config) is not used: the shard's manifest gives the
+    input's group size, as the torch executor's does, not the profile's."""
+    def edit(profile):
+        profile["format_params"]["group_size"] = 32
+
+    src = edit_profile(quantized("int4-group", group_size=64), tmp_path / "src", edit)
+    if where == "profile and manifest":
+        manifest = json.loads((src / MANIFEST_NAME).read_text())
+        manifest["format_params"] = manifest[PROFILE_KEY]["format_params"]  # a shard's manifest has them
+        (src / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with open_checkpoint(src) as ck:
+        assert stored_profile(ck) is None
+    shard(src, tmp_path / "out", 2, progress=False, layout="per-expert")
+    assert json.loads((tmp_path / "out" / MANIFEST_NAME).read_text())["format_params"]["group_size"] == 64
+    shard(src, tmp_path / "ref", 2, progress=False, byte_copy=False, layout="per-expert")
+    assert tree_hashes(tmp_path / "out") == tree_hashes(tmp_path / "ref")
+
+
+@pytest.mark.parametrize("what", ["layers", "linears", "samples"])
+def test_malformed_profile_leaves_the_check_to_torch(quantized, tmp_path, what):
+    """A sealed profile of the wrong shape (a list where a mapping belongs) never crashes
+    shard: the check runs as without one."""
+    def edit(profile):
+        profile[what] = list(profile[what]) if isinstance(profile[what], dict) else [profile[what]]
+
+    src = edit_profile(quantized("fp8-block"), tmp_path / "src", edit)
+    shard(src, tmp_path / "out", 2, progress=False, layout="stacked")
+    shard(src, tmp_path / "ref", 2, progress=False, byte_copy=False, layout="stacked")
+    assert tree_hashes(tmp_path / "out") == tree_hashes(tmp_path / "ref")
