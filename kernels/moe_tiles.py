@@ -105,7 +105,7 @@ def _fit(sch, cfg: MoeConfig, act_dtype: torch.dtype, group_size: int) -> MoeCon
 
 
 def _interpreted_config(sch) -> MoeConfig:
-    return MoeConfig(16, 32, FP8_BLOCK if sch.fp8_acts else 32, 1, 4, 1)  # fewer wasted lanes in tiny tests
+    return MoeConfig(16, 64, FP8_BLOCK if sch.fp8_acts else 32, 1, 4, 1)  # the interpreter pays per program: fewer, wider tiles
 
 
 def default_config(scheme: str, pairs_per_expert: float, act_dtype: torch.dtype, interpreted: bool,

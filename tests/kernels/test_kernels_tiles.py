@@ -192,7 +192,7 @@ def test_default_config_is_unchanged():
     assert default_config("fp8-block", 100.0, torch.bfloat16, False) == MoeConfig(64, 128, 128, 8, 8, 3)
     assert default_config("int4-group", 1000.0, torch.bfloat16, False, 32) == MoeConfig(64, 128, 32, 8, 4, 3)
     assert default_config("dense", 1000.0, torch.float32, False) == MoeConfig(64, 64, 64, 16, 8, 2)
-    assert default_config("fp8-block", 1.0, torch.bfloat16, True) == MoeConfig(16, 32, 128, 1, 4, 1)
+    assert default_config("fp8-block", 1.0, torch.bfloat16, True) == MoeConfig(16, 64, 128, 1, 4, 1)
 
 
 def test_bad_table_raises_naming_the_file_and_entry(table_dir):
