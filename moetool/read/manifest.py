@@ -7,7 +7,7 @@ import json
 import re
 import threading
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 from moetool.errors import MoetoolError
 
@@ -37,13 +37,16 @@ def sha256_file(path: Path) -> str:
             h.update(block)
 
 
-def verify_manifest(root: Path, names: Iterable[str] | None = None, workers: int = 8) -> dict:
+def verify_manifest(root: Path, names: Iterable[str] | None = None, workers: int = 8,
+                    before: Callable[[str], None] | None = None) -> dict:
     """Check files of a finished output against its manifest (all, or only ``names``).
 
     Sizes first (cheap, and a truncated file needs no hash), then the sha256 of up to
     ``workers`` files at once (hashlib releases the GIL: one core each, where one core hashes
-    slower than a disk reads). Raises MoetoolError naming the first missing, truncated or
-    modified file, in the order of ``names`` (else the manifest's).
+    slower than a disk reads): the largest first, or with ``before`` in the order of ``names``,
+    ``before(name)`` called (and waited for) ahead of each file's hash. Raises MoetoolError
+    naming the first missing, truncated or modified file, in the order of ``names`` (else the
+    manifest's).
     """
     path = Path(root) / MANIFEST_NAME
     if not path.is_file():
@@ -63,7 +66,8 @@ def verify_manifest(root: Path, names: Iterable[str] | None = None, workers: int
             raise MoetoolError(f"{p}: missing (listed in {MANIFEST_NAME})")
         if p.stat().st_size != rec["size"]:
             raise MoetoolError(f"{p}: size {p.stat().st_size} bytes, manifest says {rec['size']} (truncated or modified)")
-    digests = _hash_files([Path(root) / n for n in names], [files[n]["size"] for n in names], workers)
+    digests = _hash_files([Path(root) / n for n in names], [files[n]["size"] for n in names], workers,
+                          None if before is None else (lambda i: before(names[i])))
     for name, digest in zip(names, digests):
         if isinstance(digest, OSError):
             raise MoetoolError(f"{Path(root) / name}: cannot be read ({digest.strerror or digest})")
@@ -72,11 +76,12 @@ def verify_manifest(root: Path, names: Iterable[str] | None = None, workers: int
     return manifest
 
 
-def _hash_files(paths: list[Path], sizes: list[int], workers: int) -> list:
+def _hash_files(paths: list[Path], sizes: list[int], workers: int, before: Callable[[int], None] | None = None) -> list:
     """sha256 hex digest (or the OSError reading it raised) of each path, on up to ``workers``
-    daemon threads taking the largest files first (they bound the time): a process that is
-    interrupted leaves at once, not when the hashing ends."""
-    todo = sorted(range(len(paths)), key=lambda i: -sizes[i])
+    daemon threads taking the largest files first (they bound the time), or with ``before`` in
+    order, ``before(i)`` ahead of path i: a process that is interrupted leaves at once, not
+    when the hashing ends."""
+    todo = list(range(len(paths))) if before is not None else sorted(range(len(paths)), key=lambda i: -sizes[i])
     out: list = [None] * len(paths)
     lock = threading.Lock()
 
@@ -87,6 +92,8 @@ def _hash_files(paths: list[Path], sizes: list[int], workers: int) -> list:
                     return
                 i = todo.pop(0)
             try:
+                if before is not None:
+                    before(i)
                 out[i] = sha256_file(paths[i])
             except OSError as err:
                 out[i] = err

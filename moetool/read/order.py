@@ -152,6 +152,48 @@ def _merged(keyed: list[tuple[tuple, Range]]) -> list[tuple[tuple, Range]]:
     return out
 
 
+class Progress:
+    """How far a run has come (its step: ``verify_order``'s), for work paced by it: the sha256
+    of a rank's files, each hashed as the run comes to it (read once, with the run's reads,
+    instead of from the start: beyond memory, hashed bytes would be evicted before the run
+    reads them, and read twice)."""
+
+    #: steps a file may be hashed ahead of the run
+    AHEAD = 1
+
+    def __init__(self):
+        self.step = float("-inf")
+        self._cond = threading.Condition()
+
+    def reached(self, step: float) -> None:
+        with self._cond:
+            self.step = max(self.step, step)
+            self._cond.notify_all()
+
+    def finish(self) -> None:
+        """The run is over, or left: nothing waits any more."""
+        self.reached(float("inf"))
+
+    def wait_for(self, step: float) -> None:
+        with self._cond:
+            while self.step < step - self.AHEAD:
+                self._cond.wait()
+
+
+def file_steps(ckpt: Checkpoint, layers: list[int] | None) -> dict[str, float]:
+    """{file of ``ckpt``: the first step that reads it} (steps as ``verify_order``'s); -inf for
+    a file no step reads (the sha256 check alone reads it)."""
+    step = (lambda s: s) if layers is None else {layer: k for k, layer in enumerate(dict.fromkeys(layers))}.get
+    first: dict[str, float] = {f: float("-inf") for f in ckpt.files}
+    taken: dict[str, float] = {}
+    for t in ckpt.tensors.values():
+        k = step(stage(t.name))
+        if k is not None:
+            taken[t.file] = min(taken.get(t.file, float("inf")), k)
+    first.update(taken)
+    return first
+
+
 def read_ahead_window() -> int:
     """Bytes a verify run may read ahead of its use: ``PREFETCH_SHARE`` of the memory
     available, or MOETOOL_READ_AHEAD_MB."""

@@ -23,7 +23,8 @@ from moetool.errors import MoetoolError
 from moetool.model.families import MoELayerSpec
 from moetool.model.spec import LocalExperts
 from moetool.read.experts import ExpertReader, read_ahead
-from moetool.read.manifest import verify_manifest
+from moetool.read.manifest import rank_dir, verify_manifest
+from moetool.read.order import Progress, file_steps
 from moetool.read.shards import EPShards
 from moetool.verify.dispatchers import get_dispatcher
 from moetool.verify.experts import ExpertsBackend, get_experts
@@ -61,45 +62,65 @@ def run_job(rank: int, shards_root: str, opts: VerifyOptions, layer_ids: list[in
     "timeline": {"start", "checked": epoch seconds}}: the rank's files passed their check by then."""
     shards = EPShards(Path(shards_root), check=False)
     started = time.time()
-    with opened_and_checked(shards, rank) as (ckpt, spec):
-        layers = _run_job(rank, shards, ckpt, spec, opts, layer_ids, topo, job)
+    with opened_and_checked(shards, rank, layer_ids) as (ckpt, spec, progress):
+        layers = _run_job(rank, shards, ckpt, spec, opts, layer_ids, topo, job, progress)
     return {"layers": layers, "timeline": {"start": started, "checked": time.time()}}
 
 
 @contextmanager
-def opened_and_checked(shards: EPShards, rank: int) -> Iterator[tuple]:
-    """(checkpoint, spec) of this rank's shard, its files' sha256 checked on a thread while the
-    caller reads and runs them (hashing is slower than the disk: done first, it doubled the
-    rank's time). The check's verdict stands before anything leaves: on leaving, a mismatch
-    raises; when the caller failed, a damaged file is named rather than what it broke. The
-    thread is a daemon: an interrupted rank leaves at once, not after the hashing."""
+def opened_and_checked(shards: EPShards, rank: int, layers: list[int] | None = None) -> Iterator[tuple]:
+    """(checkpoint, spec, progress) of this rank's shard, its files' sha256 checked on a thread
+    while the caller reads and runs them (hashing is slower than the disk: done first, it
+    doubled the rank's time). Each file is hashed as the run comes to it: the caller says
+    ``progress.reached(step)`` (steps as ``read.order.verify_order``'s for ``layers``: the
+    MoE-only run's layers in its order, None for --whole-model's stages); files no step reads
+    are hashed first. The check's verdict stands before anything leaves: on leaving, the files
+    left are hashed and a mismatch raises; when the caller failed, a damaged file is named
+    rather than what it broke. The thread is a daemon: an interrupted rank leaves at once, not
+    after the hashing."""
     verdict: list[BaseException | None] = []
-    check = threading.Thread(target=_check_into, args=(shards, rank, verdict), name="moetool-check", daemon=True)
+    progress = Progress()
+    steps: dict[str, float] = {}  # file -> first step, once the shard is open (else every file at once)
+    planned = threading.Event()
+    check = threading.Thread(target=_check_into, args=(shards, rank, steps, planned, progress, verdict),
+                             name="moetool-check", daemon=True)
     check.start()
     try:
-        ckpt, spec = shards.open_rank(rank, check=False)
+        try:
+            ckpt, spec = shards.open_rank(rank, check=False)
+            steps.update(file_steps(ckpt, layers))
+        finally:
+            planned.set()
         with ckpt:
-            yield ckpt, spec
+            yield ckpt, spec, progress
     except Exception:
+        progress.finish()
         check.join()
         if verdict[0] is not None:
             raise verdict[0] from None
         raise
+    finally:
+        progress.finish()  # whatever the run did not reach is hashed now
     check.join()
     if verdict[0] is not None:
         raise verdict[0]
 
 
-def _check_into(shards: EPShards, rank: int, verdict: list) -> None:
+def _check_into(shards: EPShards, rank: int, steps: dict[str, float], planned: threading.Event, progress: Progress,
+                verdict: list) -> None:
     try:
-        verify_manifest(shards.root, shards.rank_files(rank))
+        planned.wait()
+        prefix = rank_dir(rank, shards.ep) + "/"
+        first = {prefix + f: k for f, k in steps.items()}
+        names = sorted(shards.rank_files(rank), key=lambda n: first.get(n, float("-inf")))
+        verify_manifest(shards.root, names, before=lambda n: progress.wait_for(first.get(n, float("-inf"))))
         verdict.append(None)
     except BaseException as err:  # noqa: BLE001 - handed to the rank's thread
         verdict.append(err)
 
 
 def _run_job(rank: int, shards: EPShards, ckpt, spec, opts: VerifyOptions, layer_ids: list[int],
-             topo: Topology, job: int) -> dict:
+             topo: Topology, job: int, progress: Progress | None = None) -> dict:
     device = topo.device
     reader = ExpertReader(ckpt, spec)
     transport = choose_transport(opts.transport, device) if opts.dispatch == "all2all" else None
@@ -112,6 +133,8 @@ def _run_job(rank: int, shards: EPShards, ckpt, spec, opts: VerifyOptions, layer
     dist.all_reduce(vote, op=dist.ReduceOp.MIN)  # one answer for all: the rehearsal runs collectives
     rehearse = bool(vote.item())
     for n, i in enumerate(layer_ids):
+        if progress is not None:
+            progress.reached(n)  # this layer's files may be hashed now
         layer = spec.layer(i)
         placement = shards.placements[i]
         gate = ckpt.get(layer.router_weight).float().to(device)

@@ -43,7 +43,7 @@ from moetool.formats.registry import FORMATS
 from moetool.model.families import describe, text_config
 from moetool.read.checkpoint import open_checkpoint
 from moetool.read.experts import ExpertReader
-from moetool.read.order import LAST_STAGE, read_verify_inputs_ahead
+from moetool.read.order import EMBED_STAGE, LAST_STAGE, read_verify_inputs_ahead
 from moetool.read.shards import EPShards
 from moetool.verify.driver import THRESHOLDS as MOE_THRESHOLDS
 from moetool.verify.driver import check_files_present, check_reference, process_started, resolve_backend
@@ -371,13 +371,13 @@ def _rank_job(rank: int, topo, job: dict) -> dict:
     from moetool.verify.rank import opened_and_checked  # loads Triton: ranks only
 
     shards = EPShards(Path(job["shards"]), check=False)
-    with opened_and_checked(shards, rank) as (ckpt, spec):
-        out = _rank_job_on(rank, topo, job, shards, ckpt, spec)
+    with opened_and_checked(shards, rank) as (ckpt, spec, progress):
+        out = _rank_job_on(rank, topo, job, shards, ckpt, spec, progress)
     out["timeline"]["checked"] = time.time()  # every file's sha256 passed
     return out
 
 
-def _rank_job_on(rank: int, topo, job: dict, shards: EPShards, ckpt, spec) -> dict:
+def _rank_job_on(rank: int, topo, job: dict, shards: EPShards, ckpt, spec, progress=None) -> dict:
     # the rank runtime loads Triton, which the parent must never load
     from moetool.verify.rank import choose_transport, get_dispatcher, get_experts, load_local_experts, run_moe_layer
 
@@ -395,7 +395,7 @@ def _rank_job_on(rank: int, topo, job: dict, shards: EPShards, ckpt, spec) -> di
         experts = get_experts(opts.experts, numerics)
         ids = job["ids"][topo.group_index]  # [B, S]
         return _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts, load_local_experts,
-                    run_moe_layer, ahead)
+                    run_moe_layer, ahead, progress)
     finally:
         if ahead is not None:
             ahead.stop()
@@ -405,7 +405,7 @@ def _rank_job_on(rank: int, topo, job: dict, shards: EPShards, ckpt, spec) -> di
 
 @torch.no_grad()
 def _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts, load_local_experts,
-         run_moe_layer, ahead=None) -> dict:
+         run_moe_layer, ahead=None, progress=None) -> dict:
     opts: WholeModelOptions = job["opts"]
     clock = _Clock(topo.device)
     ids = ids.to(topo.device)
@@ -426,6 +426,8 @@ def _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts
     act = getattr(conv.cfg, "hidden_act", "silu")
 
     # embeddings
+    if progress is not None:
+        progress.reached(EMBED_STAGE)
     with clock("read_shards"):
         emb = conv.fill(conv.base.embed_tokens, "model.embed_tokens.")
     x = emb(ids).float()  # [B, S, H]
@@ -443,6 +445,8 @@ def _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts
         clock.row = name
         if ahead is not None:
             ahead.reached((0, i))  # the layers before are done with
+        if progress is not None:
+            progress.reached(i)  # the layer's shard files may be hashed now
         layer = conv.layers[i]
         moe = conv.moe_index.get(i)
         mlp_attr = conv.mlp_attr(layer)
@@ -518,6 +522,8 @@ def _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts
     clock.row = "head"
     if ahead is not None:
         ahead.reached((0, LAST_STAGE))
+    if progress is not None:
+        progress.reached(LAST_STAGE)
     with clock("read_shards"):
         norm = conv.fill(conv.base.norm, "model.norm.")
         head = conv.fill(conv.model.lm_head, "lm_head.")
