@@ -96,7 +96,7 @@ def _fp8_block_tiles(w: torch.Tensor, q: torch.Tensor, q_int8: torch.Tensor, sca
     views of the same memory): ``ref``, ``work`` float32 and ``half`` int16, a tile each;
     ``amax`` float32, a tile's blocks."""
     n, k = w.size(0), w.size(1)
-    sig, noise = 0.0, 0.0
+    sig, noise, s_sum = 0.0, 0.0, 0.0
     for r0 in range(0, n, rows):
         m = min(rows, n - r0)
         for c0 in range(0, k, cols):
@@ -112,6 +112,7 @@ def _fp8_block_tiles(w: torch.Tensor, q: torch.Tensor, q_int8: torch.Tensor, sca
             s = amax[:rb * cb].view([rb, cb]).clamp_(min=floor).div_(fp8_max)
             stored = scale[r0 // block:(r0 + m) // block, c0 // block:(c0 + c) // block]
             stored.copy_(s)
+            s_sum += float(s.double().sum())
             s4 = s.view([rb, 1, cb, 1])
             x = work[:e].view([rb, block, cb, block])
             # no clamp to +-448 as the reference has: |w| <= amax, s = amax / 448 rounded once,
@@ -130,6 +131,10 @@ def _fp8_block_tiles(w: torch.Tensor, q: torch.Tensor, q_int8: torch.Tensor, sca
             torch.addcmul(blocks, x, stored.view([rb, 1, cb, 1]) * 256.0, value=-1.0, out=x)  # w32 - q * s
             diff = work[:e]
             noise += float(torch.dot(diff, diff))
+    # a tile's error sees its own scales; one stored over another tile's (a wrong slice) shows
+    # only here: the scales as stored must add up to those computed
+    if not abs(float(scale.double().sum()) - s_sum) <= 1e-9 * abs(s_sum):
+        noise = float("inf")
     return sig, noise
 
 
