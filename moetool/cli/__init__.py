@@ -12,11 +12,11 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import threading
 
 import typer
 from typer.core import TyperCommand, TyperGroup
 
+from moetool.cli.signals import catch_stop_signals
 from moetool.errors import Interrupted, MoetoolError
 from moetool.lazy import import_module
 from moetool.memory import bound_malloc
@@ -79,16 +79,11 @@ def command_app() -> typer.Typer:
     return typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
 
-#: signals that stop a command: each raises :class:`Interrupted` in the main thread, so every
-#: ``finally`` runs (sinks closed, rank processes stopped) and the exit status is 128 + signal
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
 def main(argv: list[str] | None = None) -> None:
     """Run one command; a failure ends the process through ``sys.exit`` with its status:
     2 bad input or I/O error, 1 failed verification, 130 SIGINT, 143 SIGTERM."""
     bound_malloc()
-    previous = _catch_stop_signals()
+    restore_signals = catch_stop_signals()
     try:
         status = app(args=argv, prog_name="moetool", standalone_mode=False)
     except MoetoolError as err:
@@ -114,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(1)
         raise
     finally:
-        _restore_signals(previous)
+        restore_signals()
     # typer hands back the status of a typer.Exit instead of raising it (standalone_mode=False),
     # 130 for a KeyboardInterrupt it caught itself
     if isinstance(status, int) and status:
@@ -127,31 +122,6 @@ def _interrupted(status: int) -> None:
     print("error: interrupted; an output folder without manifest.json is unfinished: re-run the same "
           "command to resume it", file=sys.stderr)
     sys.exit(status)
-
-
-def _catch_stop_signals() -> dict:
-    """Install the handlers of STOP_SIGNALS (main thread only); returns the previous ones.
-    The first signal raises Interrupted; a second one while the first is being handled (a stuck
-    clean-up) ends the process at once with the same status."""
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-    stopping: list[int] = []
-
-    def handler(signum, frame):
-        if stopping:
-            os._exit(128 + stopping[0])
-        stopping.append(signum)
-        raise Interrupted(signum)
-
-    previous = {}
-    for sig in STOP_SIGNALS:
-        previous[sig] = signal.signal(sig, handler)
-    return previous
-
-
-def _restore_signals(previous: dict) -> None:
-    for sig, old in previous.items():
-        signal.signal(sig, old)
 
 
 def os_error_line(err: OSError) -> str:

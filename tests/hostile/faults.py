@@ -11,17 +11,23 @@ K may also be ``name:TEXT``: the first rename onto a path containing TEXT):
   pause            after the K-th committed file, create the file READY and wait (the test then
                    signals the process); the wait ends once the signal is being handled, as a
                    worker thread's real write would, so the clean-up is not held up
+  signal-in-thread as pause, but the committing thread sends SIGTERM to itself (the kernel's
+                   choice when it hands a process's signal to a worker thread, made certain);
+                   if the main thread has not handled it 20 s later, exit with status 8
   count            no fault: print each os.replace destination to stderr as "replace NAME"
 The fault is ``os._exit(9)``: no finally, no flush, no exit handler, as a kill -9.
 """
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import sys
 import threading
 
 
 def main() -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that waited too long asks where it hangs
     sep = sys.argv.index("--")
     point, k, *rest = sys.argv[1:sep]
     args = sys.argv[sep + 1:]
@@ -66,7 +72,7 @@ def main() -> None:
             return real(self, *a, **kw)
 
         setattr(writer.OutputDir, name, stop_first)
-    elif point == "pause":
+    elif point in ("pause", "signal-in-thread"):
         from moetool import errors
 
         real_commit = writer.OutputDir.commit
@@ -80,8 +86,14 @@ def main() -> None:
         def commit(self, *a, **kw):
             record = real_commit(self, *a, **kw)
             if hit():
-                open(rest[0], "w").close()
-                stopping.wait(60)
+                if point == "pause":
+                    open(rest[0], "w").close()
+                    stopping.wait(60)
+                else:
+                    signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+                    if not stopping.wait(20):
+                        print("faults.py: the main thread did not handle the signal in 20 s", file=sys.stderr)
+                        os._exit(8)
             return record
 
         errors.Interrupted.__init__ = interrupted
