@@ -31,6 +31,25 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import interpreter_speed  # noqa: E402
+
+interpreter_speed.install()
+
+
+def _preload_every_world_s_modules() -> None:
+    """A test process's worlds all start from one fork server, which imports what the first
+    world asked for (``launch._rank_context``): a later world of another kind had each of its
+    ranks import transformers' modeling code again (~1 CPU-s a rank). Here the server imports
+    what any world of the suite imports, whichever comes first."""
+    from moetool.verify import driver, launch, whole_model
+
+    modules = tuple(dict.fromkeys(("verify_workers", *driver.RANK_MODULES, *whole_model.RANK_MODULES)))
+    real = launch._rank_context
+    launch._rank_context = lambda preload=(): real(modules)
+
+
+_preload_every_world_s_modules()
+
 from moeutil import run_cli, save_hf_model  # noqa: E402
 
 #: the files that keep a worker longest (spawned ranks, Triton-interpreted matrices, fsync'd

@@ -74,6 +74,10 @@ class VerifyOptions:
 # ------------------------------------------------------------------------------------ ranks
 
 
+#: what a rank imports, imported once by the fork server the ranks start from (``spawn_world``'s preload)
+RANK_MODULES = ("moetool.verify.rank",)
+
+
 def _rank_jobs(rank: int, world_size: int, jobs: list[tuple[str, VerifyOptions, list[int]]]) -> list[dict]:
     """Entry of a rank process (spawned, or this process under torchrun): ``rank.run_jobs``."""
     # imported in the rank only: the rank runtime loads Triton, which the parent must never load
@@ -416,7 +420,8 @@ def verify_many(jobs: list[tuple], *, revision: str | None = None) -> list[Verif
             pending.add_done_callback(lambda f: f.exception() is not None and abort.set())
             try:
                 results = spawn_world(_rank_jobs, ep, backend, args=(rank_jobs,), timeout_s=timeout,
-                                      on_message=collector.add_rank_output, window=COMPARE_WINDOW, abort=abort)
+                                      on_message=collector.add_rank_output, window=COMPARE_WINDOW, abort=abort,
+                                      preload=RANK_MODULES)
                 ranks_s = time.perf_counter() - t0
                 pending.result()
                 collector.close()

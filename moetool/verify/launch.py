@@ -38,7 +38,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -100,15 +100,17 @@ def _setup_rank(backend: str, local_rank: int) -> torch.device:
 START_ENV = "MOETOOL_RANK_START"
 
 
-def _rank_context():
+def _rank_context(preload: Sequence[str] = ()):
     """Linux: a fork server that imported torch and this module once starts every rank of this
     process's worlds by forking (a rank up in ~0.1 s, where a fresh interpreter importing torch
-    takes 1-5 s); it never touches CUDA, so its children may. Elsewhere, or with
-    ``MOETOOL_RANK_START=spawn``: spawn."""
+    takes 1-5 s); it never touches CUDA, so its children may. ``preload``: more modules the
+    server imports, read when it starts (this process's first world): what the ranks of the
+    run import, so that each one does not (transformers' modeling code: 1.1 s of CPU a rank
+    here, 9 s on a GPU host). Elsewhere, or with ``MOETOOL_RANK_START=spawn``: spawn."""
     if (sys.platform.startswith("linux") and "forkserver" in mp.get_all_start_methods()
             and os.environ.get(START_ENV, "forkserver") != "spawn"):
         ctx = tmp.get_context("forkserver")
-        ctx.set_forkserver_preload([__name__])
+        ctx.set_forkserver_preload([__name__, *preload])
         return ctx
     return tmp.get_context("spawn")
 
@@ -280,9 +282,9 @@ def _rank_main(rank: int, world_size: int, backend: str, host: str, port: int,
 def spawn_world(fn: Callable, world_size: int, backend: str = "gloo", args: tuple = (),
                 timeout_s: float = 600.0, collective_timeout_s: float | None = None,
                 on_message: Callable[[int, Any, Callable[[], None]], None] | None = None, window: int = 2,
-                abort: threading.Event | None = None) -> list[Any]:
+                abort: threading.Event | None = None, preload: Sequence[str] = ()) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return the results
-    in rank order.
+    in rank order. ``preload``: modules the ranks will import (``_rank_context``).
 
     ``on_message(rank, obj, release)``: called in this thread, in order, for each
     ``send_to_parent(obj)`` of a rank; ``release()`` (any thread, once) gives the rank one of
@@ -312,7 +314,7 @@ def spawn_world(fn: Callable, world_size: int, backend: str = "gloo", args: tupl
     # the parent owns the rendezvous store: port 0 lets the OS pick a free port, no race
     store = dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=collective_timeout_s))
-    ctx = _rank_context()
+    ctx = _rank_context(preload)
     q = ctx.Queue()
     env = dict(os.environ)
     credits = [ctx.Semaphore(window) if on_message is not None else None for _ in range(world_size)]

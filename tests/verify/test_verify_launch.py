@@ -124,3 +124,14 @@ def _env_value(rank: int, world_size: int, key: str) -> str | None:
     import os
 
     return os.environ.get(key)
+
+
+def test_the_modules_ranks_preload_exist():
+    """The fork server skips a preload it cannot import, silently: a misspelt name would only
+    cost every rank its imports again."""
+    import importlib
+
+    from moetool.verify import driver, whole_model
+
+    for name in (*driver.RANK_MODULES, *whole_model.RANK_MODULES):
+        importlib.import_module(name)

@@ -19,6 +19,13 @@ from moetool.verify.peer_memory import PeerMemory
 from moetool.verify.topology import Topology
 from moetool.verify.transports import choose_transport
 
+try:  # the ranks' interpreted kernels launch as cheaply as the test process's (tests/conftest.py)
+    import interpreter_speed
+except ImportError:  # tests/ not on this rank's path
+    pass
+else:
+    interpreter_speed.install()
+
 #: H > 128 and not a multiple of it: two fp8 activation groups, the second partial
 H, N = 136, 32
 
