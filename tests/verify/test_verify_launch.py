@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -126,12 +127,28 @@ def _env_value(rank: int, world_size: int, key: str) -> str | None:
     return os.environ.get(key)
 
 
-def test_the_modules_ranks_preload_exist():
-    """The fork server skips a preload it cannot import, silently: a misspelt name would only
-    cost every rank its imports again."""
-    import importlib
+SPY_CUDA = """
+import sys, torch, torch.cuda
+touched = []
+for name in ("is_available", "device_count", "current_device", "init", "_lazy_init", "get_device_properties",
+             "get_device_capability", "get_device_name", "set_device", "synchronize"):
+    real = getattr(torch.cuda, name)
+    setattr(torch.cuda, name, lambda *a, _n=name, _r=real, **k: (touched.append(_n), _r(*a, **k))[1])
+import importlib
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+print(",".join(touched) or "none")
+"""
 
+
+def test_the_modules_ranks_preload_exist_and_never_touch_cuda():
+    """The fork server imports them, then forks the ranks: a module that asked CUDA anything
+    while imported (even ``is_available``, which initializes the driver) would leave every GPU
+    rank unable to use CUDA. And the server skips a preload it cannot import, silently: a
+    misspelt name would only cost every rank its imports again."""
     from moetool.verify import driver, whole_model
 
-    for name in (*driver.RANK_MODULES, *whole_model.RANK_MODULES):
-        importlib.import_module(name)
+    modules = ["moetool.verify.launch", *driver.RANK_MODULES, *whole_model.RANK_MODULES]
+    r = subprocess.run([sys.executable, "-c", SPY_CUDA, *modules], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "none", f"CUDA asked while importing: {r.stdout}"
