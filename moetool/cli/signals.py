@@ -28,10 +28,11 @@ RELAY_AFTER_S = 0.05
 
 
 class _StopHandler:
-    """The handler and its relay's shared state (``lock`` taken by both, never held while waiting)."""
+    """The handler and its relay's shared state (``lock`` taken by both, never held while
+    waiting; reentrant, as a second signal's handler can run inside the first one's)."""
 
     def __init__(self):
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
         self.stopping: list[int] = []  # the signal being handled
         self.relayed = False  # the relay sent the main thread a copy of a signal not yet handled
 
