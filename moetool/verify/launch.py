@@ -105,8 +105,9 @@ def _rank_context(preload: Sequence[str] = ()):
     process's worlds by forking (a rank up in ~0.1 s, where a fresh interpreter importing torch
     takes 1-5 s); it never touches CUDA, so its children may. ``preload``: more modules the
     server imports, read when it starts (this process's first world): what the ranks of the
-    run import, so that each one does not (transformers' modeling code: 1.1 s of CPU a rank
-    here, 9 s on a GPU host). Elsewhere, or with ``MOETOOL_RANK_START=spawn``: spawn."""
+    run import, so that each one does not (transformers' modeling code: 1.1 CPU-s a rank here;
+    where cores are plenty the ranks' start is as late, the imports done once instead of per
+    rank). Elsewhere, or with ``MOETOOL_RANK_START=spawn``: spawn."""
     if (sys.platform.startswith("linux") and "forkserver" in mp.get_all_start_methods()
             and os.environ.get(START_ENV, "forkserver") != "spawn"):
         ctx = tmp.get_context("forkserver")
@@ -327,7 +328,12 @@ def spawn_world(fn: Callable, world_size: int, backend: str = "gloo", args: tupl
     watched = False
     try:
         for p in procs:  # inside the try: an interruption between two starts stops the first ones
-            p.start()
+            try:
+                p.start()
+            except (EOFError, ConnectionError):  # the fork server skips a preload's ImportError only
+                raise MoetoolError(f"the fork server that starts the ranks died while importing "
+                                   f"{', '.join([__name__, *preload])} (its error is above); "
+                                   f"{START_ENV}=spawn starts the ranks without it") from None
         failure = _watch(procs, q, reports, timeout_s, _Messages(on_message, credits), abort)
         watched = True
     finally:

@@ -152,3 +152,22 @@ def test_the_modules_ranks_preload_exist_and_never_touch_cuda():
     r = subprocess.run([sys.executable, "-c", SPY_CUDA, *modules], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "none", f"CUDA asked while importing: {r.stdout}"
+
+
+def test_a_preload_that_raises_is_one_line_naming_it(tmp_path):
+    """The fork server survives a preload's ImportError only; anything else it raises kills the
+    server, which the first rank's start met as a bare EOFError."""
+    (tmp_path / "broken_preload.py").write_text("raise RuntimeError('a broken install')\n")
+    code = ("from moetool.verify import launch\n"
+            "from moetool.errors import MoetoolError\n"
+            "try:\n"
+            "    launch.spawn_world(abs, 2, preload=('broken_preload',), timeout_s=60)\n"
+            "except MoetoolError as e:\n"
+            "    print('error:', e)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    env.pop("MOETOOL_RANK_START", None)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert "error: the fork server that starts the ranks died while importing moetool.verify.launch, " \
+           "broken_preload (its error is above); MOETOOL_RANK_START=spawn starts the ranks without it" in r.stdout, \
+        r.stdout + r.stderr
+    assert "RuntimeError: a broken install" in r.stderr  # the server's own traceback, above
