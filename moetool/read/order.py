@@ -49,6 +49,18 @@ def read_order(ckpt: Checkpoint) -> list[Range]:
 WHOLE_FILES_STAGE = LAST_STAGE + 1
 
 
+def layer_steps(layers: list[int]) -> dict[int, int]:
+    """{layer: its step} of a MoE-only run: its place in the run's list of layers (a layer
+    asked for twice keeps its first place, as the run checks it once)."""
+    return {layer: k for k, layer in enumerate(dict.fromkeys(layers))}
+
+
+def _step_of(layers: list[int] | None):
+    """stage -> step (None: a stage the run does not take): ``layer_steps`` of a MoE-only run's
+    layers, or the stage itself for --whole-model (``layers`` None)."""
+    return (lambda s: s) if layers is None else layer_steps(layers).get
+
+
 def verify_order(shard_roots: list[Path], ref: Checkpoint, layers: list[int] | None) -> list[tuple[int, Range]]:
     """What a verify run reads, in the order it reads it, each with its step: step by step,
     the reference's tensors then every rank's (``shard_roots``: the rank folders); then the
@@ -58,7 +70,7 @@ def verify_order(shard_roots: list[Path], ref: Checkpoint, layers: list[int] | N
     ``layers``: the layers the run takes, in its order (MoE-only verify; a layer's step is its
     place in the list), or None for every stage in stage order (--whole-model; the step is
     the stage). A file hard-linked into several rank folders is read once."""
-    step = (lambda s: s) if layers is None else {layer: k for k, layer in enumerate(dict.fromkeys(layers))}.get
+    step = _step_of(layers)
     staged: list[tuple[int, int, Range]] = []
     whole: list[Path] = []
     staged += [(step(s), 0, r) for s, r in staged_ranges(ref) if step(s) is not None]
@@ -183,7 +195,7 @@ class Progress:
 def file_steps(ckpt: Checkpoint, layers: list[int] | None) -> dict[str, float]:
     """{file of ``ckpt``: the first step that reads it} (steps as ``verify_order``'s); -inf for
     a file no step reads (the sha256 check alone reads it)."""
-    step = (lambda s: s) if layers is None else {layer: k for k, layer in enumerate(dict.fromkeys(layers))}.get
+    step = _step_of(layers)
     first: dict[str, float] = {f: float("-inf") for f in ckpt.files}
     taken: dict[str, float] = {}
     for t in ckpt.tensors.values():

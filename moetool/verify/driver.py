@@ -35,7 +35,7 @@ from moetool.formats.registry import FORMATS
 from moetool.model.families import describe, family_for
 from moetool.read.checkpoint import open_checkpoint
 from moetool.read.experts import ExpertReader, detect_expert_format
-from moetool.read.order import read_verify_inputs_ahead
+from moetool.read.order import layer_steps, read_verify_inputs_ahead
 from moetool.read.manifest import MANIFEST_NAME, made_by_moetool
 from moetool.read.shards import EPShards
 from moetool.verify.launch import run_under_torchrun, spawn_world
@@ -395,7 +395,7 @@ def verify_many(jobs: list[tuple], *, revision: str | None = None) -> list[Verif
         device = reference_device(ep)
         stop, abort = threading.Event(), threading.Event()
         timings = [{} for _ in prepared]
-        place = [{layer: k for k, layer in enumerate(job[2])} for job in rank_jobs]  # the read-ahead's steps
+        place = [layer_steps(job[2]) for job in rank_jobs]  # the read-ahead's steps
 
         def compared(key: tuple[int, int]) -> None:
             if ahead is not None:
