@@ -11,6 +11,7 @@ the reads that follow read what it did not. Torch-free.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import threading
 from pathlib import Path
@@ -66,6 +67,9 @@ class CacheFiller:
     MAX_OPEN = 256
 
     def __init__(self):
+        """OSError where there is no ``sendfile`` (a hint then: nothing is read ahead)."""
+        if getattr(os, "sendfile", None) is None:
+            raise OSError(errno.ENOSYS, "no sendfile here")
         self._null = os.open(os.devnull, os.O_WRONLY)
         self._fds: dict[Path, int] = {}
 

@@ -151,6 +151,19 @@ def test_reads_ahead_stay_within_the_window_of_what_the_run_still_needs(tmp_path
     assert not stopped.thread.is_alive() and stopped.issued == mib
 
 
+def test_without_sendfile_the_read_ahead_ends_quietly(tmp_path, monkeypatch):
+    """A hint only: where there is no sendfile nothing is read ahead, and the thread ends
+    without a traceback (the cache filler refuses to start)."""
+    data = tmp_path / "data.bin"
+    data.write_bytes(b"x" * 4096)
+    monkeypatch.delattr(os, "sendfile")
+    raised = []
+    monkeypatch.setattr(threading, "excepthook", raised.append)
+    ahead = PacedReadAhead([((0, 0), (data, 0, 4096))], window=1 << 20)
+    ahead.thread.join(30)
+    assert not ahead.thread.is_alive() and raised == [] and ahead.issued == 0
+
+
 def test_the_read_ahead_window_can_be_set(monkeypatch):
     monkeypatch.setenv("MOETOOL_READ_AHEAD_MB", "64")
     assert read_ahead_window() == 64 << 20
