@@ -24,13 +24,13 @@ def install() -> bool:
     real = getattr(interpreter, "_patch_builtin", None)
     if patch_attr is None or is_builtin is None or real is None or getattr(real, "cached", False):
         return False
-    found: dict[int, tuple[object, list]] = {}
+    found: dict[object, list] = {}  # module or class -> its (name, builtin) pairs
 
     def patch_builtin(pkg, builder, scope):
-        entry = found.get(id(pkg))
-        if entry is None or entry[0] is not pkg:
-            entry = found[id(pkg)] = (pkg, [(n, m) for n, m in inspect.getmembers(pkg) if is_builtin(m)])
-        for name, member in entry[1]:
+        builtins = found.get(pkg)
+        if builtins is None:
+            builtins = found[pkg] = [(n, m) for n, m in inspect.getmembers(pkg) if is_builtin(m)]
+        for name, member in builtins:
             patch_attr(pkg, name, member, builder, scope)
 
     patch_builtin.cached = True

@@ -60,7 +60,7 @@ class _StopHandler:
             self.relayed = True
             try:
                 signal.pthread_kill(main_ident, signum)
-            except (OSError, ProcessLookupError):
+            except OSError:  # the main thread is gone
                 self.relayed = False
 
 
@@ -92,9 +92,9 @@ def _start_relay(handler: _StopHandler) -> Callable[[], None]:
     try:
         old = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
     except ValueError:
-        old = -2
+        old = None
     if old != -1:  # someone else's descriptor (asyncio's): left to them
-        if old != -2:
+        if old is not None:
             signal.set_wakeup_fd(old)
         os.close(read_fd)
         os.close(write_fd)
