@@ -84,15 +84,6 @@ def _fp4_tile_t(packed, sb, HAS_GS: tl.constexpr, FP4_GROUP: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _nibble_minus(q, z_f):
-    """int32 nibbles q (0..15, no other bits set) less z_f (float32, 2^23 + the zero point:
-    the zero point + 8, or 8) -> float32 q - zero point, exact: q ORed into the mantissa of
-    2^23 is the float 2^23 + q. No int-to-float conversion: those run on the conversion units
-    (16 a clock per SM on an H100, with the bf16 packing after), which bound int4 decode."""
-    return (q | 0x4B000000).to(tl.float32, bitcast=True) - z_f
-
-
-@triton.jit
 def _swap_scales(b_scale_ptr, b_zp_ptr, s_rows, z_rows, z_shift, k0, K, group_k, stride_sk, stride_zk,
                  FMT: tl.constexpr, HAS_ZP: tl.constexpr, GROUP_TILE: tl.constexpr, FP4_GROUP: tl.constexpr,
                  BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -269,18 +260,17 @@ def _moe_gemm_kernel(
                 shifts = tl.arange(0, 8) * 4
                 q = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 0xF, [BLOCK_N, BLOCK_K])  # q + 8
                 if GROUP_TILE:
-                    z_f = z_cur.to(tl.float32) + 8388608.0  # [BN]: once a row, not an element
-                    w = (_nibble_minus(q, z_f[:, None]) * s_cur[:, None]).to(DOT_DTYPE)
+                    w = ((q - z_cur[:, None]).to(tl.float32) * s_cur[:, None]).to(DOT_DTYPE)
                 else:
                     grp = kk // group_k
                     s = tl.load(b_scale_ptr + expert * stride_se + offs_bn64[:, None] * stride_sn
                                 + grp[None, :] * stride_sk, mask=k_mask[None, :], other=0.0).to(tl.float32)
                     if HAS_ZP:
                         zw = tl.load(z_rows[:, None] + grp[None, :] * stride_zk, mask=k_mask[None, :], other=0)
-                        w = (q - ((zw >> z_shift[:, None]) & 0xF)).to(tl.float32) * s
+                        q = q - ((zw >> z_shift[:, None]) & 0xF)
                     else:
-                        w = _nibble_minus(q, 8388616.0) * s
-                    w = w.to(DOT_DTYPE)
+                        q = q - 8
+                    w = (q.to(tl.float32) * s).to(DOT_DTYPE)
             acc = tl.dot(w, tl.trans(a.to(DOT_DTYPE)), acc, input_precision=PREC)
         elif FMT == 3:
             # one load per int32 word (contiguous along K), then 8 nibbles each: k = 8 * w + i
@@ -296,10 +286,9 @@ def _moe_gemm_kernel(
                 s = s.to(tl.float32)[None, :]
                 if HAS_ZP:
                     zw = tl.load(b_zp_ptr + expert * stride_ze + (offs_bn64 // 8) * stride_zn + grp * stride_zk)
-                    z_f = ((zw >> ((offs_bn % 8) * 4)) & 0xF).to(tl.float32) + 8388608.0  # (q + 8) - (z + 8)
-                    b = (_nibble_minus(q, z_f[None, :]) * s).to(DOT_DTYPE)
+                    q = q - ((zw >> ((offs_bn % 8) * 4)) & 0xF)[None, :]  # (q + 8) - (z + 8)
                 else:
-                    b = (_nibble_minus(q, 8388616.0) * s).to(DOT_DTYPE)
+                    q = q - 8
             else:
                 grp = kk // group_k
                 s = tl.load(
@@ -312,9 +301,10 @@ def _moe_gemm_kernel(
                         + grp[:, None] * stride_zk,
                         mask=k_mask[:, None], other=0,
                     )
-                    b = ((q - ((zw >> ((offs_bn % 8) * 4)[None, :]) & 0xF)).to(tl.float32) * s).to(DOT_DTYPE)
+                    q = q - ((zw >> ((offs_bn % 8) * 4)[None, :]) & 0xF)
                 else:
-                    b = (_nibble_minus(q, 8388616.0) * s).to(DOT_DTYPE)
+                    q = q - 8
+            b = (q.to(tl.float32) * s).to(DOT_DTYPE)
             acc += tl.dot(a.to(DOT_DTYPE), b, input_precision=PREC)
         elif FMT == 4:  # the low nibbles are the tile's even K columns, the high ones its odd columns
             kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # [BK/2] bytes: byte j holds k0 + 2j, k0 + 2j + 1
