@@ -29,6 +29,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -239,6 +240,35 @@ def moe_only(moetool: list[str], sh: Path, src: Path, args, w: Path, res: dict) 
     return out
 
 
+def layer_bytes(folder: Path) -> dict[int, int]:
+    """{layer index: bytes of its tensors} over the folder's safetensors files (headers only)."""
+    out: dict[int, int] = {}
+    for f in folder.rglob("*.safetensors"):
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        for name, meta in header.items():
+            m = re.search(r"layers\.(\d+)\.", name) if name != "__metadata__" else None
+            if m:
+                lo, hi = meta["data_offsets"]
+                out[int(m.group(1))] = out.get(int(m.group(1)), 0) + hi - lo
+    return out
+
+
+def steady_layers(timings: dict[str, float], moe_layers: list[int], nbytes: dict[int, int], gbps: float) -> list[dict]:
+    """The MoE layers after the first (its kernels compiled, the read-ahead in its stride): the
+    seconds from the previous layer's end to this one's (the report's ``rank_layer_{i}_s``)
+    against the seconds the disk takes to read the layer's bytes (reference + shards) at the
+    measured cold rate ``gbps``: ``x_read_floor`` >= 1 when the run keeps up with the disk."""
+    out = []
+    for i in moe_layers[1:]:
+        end, before = timings.get(f"rank_layer_{i}_s"), timings.get(f"rank_layer_{i - 1}_s")
+        if end is None or before is None or end <= before:
+            continue
+        floor = nbytes.get(i, 0) / 1e9 / gbps
+        out.append({"layer": i, "s": end - before, "read_floor_s": floor, "x_read_floor": floor / (end - before)})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/wm"))
@@ -374,6 +404,15 @@ def main() -> None:
         print(f"per MoE layer {moe:.1f} s (reference side {ref_side:.1f} s), per dense layer {dense:.1f} s; "
               f"61 layers (3 dense + 58 MoE): {one_gpu / 60:.1f} min on this GPU, ~{node / 60:.1f} min on an "
               f"8-GPU node at ep 8 (estimate: the reference side does not split)")
+    gbps = (res["model_gb"] + res["shards_gb"]) / (res["read_floor_s"] + res["shards_read_s"])
+    nbytes = {i: layer_bytes(src).get(i, 0) + layer_bytes(sh).get(i, 0) for i in range(cfg["num_hidden_layers"])}
+    steady = steady_layers(res["parent_s"], [int(r["name"]) for r in res["rows"] if r["kind"] == "moe"], nbytes, gbps)
+    res["steady_moe_layers"] = steady
+    if steady:
+        total_floor, total_s = sum(r["read_floor_s"] for r in steady), sum(r["s"] for r in steady)
+        print(f"steady state (MoE layers after the first), disk {gbps:.2f} GB/s cold: " + "; ".join(
+            f"layer {r['layer']} {r['s']:.1f} s vs read floor {r['read_floor_s']:.1f} s ({r['x_read_floor']:.2f}x)"
+            for r in steady) + f"; together {total_floor / total_s:.2f}x")
     if args.json:
         args.json.write_text(json.dumps(res, indent=2))
 
