@@ -129,7 +129,7 @@ def _run_job(rank: int, shards: EPShards, ckpt, spec, opts: VerifyOptions, layer
     dispatcher = get_dispatcher(opts.dispatch, topo, comm_dtype=numerics.wire_dtype,
                                 **({"transport": transport, "timeout_s": opts.timeout_s} if transport else {}))
     results: dict[int, dict] = {}
-    vote = torch.tensor([int(_rehearses(device))], device=device)
+    vote = torch.tensor([int(rehearses(device))], device=device)
     dist.all_reduce(vote, op=dist.ReduceOp.MIN)  # one answer for all: the rehearsal runs collectives
     rehearse = bool(vote.item())
     for n, i in enumerate(layer_ids):
@@ -199,7 +199,7 @@ def _run_job(rank: int, shards: EPShards, ckpt, spec, opts: VerifyOptions, layer
 REHEARSE_ENV = "MOETOOL_REHEARSE"
 
 
-def _rehearses(device: torch.device) -> bool:
+def rehearses(device: torch.device) -> bool:
     """Whether this rank would run its first layer once on zero weights before reading them
     (the ranks then agree: any rank's no is everyone's)."""
     forced = os.environ.get(REHEARSE_ENV)
@@ -220,7 +220,8 @@ def compact(t: torch.Tensor) -> torch.Tensor:
 
 def load_local_experts(reader: ExpertReader, layer: MoELayerSpec, slot_to_global: list[int],
                        device: torch.device | None = None,
-                       before_fill: Callable[[LocalExperts], None] | None = None) -> LocalExperts:
+                       before_fill: Callable[[LocalExperts], None] | None = None,
+                       fill: bool = True) -> LocalExperts:
     """This rank's experts of ``layer`` in the stacked layout of the shard's format, on ``device``
     (default CPU). On a GPU they go there an expert at a time through page-locked buffers while
     the next expert is read: host memory holds two experts' stored bytes, never the layer.
@@ -228,7 +229,8 @@ def load_local_experts(reader: ExpertReader, layer: MoELayerSpec, slot_to_global
     ``before_fill(local)``: called once the stacked tensors exist on ``device`` and before
     the experts are read into them, which hold zeros then. Nothing reads the checkpoint
     meanwhile but for expert 0 of a per-expert storage (its tensors give the stack's shapes).
-    Without it, on the CPU, a stacked storage's tensors are the checkpoint's own (no copy)."""
+    Without it, on the CPU, a stacked storage's tensors are the checkpoint's own (no copy).
+    ``fill=False``: those zeros, the experts never read (what a rehearsal computes on)."""
     ckpt, st = reader.ckpt, layer.storage
     device = device or torch.device("cpu")
     if device.type == "cuda":  # page-locked reads: the copies to the GPU run at full speed
@@ -238,7 +240,7 @@ def load_local_experts(reader: ExpertReader, layer: MoELayerSpec, slot_to_global
         biases = tuple(b.to(device) for b in biases)
     if st.kind == "stacked":
         names = [{s: f"{base}_{s}" for s in reader.fmt.suffixes if f"{base}_{s}" in ckpt} for base in (st.gate_up, st.down)]
-        separate = device.type == "cuda" or before_fill is not None  # else the checkpoint's own tensors
+        separate = device.type == "cuda" or before_fill is not None or not fill  # else the checkpoint's own
         w13, w2 = ({s: _stacked_empty(ckpt, n, device) if separate else ckpt.get(n) for s, n in part.items()}
                    for part in names)
         first = None
@@ -248,6 +250,8 @@ def load_local_experts(reader: ExpertReader, layer: MoELayerSpec, slot_to_global
     local = _local_experts(reader, layer, slot_to_global, w13, w2, biases)
     if before_fill is not None:
         before_fill(local)
+    if not fill:
+        return local
     if st.kind == "stacked":
         if separate:
             for part, tensors in zip(names, (w13, w2)):

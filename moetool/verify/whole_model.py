@@ -427,6 +427,8 @@ def _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts
             ref = Skeleton(ref_ckpt.config, ref_ckpt, ref_spec, ExpertReader(ref_ckpt, ref_spec), topo.device)
             ref_args = ref.layer_arguments(B, S)
     clock.mark("built")
+    rehearsal = _Rehearsal.start(rank, topo, shards, conv, reader, B * S, dispatcher, experts, opts.chunk_size,
+                                 load_local_experts, run_moe_layer)
     sums = _Sums()
     reasons: dict[str, list[str]] = {}
     act = getattr(conv.cfg, "hidden_act", "silu")
@@ -457,6 +459,10 @@ def _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts
         moe = conv.moe_index.get(i)
         mlp_attr = conv.mlp_attr(layer)
         if moe is not None:
+            if rehearsal is not None:  # the kernels compiled: its zeros go before the weights come
+                with clock("rehearse_wait"):
+                    rehearsal.join(clock.marks)
+                rehearsal = None
             placement = shards.placements[i]
             with clock("read_shards"):
                 local = load_local_experts(reader, moe, placement.slots[rank], topo.device)
@@ -569,6 +575,69 @@ def _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts
             "memory": {**memory, "reference_weights_peak_mb": ref.peak_bytes / 2**20, "rss_peak_mb": _peak_rss_mib(),
                        **({"gpu_peak_mb": torch.cuda.max_memory_allocated(topo.device) / 2**20}
                           if topo.device.type == "cuda" else {})}}
+
+
+class _Rehearsal:
+    """The first MoE layer once on zero experts, on a thread of the rank, while its main thread
+    reads and runs the rows before it: every kernel of the MoE block is compiled (7.4 s of an
+    H100's first run at DeepSeek-V3 size) and the transport's buffers made before the layer's
+    weights are in, instead of after. Real router, biases and shared expert (small), random
+    tokens; the experts' zeros are freed at ``join``. On GPUs by default, as the MoE-only
+    check's rehearsal (``MOETOOL_REHEARSE``); every rank takes part or none (collective)."""
+
+    def __init__(self, run: Callable[[], None], device: torch.device):
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+        self.done_at = 0.0
+
+        def body() -> None:
+            t = time.perf_counter()
+            try:
+                if device.type == "cuda":
+                    torch.cuda.set_device(device)  # a new thread's current device is the first GPU
+                with torch.no_grad():  # grad mode is the thread's own
+                    run()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+            except BaseException as err:  # raised again by join, in the rank's main thread
+                self.error = err
+            self.seconds, self.done_at = time.perf_counter() - t, time.time()
+
+        self._thread = threading.Thread(target=body, name="moetool-rehearse", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def start(cls, rank, topo, shards, conv, reader, tokens: int, dispatcher, experts, chunk_size,
+              load_local_experts, run_moe_layer) -> "_Rehearsal | None":
+        from moetool.verify.rank import rehearses
+
+        vote = torch.tensor([int(rehearses(topo.device) and bool(conv.moe_index))], device=topo.device)
+        dist.all_reduce(vote, op=dist.ReduceOp.MIN)  # one answer for all: the rehearsal runs collectives
+        if not vote.item():
+            return None
+        i = min(conv.moe_index)
+        moe, placement = conv.moe_index[i], shards.placements[i]
+        ckpt = reader.ckpt
+        local = load_local_experts(reader, moe, placement.slots[rank], topo.device, fill=False)
+        gate = ckpt.get(moe.router_weight).float()
+        bias = ckpt.get(moe.correction_bias).float() if moe.correction_bias else None
+        rbias = ckpt.get(moe.router_bias).float() if moe.router_bias else None
+        shared = reader.shared_fp32(moe)
+        x = torch.randn(tokens, moe.hidden, generator=torch.Generator().manual_seed(rank)).to(topo.device)  # [T, H]
+
+        def run() -> None:
+            run_moe_layer(x, gate, bias, moe.router, local, placement, shared, dispatcher, experts, chunk_size,
+                          router_bias=rbias)
+            experts.release()  # the torch backend keeps dequantized copies of the zeros
+
+        return cls(run, topo.device)
+
+    def join(self, marks: dict[str, float]) -> None:
+        """Wait for it; its error, if it failed; ``marks["rehearsed"]`` when it ended."""
+        self._thread.join()
+        marks["rehearsed"] = self.done_at
+        if self.error is not None:
+            raise self.error
 
 
 def _moe_parts(sums: _Sums, name: str, moe, block, h: torch.Tensor, gate, bias, shared, router_bias=None) -> None:

@@ -392,3 +392,40 @@ def test_a_model_transformers_cannot_load_fails_with_the_parents_check(tiny, tmp
     with pytest.raises(MoetoolError, match=r"no tensor for transformers' model\.layers\.0\.self_attn\.q_a_proj\.weight"):
         verify_whole_model_many([(tmp_path / "shards", model, OPTS)])
     assert [jobs for jobs, _ in asked] == [[(tmp_path / "shards", model, None)]] and asked[0][1].is_set()
+
+
+def test_a_rehearsal_on_a_thread_leaves_the_report_as_it_was(tmp_path, monkeypatch):
+    """The first MoE layer run once on zero experts on a thread of each rank while the rows
+    before it are read (on GPUs by default, where it compiles the kernels; forced here, with
+    the all2all transport and dp 2): the same report to the last bit as without it, and the
+    ranks' timeline says when it ended."""
+    from moetool.verify import rank
+
+    ds = save_hf_model("deepseek_v3", tmp_path / "ds").path
+    shard(ds, tmp_path / "shards", 2, progress=False)
+    opts = WholeModelOptions(dp=2, ep=2, tokens=32, seq_len=16, dispatch="all2all")
+    reports = {}
+    for forced in ("0", "1"):
+        monkeypatch.setenv(rank.REHEARSE_ENV, forced)
+        [reports[forced]] = verify_whole_model_many([(tmp_path / "shards", ds, opts)])
+    plain, rehearsed = reports["0"], reports["1"]
+    assert plain.passed and rehearsed.passed, rehearsed.render()
+    assert [r for r in plain.rows] == [r for r in rehearsed.rows]
+    assert plain.logits == rehearsed.logits
+    assert "rank_rehearsed_s" in rehearsed.timings_s and "rank_rehearsed_s" not in plain.timings_s
+    t = rehearsed.timings_s
+    assert t["rank_built_s"] <= t["rank_rehearsed_s"] <= t["rank_layer_1_s"]  # layer 0 is dense
+
+
+def test_a_failed_rehearsal_raises_in_the_ranks_main_thread():
+    """What went wrong on the rehearsal's thread is raised by ``join``, where the rank waits for
+    it before its first MoE layer: the run stops with that error, not with a hang."""
+    from moetool.verify.whole_model import _Rehearsal
+
+    def broken() -> None:
+        raise MoetoolError("model.layers.1.mlp.experts: no w13")
+
+    rehearsal, marks = _Rehearsal(broken, torch.device("cpu")), {}
+    with pytest.raises(MoetoolError, match="no w13"):
+        rehearsal.join(marks)
+    assert marks["rehearsed"] > 0
