@@ -11,6 +11,7 @@ from moetool.cli import command_app
 from moetool.cli.options import Json, Revision
 from moetool.errors import MoetoolError
 from moetool.lazy import import_module
+from moetool.verify import fork_server
 from moetool.verify.report import raise_if_failed
 
 
@@ -79,9 +80,12 @@ def verify_cmd(
     if whole_model and layers:
         raise MoetoolError("--layers: --whole-model runs every layer (the MoE-only mode takes --layers)")
     layer_ids = parse_layers(layers)
+    if whole_model and under_torchrun():
+        raise MoetoolError("--whole-model spawns its own ranks on one node; it does not run under torchrun yet")
+    if not under_torchrun() and shards.is_dir():
+        # the ranks' fork server imports what they need beside this process's imports, not after
+        fork_server.start(fork_server.WHOLE_MODEL_MODULES if whole_model else fork_server.MOE_ONLY_MODULES)
     if whole_model:
-        if under_torchrun():
-            raise MoetoolError("--whole-model spawns its own ranks on one node; it does not run under torchrun yet")
         wm = import_module("moetool.verify.whole_model")
         wopts = wm.WholeModelOptions(dp=dp, ep=ep, tokens=tokens, seq_len=seq_len, text=None if text is None else str(text),
                                      seed=seed, backend=backend, dispatch=dispatch, experts=experts,

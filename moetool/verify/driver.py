@@ -38,6 +38,7 @@ from moetool.read.experts import ExpertReader, detect_expert_format
 from moetool.read.order import layer_steps, read_verify_inputs_ahead
 from moetool.read.manifest import MANIFEST_NAME, made_by_moetool
 from moetool.read.shards import EPShards
+from moetool.verify import fork_server
 from moetool.verify.launch import run_under_torchrun, spawn_world
 from moetool.verify.numerics import NUMERICS, Numerics, model_numerics
 from moetool.verify.reference import StreamingReference
@@ -74,8 +75,9 @@ class VerifyOptions:
 # ------------------------------------------------------------------------------------ ranks
 
 
-#: what a rank imports, imported once by the fork server the ranks start from (``spawn_world``'s preload)
-RANK_MODULES = ("moetool.verify.rank",)
+#: what a rank imports, imported once by the fork server the ranks start from (``spawn_world``'s
+#: preload; the verify command starts the server with them before its own imports)
+RANK_MODULES = fork_server.MOE_ONLY_MODULES
 
 
 def _rank_jobs(rank: int, world_size: int, jobs: list[tuple[str, VerifyOptions, list[int]]]) -> list[dict]:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import multiprocessing as mp
 import multiprocessing.forkserver as mp_forkserver
 import os
 import pickle
@@ -45,6 +44,7 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 
 from moetool.errors import MoetoolError
+from moetool.verify import fork_server
 
 #: seconds the parent keeps collecting reports after the first failure, so that the rank
 #: that failed first (the cause) is named rather than a peer that lost its connection
@@ -95,24 +95,17 @@ def _setup_rank(backend: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-#: environment variable: ``spawn`` starts every rank as a fresh interpreter, as before the fork
-#: server (a way around it, should a system's fork server misbehave)
-START_ENV = "MOETOOL_RANK_START"
-
-
 def _rank_context(preload: Sequence[str] = ()):
     """Linux: a fork server that imported torch and this module once starts every rank of this
     process's worlds by forking (a rank up in ~0.1 s, where a fresh interpreter importing torch
     takes 1-5 s); it never touches CUDA, so its children may. ``preload``: more modules the
-    server imports, read when it starts (this process's first world): what the ranks of the
-    run import, so that each one does not (transformers' modeling code: 1.1 CPU-s a rank here;
-    where cores are plenty the ranks' start is as late, the imports done once instead of per
-    rank). Elsewhere, or with ``MOETOOL_RANK_START=spawn``: spawn."""
-    if (sys.platform.startswith("linux") and "forkserver" in mp.get_all_start_methods()
-            and os.environ.get(START_ENV, "forkserver") != "spawn"):
-        ctx = tmp.get_context("forkserver")
-        ctx.set_forkserver_preload([__name__, *preload])
-        return ctx
+    server imports, read when it starts (``fork_server.start``: the verify command's start, or
+    this process's first world): what the ranks of the run import, so that each one does not
+    (transformers' modeling code: 1.1 CPU-s a rank here; where cores are plenty the ranks'
+    start is as late, the imports done once instead of per rank). Elsewhere, or with
+    ``MOETOOL_RANK_START=spawn``: spawn."""
+    if fork_server.start(preload):
+        return tmp.get_context("forkserver")  # the server's: multiprocessing's one fork server
     return tmp.get_context("spawn")
 
 
@@ -333,7 +326,7 @@ def spawn_world(fn: Callable, world_size: int, backend: str = "gloo", args: tupl
             except (EOFError, ConnectionError):  # the fork server skips a preload's ImportError only
                 raise MoetoolError(f"the fork server that starts the ranks died while importing "
                                    f"{', '.join([__name__, *preload])} (its error is above); "
-                                   f"{START_ENV}=spawn starts the ranks without it") from None
+                                   f"{fork_server.START_ENV}=spawn starts the ranks without it") from None
         failure = _watch(procs, q, reports, timeout_s, _Messages(on_message, credits), abort)
         watched = True
     finally:

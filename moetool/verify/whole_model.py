@@ -46,6 +46,7 @@ from moetool.read.experts import ExpertReader
 from moetool.read.order import EMBED_STAGE, LAST_STAGE, read_verify_inputs_ahead
 from moetool.read.shards import EPShards
 from moetool.verify.driver import THRESHOLDS as MOE_THRESHOLDS
+from moetool.verify import fork_server
 from moetool.verify.driver import check_files_present, check_reference, process_started, resolve_backend
 from moetool.verify.hf_layers import Skeleton, capture, causal_lm_class, hf_config, require_transformers
 from moetool.verify.launch import spawn_world
@@ -354,9 +355,8 @@ class DistributedMoE(torch.nn.Module):
 
 
 #: what a rank imports, imported once by the fork server the ranks start from (``spawn_world``'s
-#: preload): this module, moetool's rank runtime, and transformers' shared modeling code (the
-#: family's own module is a small part of it: 0.04 s of 1.15 s here)
-RANK_MODULES = (__name__, "moetool.verify.rank", "transformers.modeling_utils")
+#: preload; the verify command starts the server with them before its own imports)
+RANK_MODULES = fork_server.WHOLE_MODEL_MODULES
 
 
 def _rank_jobs(rank: int, world_size: int, jobs: list[dict]) -> list[dict]:

@@ -1,6 +1,7 @@
 """The rank launcher: results by value, one-line errors naming the rank, no hangs."""
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -171,3 +172,49 @@ def test_a_preload_that_raises_is_one_line_naming_it(tmp_path):
            "broken_preload (its error is above); MOETOOL_RANK_START=spawn starts the ranks without it" in r.stdout, \
         r.stdout + r.stderr
     assert "RuntimeError: a broken install" in r.stderr  # the server's own traceback, above
+
+
+SPY_SERVER_START = """
+import json, sys
+import multiprocessing.forkserver as fs
+seen = []
+real = fs.ensure_running
+def spy():
+    seen.append({"torch": "torch" in sys.modules, "preload": list(fs._forkserver._preload_modules)})
+    real()
+fs.ensure_running = spy
+from moetool.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit as e:
+    code = e.code
+print(json.dumps({"seen": seen, "code": code}))
+"""
+
+
+@pytest.mark.parametrize("whole_model", [False, True], ids=["moe-only", "whole-model"])
+def test_verify_starts_the_ranks_fork_server_before_it_imports_torch(tmp_path, whole_model):
+    """`moetool verify` starts the fork server its ranks come from first thing, with what its
+    ranks import (--whole-model: transformers' modeling code too), so that the server imports
+    beside the command's own `import torch` instead of after it. Not for a folder that is not
+    there, nor under torchrun (no ranks to start)."""
+    from moetool.verify import fork_server
+
+    (tmp_path / "shards").mkdir()  # no manifest: verify fails, after the start
+    args = ["verify", str(tmp_path / "shards"), "--ref", str(tmp_path), *(["--whole-model"] if whole_model else [])]
+    env = {k: v for k, v in os.environ.items() if k != "MOETOOL_RANK_START"}
+
+    def run(argv, **extra):
+        r = subprocess.run([sys.executable, "-c", SPY_SERVER_START, *argv], capture_output=True, text=True,
+                           timeout=120, env=dict(env, **extra))
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    out = run(args)
+    modules = fork_server.WHOLE_MODEL_MODULES if whole_model else fork_server.MOE_ONLY_MODULES
+    assert out["seen"][:1] == [{"torch": False, "preload": [fork_server.LAUNCH, *modules]}], out
+    assert out["code"] != 0
+    assert run(["verify", str(tmp_path / "missing"), "--ref", str(tmp_path)])["seen"] == []
+    assert run(args, MOETOOL_RANK_START="spawn")["seen"] == []
+    if not whole_model:
+        torchrun = dict(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29999")
+        assert run(args, **torchrun)["seen"] == []
