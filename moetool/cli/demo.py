@@ -1,13 +1,14 @@
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from moetool.cli import command_app
-from moetool.demo.chain import run_demo
 from moetool.errors import VerificationFailed
+from moetool.verify import fork_server
 
 app = command_app()
 
@@ -19,5 +20,11 @@ def demo_cmd(
 ) -> None:
     """Write a tiny MoE model, quantize it, shard it over 4 EP ranks and verify it (CPU, < 1 min),
     then print the commands it ran, to re-run by hand."""
+    # the verify steps' ranks fork from a server that imports what both checks' ranks need
+    # while this process imports torch and converts (as `moetool verify` starts it)
+    fork_server.start(fork_server.WHOLE_MODEL_MODULES if importlib.util.find_spec("transformers")
+                      else fork_server.MOE_ONLY_MODULES)
+    from moetool.demo.chain import run_demo  # torch
+
     if not run_demo(workdir, echo=typer.echo, fmt=fmt):
         raise VerificationFailed("demo verification failed")
