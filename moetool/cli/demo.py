@@ -8,6 +8,7 @@ import typer
 
 from moetool.cli import command_app
 from moetool.errors import VerificationFailed
+from moetool.lazy import import_module
 from moetool.verify import fork_server
 
 app = command_app()
@@ -24,7 +25,6 @@ def demo_cmd(
     # while this process imports torch and converts (as `moetool verify` starts it)
     fork_server.start(fork_server.WHOLE_MODEL_MODULES if importlib.util.find_spec("transformers")
                       else fork_server.MOE_ONLY_MODULES)
-    from moetool.demo.chain import run_demo  # torch
-
-    if not run_demo(workdir, echo=typer.echo, fmt=fmt):
+    chain = import_module("moetool.demo.chain")  # torch
+    if not chain.run_demo(workdir, echo=typer.echo, fmt=fmt):
         raise VerificationFailed("demo verification failed")
