@@ -192,29 +192,35 @@ print(json.dumps({"seen": seen, "code": code}))
 """
 
 
-@pytest.mark.parametrize("whole_model", [False, True], ids=["moe-only", "whole-model"])
-def test_verify_starts_the_ranks_fork_server_before_it_imports_torch(tmp_path, whole_model):
+def test_verify_starts_the_ranks_fork_server_before_it_imports_torch(tmp_path):
     """`moetool verify` starts the fork server its ranks come from first thing, with what its
     ranks import (--whole-model: transformers' modeling code too), so that the server imports
-    beside the command's own `import torch` instead of after it. Not for a folder that is not
-    there, nor under torchrun (no ranks to start)."""
+    beside the command's own `import torch` instead of after it."""
     from moetool.verify import fork_server
 
     (tmp_path / "shards").mkdir()  # no manifest: verify fails, after the start
-    args = ["verify", str(tmp_path / "shards"), "--ref", str(tmp_path), *(["--whole-model"] if whole_model else [])]
     env = {k: v for k, v in os.environ.items() if k != "MOETOOL_RANK_START"}
-
-    def run(argv, **extra):
+    for flags, modules in (([], fork_server.MOE_ONLY_MODULES), (["--whole-model"], fork_server.WHOLE_MODEL_MODULES)):
+        argv = ["verify", str(tmp_path / "shards"), "--ref", str(tmp_path), *flags]
         r = subprocess.run([sys.executable, "-c", SPY_SERVER_START, *argv], capture_output=True, text=True,
-                           timeout=120, env=dict(env, **extra))
-        return json.loads(r.stdout.strip().splitlines()[-1])
+                           timeout=120, env=env)
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+        assert out["seen"][:1] == [{"torch": False, "preload": [fork_server.LAUNCH, *modules]}], (flags, out)
+        assert out["code"] != 0
 
-    out = run(args)
-    modules = fork_server.WHOLE_MODEL_MODULES if whole_model else fork_server.MOE_ONLY_MODULES
-    assert out["seen"][:1] == [{"torch": False, "preload": [fork_server.LAUNCH, *modules]}], out
-    assert out["code"] != 0
-    assert run(["verify", str(tmp_path / "missing"), "--ref", str(tmp_path)])["seen"] == []
-    assert run(args, MOETOOL_RANK_START="spawn")["seen"] == []
-    if not whole_model:
-        torchrun = dict(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29999")
-        assert run(args, **torchrun)["seen"] == []
+
+def test_verify_starts_no_fork_server_without_ranks_to_start(tmp_path, cli, monkeypatch):
+    """Not for a shards folder that is not there (the error comes first), nor under torchrun
+    (its agent starts the ranks); with MOETOOL_RANK_START=spawn there is no server to start."""
+    from moetool.verify import fork_server
+
+    started = []
+    monkeypatch.setattr(fork_server, "start", lambda preload=(): started.append(preload))
+    (tmp_path / "shards").mkdir()
+    assert cli("verify", tmp_path / "missing", "--ref", tmp_path).code != 0
+    for key, value in dict(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29999").items():
+        monkeypatch.setenv(key, value)
+    assert cli("verify", tmp_path / "shards", "--ref", tmp_path).code != 0
+    assert started == []
+    monkeypatch.setenv("MOETOOL_RANK_START", "spawn")
+    assert not fork_server.forks()

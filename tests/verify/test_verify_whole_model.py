@@ -397,13 +397,13 @@ def test_a_model_transformers_cannot_load_fails_with_the_parents_check(tiny, tmp
 def test_a_rehearsal_on_a_thread_leaves_the_report_as_it_was(tmp_path, monkeypatch):
     """The first MoE layer run once on zero experts on a thread of each rank while the rows
     before it are read (on GPUs by default, where it compiles the kernels; forced here, with
-    the all2all transport and dp 2): the same report to the last bit as without it, and the
+    the all2all transport): the same report to the last bit as without it, and the
     ranks' timeline says when it ended."""
     from moetool.verify import rank
 
     ds = save_hf_model("deepseek_v3", tmp_path / "ds").path
     shard(ds, tmp_path / "shards", 2, progress=False)
-    opts = WholeModelOptions(dp=2, ep=2, tokens=32, seq_len=16, dispatch="all2all")
+    opts = WholeModelOptions(dp=1, ep=2, tokens=32, seq_len=16, dispatch="all2all")
     reports = {}
     for forced in ("0", "1"):
         monkeypatch.setenv(rank.REHEARSE_ENV, forced)
