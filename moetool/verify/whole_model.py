@@ -45,8 +45,8 @@ from moetool.read.checkpoint import open_checkpoint
 from moetool.read.experts import ExpertReader
 from moetool.read.order import EMBED_STAGE, LAST_STAGE, read_verify_inputs_ahead
 from moetool.read.shards import EPShards
-from moetool.verify.driver import THRESHOLDS as MOE_THRESHOLDS
 from moetool.verify import fork_server
+from moetool.verify.driver import THRESHOLDS as MOE_THRESHOLDS
 from moetool.verify.driver import check_files_present, check_reference, process_started, resolve_backend
 from moetool.verify.hf_layers import Skeleton, capture, causal_lm_class, hf_config, require_transformers
 from moetool.verify.launch import spawn_world
@@ -587,11 +587,9 @@ class _Rehearsal:
 
     def __init__(self, run: Callable[[], None], device: torch.device):
         self.error: BaseException | None = None
-        self.seconds = 0.0
         self.done_at = 0.0
 
         def body() -> None:
-            t = time.perf_counter()
             try:
                 if device.type == "cuda":
                     torch.cuda.set_device(device)  # a new thread's current device is the first GPU
@@ -601,7 +599,7 @@ class _Rehearsal:
                     torch.cuda.synchronize(device)
             except BaseException as err:  # raised again by join, in the rank's main thread
                 self.error = err
-            self.seconds, self.done_at = time.perf_counter() - t, time.time()
+            self.done_at = time.time()
 
         self._thread = threading.Thread(target=body, name="moetool-rehearse", daemon=True)
         self._thread.start()
