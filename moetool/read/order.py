@@ -63,20 +63,23 @@ def _step_of(layers: list[int] | None):
 
 def verify_order(shard_roots: list[Path], ref: Checkpoint, layers: list[int] | None) -> list[tuple[int, Range]]:
     """What a verify run reads, in the order it reads it, each with its step: step by step,
-    the reference's tensors then every rank's (``shard_roots``: the rank folders); then the
-    rank folders' ``*.safetensors`` files whole (their sha256 check reads every byte),
-    step WHOLE_FILES_STAGE.
+    the reference's tensors then every rank's (``shard_roots``: the rank folders) for MoE-only
+    verify, whose parent reads the reference while the ranks load; every rank's then the
+    reference's for --whole-model, whose ranks run each row's converted side (a collective:
+    every rank's experts) before its reference side; then the rank folders' ``*.safetensors``
+    files whole (their sha256 check reads every byte), step WHOLE_FILES_STAGE.
 
     ``layers``: the layers the run takes, in its order (MoE-only verify; a layer's step is its
     place in the list), or None for every stage in stage order (--whole-model; the step is
     the stage). A file hard-linked into several rank folders is read once."""
     step = _step_of(layers)
+    ref_side, rank_side = (0, 1) if layers is not None else (1, 0)
     staged: list[tuple[int, int, Range]] = []
     whole: list[Path] = []
-    staged += [(step(s), 0, r) for s, r in staged_ranges(ref) if step(s) is not None]
+    staged += [(step(s), ref_side, r) for s, r in staged_ranges(ref) if step(s) is not None]
     for root in shard_roots:
         with open_checkpoint(root, ep_rank=True) as ckpt:
-            staged += [(step(s), 1, r) for s, r in staged_ranges(ckpt) if step(s) is not None]
+            staged += [(step(s), rank_side, r) for s, r in staged_ranges(ckpt) if step(s) is not None]
             whole += [Path(ckpt.root) / f for f in ckpt.files]
     staged.sort(key=lambda x: (x[0], x[1]))
     out: list[tuple[int, Range]] = [(s, r) for s, _, r in staged]

@@ -60,7 +60,8 @@ def test_verify_reads_each_layer_reference_then_shards_then_whole_files(verify_c
         moe_only_keyed = verify_order(ranks, ref, [1, 2])
         # the run's order, not the layers' (--layers 2,1): layer 2's step first
         assert verify_order(ranks, ref, [2, 1])[:3] == [(0, r) for s, r in moe_only_keyed if s == 1][:3]
-        whole = [r for _, r in verify_order(ranks, ref, None)]
+        whole_keyed = verify_order(ranks, ref, None)
+        whole = [r for _, r in whole_keyed]
         ref_bytes = sum(t.end - t.begin for t in ref.tensors.values())
     moe_only = [r for _, r in moe_only_keyed]
     staged = [r for s, r in moe_only_keyed if s != WHOLE_FILES_STAGE]
@@ -79,10 +80,14 @@ def test_verify_reads_each_layer_reference_then_shards_then_whole_files(verify_c
     assert {p for p, _, _ in tail} <= files and all(o == 0 and n == p.stat().st_size for p, o, n in tail)
     inodes = {(p.stat().st_dev, p.stat().st_ino) for p in files}
     assert len(tail) == len(inodes)
-    # --whole-model: every reference tensor, the stages in order
+    # --whole-model: every reference tensor, the stages in order; within a stage the ranks'
+    # tensors first (the converted side of a row runs before its reference side)
     whole_staged = [r for r in whole if r[0].parent == model]
     assert sum(n for _, _, n in whole_staged) == ref_bytes
     assert _stages(model, whole_staged) == sorted(_stages(model, whole_staged))
+    for s in (-1, 0, 1, 2):  # the embeddings, the dense layer, both MoE layers
+        ref_side = [r[0].parent == model for st, r in whole_keyed if st == s]
+        assert ref_side == sorted(ref_side) and not ref_side[0] and ref_side[-1], s
 
 
 def test_read_ahead_of_a_verify_is_only_a_hint(verify_chain, verify_shards, tmp_path):
