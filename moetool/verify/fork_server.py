@@ -12,8 +12,11 @@ from __future__ import annotations
 import multiprocessing as mp
 import multiprocessing.forkserver as mp_forkserver
 import os
+import signal
 import sys
-from typing import Sequence
+import threading
+from contextlib import contextmanager
+from typing import Iterator, Sequence
 
 #: environment variable: ``spawn`` starts every rank as a fresh interpreter, as before the fork
 #: server (a way around it, should a system's fork server misbehave)
@@ -40,5 +43,23 @@ def start(preload: Sequence[str] = ()) -> bool:
     if not forks():
         return False
     mp_forkserver.set_forkserver_preload(list(dict.fromkeys((LAUNCH, *preload))))
-    mp_forkserver.ensure_running()
+    with _sigint_ignored():
+        mp_forkserver.ensure_running()
     return True
+
+
+@contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """SIGINT ignored while the server is started, which inherits that: a Ctrl-C during its
+    seconds of imports (the terminal signals every process of the command) printed the
+    server's KeyboardInterrupt traceback under the command's one-line "interrupted". The
+    server ignores SIGINT once it serves anyway; its ranks get the default handler back
+    (``launch._rank_main``). Only the main thread may change handlers: elsewhere, as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)  # None: set outside Python

@@ -226,6 +226,7 @@ def _rank_main(rank: int, world_size: int, backend: str, host: str, port: int,
     """Entry point of a rank: tied to the parent first thing, then init, run, report, always
     destroy the group. ``env``: the spawning process's environment when it started the world
     (a rank forked by the fork server would otherwise have the server's, from its start)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # the fork server's is SIG_IGN (fork_server.start)
     watched = os.getppid()
     if watched != parent_pid:
         # forked by the fork server: that server is this process's parent, and it must be the

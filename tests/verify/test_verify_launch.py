@@ -222,3 +222,56 @@ def test_verify_starts_no_fork_server_without_ranks_to_start(tmp_path, cli, monk
     assert started == []
     monkeypatch.setenv("MOETOOL_RANK_START", "spawn")
     assert not fork_server.forks()
+
+
+def _child_fork_server(pid: int) -> int | None:
+    """The pid of ``pid``'s child running multiprocessing's fork server, if there is one."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid and b"multiprocessing.forkserver" in cmdline:
+            return int(entry)
+    return None
+
+
+def _handles_sigint(pid: int) -> bool:
+    """Whether ``pid`` has a SIGINT disposition of its own yet (caught or ignored, /proc status):
+    a process still starting dies of it silently, a started interpreter raises KeyboardInterrupt."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            masks = dict(line.split(":", 1) for line in f if line.startswith(("SigIgn", "SigCgt")))
+    except OSError:
+        return False
+    return any(int(v, 16) >> 1 & 1 for v in masks.values())  # bit SIGINT - 1
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fork server and /proc are Linux's")
+def test_ctrl_c_while_the_early_fork_server_imports_prints_one_line(tmp_path):
+    """Ctrl-C (SIGINT to every process of the command) while the server `verify` started first
+    thing is still importing: the command's one line and exit 130, not the server's
+    KeyboardInterrupt traceback as well (it starts with SIGINT ignored, as it serves)."""
+    import signal
+
+    (tmp_path / "shards").mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "MOETOOL_RANK_START"}
+    p = subprocess.Popen([sys.executable, "-m", "moetool", "verify", str(tmp_path / "shards"), "--ref", str(tmp_path),
+                          "--whole-model"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         start_new_session=True)
+    deadline = time.monotonic() + 60
+    server = None
+    while (server is None or not _handles_sigint(server)) and p.poll() is None and time.monotonic() < deadline:
+        server = _child_fork_server(p.pid)
+        time.sleep(0.01)
+    assert p.poll() is None, "the command ended before its fork server's interpreter was up"
+    os.killpg(p.pid, signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err
+    lines = err.strip().splitlines()  # the server's stderr too: it holds the pipe until it ends
+    assert len(lines) == 1 and lines[0].startswith("error: interrupted"), err
