@@ -3,7 +3,7 @@ imported through the lazy command table ``COMMANDS`` when the command runs.
 
 Errors: a MoetoolError prints as one line ``error: ...`` with its exit status (2 for bad
 input, 1 for a failed verification); SIGINT / SIGTERM print ``error: interrupted`` and exit
-with 130 / 143, the output left unfinished and resumable; an OSError (a file that cannot be
+with 130 / 143, a writing command's output left unfinished and resumable (the line says so); an OSError (a file that cannot be
 read or written: no permission, no space, a folder in the way) prints as one line naming the
 file, exit status 2; set MOETOOL_TRACEBACK=1 for the full traceback.
 """
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(err.exit_code)
     except (Interrupted, KeyboardInterrupt) as err:
-        _interrupted(err.exit_code if isinstance(err, Interrupted) else 128 + signal.SIGINT)
+        _interrupted(err.exit_code if isinstance(err, Interrupted) else 128 + signal.SIGINT, argv)
     except OSError as err:
         if os.environ.get("MOETOOL_TRACEBACK"):
             raise
@@ -114,13 +114,22 @@ def main(argv: list[str] | None = None) -> None:
     # 130 for a KeyboardInterrupt it caught itself
     if isinstance(status, int) and status:
         if status == 128 + signal.SIGINT:
-            _interrupted(status)
+            _interrupted(status, argv)
         sys.exit(status)
 
 
-def _interrupted(status: int) -> None:
-    print("error: interrupted; an output folder without manifest.json is unfinished: re-run the same "
-          "command to resume it", file=sys.stderr)
+#: the commands that write an output folder (journaled: a re-run resumes it)
+WRITING_COMMANDS = ("quantize", "shard", "repack")
+
+
+def _interrupted(status: int, argv: list[str] | None = None) -> None:
+    """``error: interrupted``, with how to resume where the command writes an output folder
+    (verify and inspect write none: the hint would send the user looking for one)."""
+    args = sys.argv[1:] if argv is None else argv
+    command = next((a for a in args if not a.startswith("-")), None)
+    hint = ("; an output folder without manifest.json is unfinished: re-run the same command to resume it"
+            if command in WRITING_COMMANDS else "")
+    print(f"error: interrupted{hint}", file=sys.stderr)
     sys.exit(status)
 
 

@@ -128,7 +128,8 @@ def test_signal_exits_with_its_status_and_resumes(src, clean, tmp_path, command,
         pytest.fail(f"{command} did not stop within 30 s of {sig.name}; its threads:\n{proc.communicate()[1]}")
     assert proc.returncode == 128 + sig, err
     lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: interrupted"), err
+    assert lines == ["error: interrupted; an output folder without manifest.json is unfinished: re-run the same "
+                     "command to resume it"], err
     assert_unfinished(out)
     assert (out / JOURNAL_NAME).exists()  # resumable
     r = moetool(*COMMANDS[command](src, out))
