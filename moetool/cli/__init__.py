@@ -3,9 +3,10 @@ imported through the lazy command table ``COMMANDS`` when the command runs.
 
 Errors: a MoetoolError prints as one line ``error: ...`` with its exit status (2 for bad
 input, 1 for a failed verification); SIGINT / SIGTERM print ``error: interrupted`` and exit
-with 130 / 143, a writing command's output left unfinished and resumable (the line says so); an OSError (a file that cannot be
-read or written: no permission, no space, a folder in the way) prints as one line naming the
-file, exit status 2; set MOETOOL_TRACEBACK=1 for the full traceback.
+with 130 / 143, a writing command's output left unfinished and resumable (the line says so);
+an OSError (a file that cannot be read or written: no permission, no space, a folder in the
+way) prints as one line naming the file, exit status 2; set MOETOOL_TRACEBACK=1 for the full
+traceback.
 """
 from __future__ import annotations
 
