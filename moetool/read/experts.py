@@ -193,6 +193,12 @@ class ExpertReader:
             yield e, tuple(self.dequantize({k: v.to(device, non_blocking=True) for k, v in lins[r].items()},
                                            f"layer {layer.index} expert {e}").float() for r in roles)
 
+    def router_fp32(self, layer: MoELayerSpec) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(router weight [E, H], its score correction bias [E] or None, its logit bias [E] or
+        None: gpt-oss) of the MoE layer in float32."""
+        get = lambda name: self.ckpt.get(name).float() if name else None  # noqa: E731
+        return get(layer.router_weight), get(layer.correction_bias), get(layer.router_bias)
+
     def shared_fp32(self, layer: MoELayerSpec):
         """(gate, up, down, shared_gate_weight|None) of the shared expert in float32, or None."""
         if layer.shared_bases is None:

@@ -122,9 +122,7 @@ def iter_references(ref_ckpt, spec, opts: VerifyOptions, layer_ids: list[int], n
         layer = spec.layer(i)
         nw_name = norm_weight_name(layer)
         nw = ref_ckpt.get(nw_name) if nw_name in ref_ckpt else None
-        gate = ref_ckpt.get(layer.router_weight).float().to(device)
-        bias = ref_ckpt.get(layer.correction_bias).float().to(device) if layer.correction_bias else None
-        rbias = ref_ckpt.get(layer.router_bias).float().to(device) if layer.router_bias else None
+        gate, bias, rbias = (None if t is None else t.to(device) for t in reader.router_fp32(layer))
         shared = reader.shared_fp32(layer)
         shared = None if shared is None else tuple(None if w is None else w.to(device) for w in shared)
         xs = [make_tokens(i, g, opts.tokens, layer.hidden, opts.seed, nw, numerics).to(device) for g in range(opts.dp)]

@@ -129,17 +129,13 @@ def _run_job(rank: int, shards: EPShards, ckpt, spec, opts: VerifyOptions, layer
     dispatcher = get_dispatcher(opts.dispatch, topo, comm_dtype=numerics.wire_dtype,
                                 **({"transport": transport, "timeout_s": opts.timeout_s} if transport else {}))
     results: dict[int, dict] = {}
-    vote = torch.tensor([int(rehearses(device))], device=device)
-    dist.all_reduce(vote, op=dist.ReduceOp.MIN)  # one answer for all: the rehearsal runs collectives
-    rehearse = bool(vote.item())
+    rehearse = ranks_rehearse(device)
     for n, i in enumerate(layer_ids):
         if progress is not None:
             progress.reached(n)  # this layer's files may be hashed now
         layer = spec.layer(i)
         placement = shards.placements[i]
-        gate = ckpt.get(layer.router_weight).float().to(device)
-        bias = ckpt.get(layer.correction_bias).float().to(device) if layer.correction_bias else None
-        rbias = ckpt.get(layer.router_bias).float().to(device) if layer.router_bias else None
+        gate, bias, rbias = (None if t is None else t.to(device) for t in reader.router_fp32(layer))
         shared = reader.shared_fp32(layer)
         shared = None if shared is None else tuple(None if w is None else w.float().to(device) for w in shared)
         nw_name = norm_weight_name(layer)
@@ -199,11 +195,19 @@ def _run_job(rank: int, shards: EPShards, ckpt, spec, opts: VerifyOptions, layer
 REHEARSE_ENV = "MOETOOL_REHEARSE"
 
 
-def rehearses(device: torch.device) -> bool:
+def _rehearses(device: torch.device) -> bool:
     """Whether this rank would run its first layer once on zero weights before reading them
     (the ranks then agree: any rank's no is everyone's)."""
     forced = os.environ.get(REHEARSE_ENV)
     return device.type == "cuda" if forced not in ("0", "1") else forced == "1"
+
+
+def ranks_rehearse(device: torch.device, possible: bool = True) -> bool:
+    """Whether every rank rehearses (``_rehearses`` and ``possible`` on each): collective, as
+    the rehearsal runs collectives, one answer for all."""
+    vote = torch.tensor([int(_rehearses(device) and possible)], device=device)
+    dist.all_reduce(vote, op=dist.ReduceOp.MIN)
+    return bool(vote.item())
 
 
 def compact(t: torch.Tensor) -> torch.Tensor:

@@ -466,9 +466,7 @@ def _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts
             placement = shards.placements[i]
             with clock("read_shards"):
                 local = load_local_experts(reader, moe, placement.slots[rank], topo.device)
-                gate = ckpt.get(moe.router_weight).float()
-                bias = ckpt.get(moe.correction_bias).float() if moe.correction_bias else None
-                rbias = ckpt.get(moe.router_bias).float() if moe.router_bias else None
+                gate, bias, rbias = reader.router_fp32(moe)
                 shared = reader.shared_fp32(moe)
             moe_bytes = sum(t.numel() * t.element_size() for t in [*local.w13.values(), *local.w2.values(), gate,
                                                                    *(b for b in (bias, rbias, local.bias13, local.bias2)
@@ -607,19 +605,14 @@ class _Rehearsal:
     @classmethod
     def start(cls, rank, topo, shards, conv, reader, tokens: int, dispatcher, experts, chunk_size,
               load_local_experts, run_moe_layer) -> "_Rehearsal | None":
-        from moetool.verify.rank import rehearses
+        from moetool.verify.rank import ranks_rehearse
 
-        vote = torch.tensor([int(rehearses(topo.device) and bool(conv.moe_index))], device=topo.device)
-        dist.all_reduce(vote, op=dist.ReduceOp.MIN)  # one answer for all: the rehearsal runs collectives
-        if not vote.item():
+        if not ranks_rehearse(topo.device, possible=bool(conv.moe_index)):
             return None
         i = min(conv.moe_index)
         moe, placement = conv.moe_index[i], shards.placements[i]
-        ckpt = reader.ckpt
         local = load_local_experts(reader, moe, placement.slots[rank], topo.device, fill=False)
-        gate = ckpt.get(moe.router_weight).float()
-        bias = ckpt.get(moe.correction_bias).float() if moe.correction_bias else None
-        rbias = ckpt.get(moe.router_bias).float() if moe.router_bias else None
+        gate, bias, rbias = reader.router_fp32(moe)
         shared = reader.shared_fp32(moe)
         x = torch.randn(tokens, moe.hidden, generator=torch.Generator().manual_seed(rank)).to(topo.device)  # [T, H]
 
