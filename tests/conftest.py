@@ -37,15 +37,16 @@ interpreter_speed.install()
 
 
 def _preload_every_world_s_modules() -> None:
-    """A test process's worlds all start from one fork server, which imports what the first
-    world asked for (``launch._rank_context``): a later world of another kind had each of its
-    ranks import transformers' modeling code again (~1 CPU-s a rank). Here the server imports
-    what any world of the suite imports, whichever comes first."""
-    from moetool.verify import driver, launch, whole_model
+    """A test process's worlds all start from one fork server, which imports what its first
+    start asked for (``fork_server.start``: a world's, or an in-process verify or demo
+    command's): a later world of another kind had each of its ranks import transformers'
+    modeling code again (~1 CPU-s a rank). Here the server imports what any world of the
+    suite imports, whichever starts it."""
+    from moetool.verify import driver, fork_server, whole_model
 
     modules = tuple(dict.fromkeys(("verify_workers", *driver.RANK_MODULES, *whole_model.RANK_MODULES)))
-    real = launch._rank_context
-    launch._rank_context = lambda preload=(): real(modules)
+    real = fork_server.start
+    fork_server.start = lambda preload=(): real(modules)
 
 
 _preload_every_world_s_modules()
