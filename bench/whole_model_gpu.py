@@ -192,6 +192,16 @@ def new_env(args) -> dict:
     return dict(kv.split("=", 1) for kv in args.env)
 
 
+def code_list_size(env: dict) -> dict:
+    """This checkout's list of code files (moetool.read.code_files): entries and bytes."""
+    out = subprocess.run([sys.executable, "-c", "from moetool.read import code_files as c; p = c.list_path(); "
+                          "f = c.read_list(p) if p else []; import os; "
+                          "print(p, len(f), sum(os.path.getsize(x) for x in f if os.path.isfile(x)))"],
+                         capture_output=True, text=True, env=env)
+    path, n, size = (out.stdout.split() + ["?", "0", "0"])[:3]
+    return {"path": path, "files": int(n), "bytes": int(size)}
+
+
 def drop_caches() -> None:
     subprocess.run(["sync"])
     try:
@@ -284,6 +294,9 @@ def main() -> None:
     ap.add_argument("--old", type=Path, nargs="*", default=[],
                     help="checkouts whose moetool to time too (MoE-only and whole-model), each before this one")
     ap.add_argument("--skip-whole-model", action="store_true")
+    ap.add_argument("--prime", action="store_true",
+                    help="run this checkout's --whole-model once, untimed, before the timed runs: the code its "
+                         "processes import is then recorded (moetool.read.code_files), as for a user's second run")
     ap.add_argument("--env", nargs="*", default=[], metavar="NAME=VALUE",
                     help="environment of this checkout's verify runs only (an A/B of a setting against --old)")
     args = ap.parse_args()
@@ -323,6 +336,14 @@ def main() -> None:
     whole = [moetool + ["verify", str(sh), "--ref", str(src), "--whole-model", "--ep", "1", "--dp", "1", "--experts",
                         "triton" if DEV == "cuda" else "torch", "--tokens", str(args.tokens), "--seq-len",
                         str(args.seq_len), "--json"]]
+    if args.prime:
+        t0 = time.perf_counter()
+        code = subprocess.run(whole[0], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              env=dict(os.environ, **new_env(args))).returncode
+        res["prime_s"] = time.perf_counter() - t0
+        print(f"prime run (untimed): {res['prime_s']:.1f} s, exit {code}", flush=True)
+    res["code_list"] = code_list_size(dict(os.environ, **new_env(args)))
+    print(f"code list: {res['code_list']}", flush=True)
     res["whole_model_old"] = {}
     for path in args.old:  # the same run with the moetool of other checkouts, for a before/after
         drop_caches()

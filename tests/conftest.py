@@ -22,6 +22,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # more CPU time than of one). One thread, read when torch is imported, here and in every process
 # a test starts (the command-line runs, the benchmark scripts; CPU ranks take one anyway)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The commands' warm-up of the code their last run imported (moetool.read.code_files) would
+# read and write the user's cache folder: off, but in the tests of it, which name their own list
+os.environ["MOETOOL_CODE_LIST"] = "off"
 
 # Triton reads TRITON_INTERPRET when it is first imported, and collecting tests/bench imports it
 # (moetool.kernels) before tests/kernels/conftest.py can set it under a plain `pytest`; set it

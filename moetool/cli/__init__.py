@@ -21,6 +21,7 @@ from moetool.cli.signals import catch_stop_signals
 from moetool.errors import Interrupted, MoetoolError
 from moetool.lazy import import_module
 from moetool.memory import bound_malloc
+from moetool.read import code_files
 
 #: every command: the module that defines it (imported only when the command runs or shows its
 #: own --help, so a byte-copy shard or repack never imports torch: ~0.15 s of start-up) and the
@@ -85,6 +86,9 @@ def main(argv: list[str] | None = None) -> None:
     2 bad input or I/O error, 1 failed verification, 130 SIGINT, 143 SIGTERM."""
     bound_malloc()
     restore_signals = catch_stop_signals()
+    command = _command(sys.argv[1:] if argv is None else argv)
+    if command in CODE_WARMED_COMMANDS:
+        code_files.warm()  # before the command's imports: they find their files in memory
     try:
         status = app(args=argv, prog_name="moetool", standalone_mode=False)
     except MoetoolError as err:
@@ -111,6 +115,8 @@ def main(argv: list[str] | None = None) -> None:
         raise
     finally:
         restore_signals()
+        if command in CODE_WARMED_COMMANDS:
+            code_files.record()  # what this run imported: the next run's warm-up
     # typer hands back the status of a typer.Exit instead of raising it (standalone_mode=False),
     # 130 for a KeyboardInterrupt it caught itself
     if isinstance(status, int) and status:
@@ -121,15 +127,21 @@ def main(argv: list[str] | None = None) -> None:
 
 #: the commands that write an output folder (journaled: a re-run resumes it)
 WRITING_COMMANDS = ("quantize", "shard", "repack")
+#: the commands that import torch before reading a checkpoint: their code files are read into
+#: the page cache first thing (:mod:`moetool.read.code_files`)
+CODE_WARMED_COMMANDS = ("quantize", "verify", "demo")
+
+
+def _command(args: list[str]) -> str | None:
+    """The command a command line runs: its first argument that is not an option."""
+    return next((a for a in args if not a.startswith("-")), None)
 
 
 def _interrupted(status: int, argv: list[str] | None = None) -> None:
     """``error: interrupted``, with how to resume where the command writes an output folder
     (verify and inspect write none: the hint would send the user looking for one)."""
-    args = sys.argv[1:] if argv is None else argv
-    command = next((a for a in args if not a.startswith("-")), None)
     hint = ("; an output folder without manifest.json is unfinished: re-run the same command to resume it"
-            if command in WRITING_COMMANDS else "")
+            if _command(sys.argv[1:] if argv is None else argv) in WRITING_COMMANDS else "")
     print(f"error: interrupted{hint}", file=sys.stderr)
     sys.exit(status)
 

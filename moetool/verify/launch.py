@@ -44,6 +44,7 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 
 from moetool.errors import MoetoolError
+from moetool.read import code_files
 from moetool.verify import fork_server
 
 #: seconds the parent keeps collecting reports after the first failure, so that the rank
@@ -255,6 +256,8 @@ def _rank_main(rank: int, world_size: int, backend: str, host: str, port: int,
                                     timeout=timedelta(seconds=pg_timeout_s),
                                     device_id=device if backend == "nccl" else None)
             result = fn(rank, world_size, *args)
+            if rank == 0:
+                code_files.record()  # the libraries a rank maps (CUDA, NCCL, Triton): the next run's warm-up
             report = _Report(rank, True, time.time(), pickle.dumps(_to_cpu(result)))
         except BaseException as e:  # noqa: BLE001 - every failure must reach the parent
             if os.environ.get("MOETOOL_TRACEBACK"):

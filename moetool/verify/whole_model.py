@@ -41,6 +41,7 @@ import torch.distributed as dist
 from moetool.errors import MoetoolError, VerificationFailed
 from moetool.formats.registry import FORMATS
 from moetool.model.families import describe, text_config
+from moetool.read import code_files
 from moetool.read.checkpoint import open_checkpoint
 from moetool.read.experts import ExpertReader
 from moetool.read.order import EMBED_STAGE, LAST_STAGE, read_verify_inputs_ahead
@@ -746,7 +747,8 @@ def verify_whole_model_many(jobs: list[tuple], *, revision: str | None = None,
                                  gpu=backend == "nccl")
 
     with ThreadPoolExecutor(1, thread_name_prefix="moetool-check") as pool:
-        checked = pool.submit(_check_modules, [(p[0], p[1]) for p in prepared], revision, timings, t0, read_ahead)
+        checked = pool.submit(_check_modules, [(p[0], p[1]) for p in prepared], revision, timings, t0,
+                              _after_imports(read_ahead))
         checked.add_done_callback(lambda f: f.exception() is not None and abort.set())
         try:
             results = spawn_world(_rank_jobs, ep, backend, args=(rank_jobs,), timeout_s=timeout,
@@ -774,6 +776,18 @@ def verify_whole_model_many(jobs: list[tuple], *, revision: str | None = None,
         report.timings_s = dict(timings, **steps, wall_s=time.perf_counter() - t0)
         reports.append(report)
     return reports
+
+
+def _after_imports(read_ahead: Callable[[], None]) -> Callable[[], None]:
+    """What the check thread calls once its imports are done: ``read_ahead`` (bulk reads
+    starve a cold import's small reads), or nothing where this process is reading the imports'
+    files into memory first (:func:`moetool.read.code_files.warm`): the read-ahead then starts
+    on its own thread as soon as they are in, seconds before the imports end."""
+    warm = code_files.warming()
+    if warm is None:
+        return read_ahead
+    threading.Thread(target=lambda: (warm.wait(), read_ahead()), name="moetool-read-ahead", daemon=True).start()
+    return lambda: None
 
 
 def _check_modules(checkpoints: list[tuple[EPShards, str]], revision: str | None, timings: dict, t0: float,

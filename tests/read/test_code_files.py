@@ -1,0 +1,163 @@
+"""The code files a command's last run imported, recorded and read into the page cache at the
+next run's start (moetool.read.code_files)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from moetool.read import code_files
+
+
+@pytest.fixture
+def code_list(tmp_path, monkeypatch):
+    """A list of this test's own (the suite turns them off), and no warm-up started yet."""
+    path = tmp_path / "cache" / "code-files.txt"
+    monkeypatch.setenv(code_files.ENV, str(path))
+    monkeypatch.setattr(code_files, "_warming", None)
+    return path
+
+
+def test_record_lists_mapped_libraries_and_imported_modules_never_checkpoints(code_list, tmp_path):
+    from safetensors.torch import save_file
+
+    ckpt = tmp_path / "model.safetensors"
+    save_file({"w": torch.ones(4096)}, str(ckpt))
+    with safe_open(str(ckpt), "pt") as f:  # the checkpoint is mapped while the list is made
+        f.get_tensor("w")
+        code_files.record()
+    listed = code_list.read_text().splitlines()
+    names = {Path(f).name for f in listed}
+    assert any(n.startswith("libtorch_cpu.so") for n in names)  # mapped by import torch
+    assert code_files.__file__ in listed and torch.__file__ in listed  # imported modules
+    assert str(ckpt) not in listed and not any(f.endswith(".safetensors") for f in listed)
+    assert all(os.path.isabs(f) and os.path.isfile(f) for f in listed)
+    assert not list(code_list.parent.glob("*.tmp"))
+
+
+def test_record_merges_with_the_list_and_drops_files_gone(code_list, tmp_path):
+    kept, gone = tmp_path / "kept.so", tmp_path / "gone.so"
+    kept.write_bytes(b"x")
+    code_list.parent.mkdir(parents=True)
+    code_list.write_text(f"{kept}\n{gone}\nrelative/line.so\n\x00junk\n")
+    code_files.record()
+    listed = code_list.read_text().splitlines()
+    assert listed[0] == str(kept) and str(gone) not in listed
+    assert not any(not f.startswith("/") for f in listed)
+
+
+def test_record_is_quiet_where_the_list_cannot_be_written(tmp_path, monkeypatch):
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv(code_files.ENV, str(tmp_path / "a-file" / "list.txt"))  # its folder is a file
+    code_files.record()  # no error: a hint only
+    monkeypatch.setenv(code_files.ENV, "off")
+    assert code_files.list_path() is None
+    code_files.record()
+
+
+def test_a_damaged_list_warms_nothing(code_list):
+    code_list.parent.mkdir(parents=True)
+    code_list.write_bytes(b"\xff\xfe binary \x00 garbage")
+    assert code_files.read_list(code_list) == []
+    assert code_files.warm() is None
+
+
+def test_warming_reads_every_regular_file_and_never_opens_a_fifo(tmp_path):
+    """A FIFO or folder named in the list is skipped (opening a FIFO blocks until a writer
+    comes: the warm-up would never end); a missing file too; a file over the budget is left."""
+    files = []
+    for i, size in enumerate((3 << 20, 5000, 0, 70_000)):
+        f = tmp_path / (f"lib{i}.so.1" if i % 2 else f"mod{i}.py")
+        f.write_bytes(os.urandom(size))
+        files.append(str(f))
+    fifo = tmp_path / "pipe.so"
+    os.mkfifo(fifo)
+    listed = [*files, str(fifo), str(tmp_path), str(tmp_path / "missing.py")]
+    sizes = [os.path.getsize(f) for f in files]
+    warm = code_files.Warming(listed, budget=1 << 30)
+    assert warm.wait(timeout=30), "the warm-up did not end"
+    assert warm.bytes_read == warm.total_bytes == sum(sizes)
+    small = code_files.Warming(listed, budget=100_000)  # the 3 MiB library does not fit
+    assert small.wait(timeout=30) and small.bytes_read == sum(sizes) - (3 << 20)
+
+
+def test_warm_starts_once_per_process_from_the_list(code_list, tmp_path):
+    lib = tmp_path / "libx.so"
+    lib.write_bytes(b"y" * 1000)
+    code_list.parent.mkdir(parents=True)
+    code_list.write_text(f"{lib}\n")
+    assert code_files.warming() is None
+    first = code_files.warm()
+    assert first is not None and code_files.warm() is first and code_files.warming() is first
+    assert first.wait(timeout=30) and first.bytes_read == 1000
+
+
+def test_commands_that_import_torch_warm_first_and_record_at_their_end(tmp_path):
+    """verify (and quantize, demo) start the warm-up before their command module is imported
+    (which imports torch), and record what the run imported when they end, failed or not;
+    inspect does neither."""
+    code = (
+        "import json, sys\n"
+        "from moetool.read import code_files\n"
+        "seen = []\n"
+        "code_files.warm = lambda: seen.append(('warm', 'torch' in sys.modules))\n"
+        "code_files.record = lambda: seen.append(('record', 'torch' in sys.modules))\n"
+        "from moetool.cli import main\n"
+        "try:\n"
+        "    main(sys.argv[1:])\n"
+        "except SystemExit as e:\n"
+        "    print(json.dumps({'seen': seen, 'code': e.code}))\n"
+    )
+    env = dict(os.environ, MOETOOL_RANK_START="spawn")  # no fork server: only the warm-up is looked at
+    runs = {}
+    for argv in (["verify", str(tmp_path / "none"), "--ref", str(tmp_path)], ["inspect", str(tmp_path / "none")]):
+        r = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120, env=env)
+        runs[argv[0]] = r.stdout.strip().splitlines()[-1]
+    assert runs["verify"].startswith('{"seen": [["warm", false], ["record", true]], "code": 2'), runs
+    assert runs["inspect"].startswith('{"seen": [], "code": 2'), runs
+
+
+def test_a_rank_records_the_libraries_it_maps(code_list):
+    from moetool.verify import launch
+
+    assert launch.spawn_world(max, 2, "gloo", timeout_s=120) == [2, 2]
+    listed = code_list.read_text().splitlines()
+    assert any(Path(f).name.startswith("libtorch_cpu.so") for f in listed)
+    assert any(f.endswith(os.path.join("torch", "distributed", "distributed_c10d.py")) for f in listed)
+
+
+def test_whole_model_reads_ahead_once_the_warm_up_is_done(monkeypatch):
+    """With a warm-up under way the check thread's callback does nothing and the read-ahead
+    waits on the warm-up alone (not on the check's imports); without one it is the callback."""
+    from moetool.verify import whole_model
+
+    started = threading.Event()
+
+    def read_ahead():
+        started.set()
+
+    monkeypatch.setattr(code_files, "_warming", None)
+    assert whole_model._after_imports(read_ahead) is read_ahead
+
+    release = threading.Event()
+
+    class Held:
+        def wait(self, timeout=None):
+            release.wait(30)
+            return True
+
+    monkeypatch.setattr(code_files, "_warming", Held())
+    callback = whole_model._after_imports(read_ahead)
+    assert callback is not read_ahead
+    callback()
+    time.sleep(0.2)
+    assert not started.is_set()  # the warm-up is not done
+    release.set()
+    assert started.wait(10)
