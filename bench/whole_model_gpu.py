@@ -193,10 +193,12 @@ def new_env(args) -> dict:
 
 
 def code_list_size(env: dict) -> dict:
-    """This checkout's list of code files (moetool.read.code_files): entries and bytes."""
+    """This checkout's list of code files (moetool.read.code_files): entries, and the bytes its
+    warm-up reads (libraries' touched ranges, modules whole)."""
     out = subprocess.run([sys.executable, "-c", "from moetool.read import code_files as c; p = c.list_path(); "
-                          "f = c.read_list(p) if p else []; import os; "
-                          "print(p, len(f), sum(os.path.getsize(x) for x in f if os.path.isfile(x)))"],
+                          "f = c.read_list(p) if p else {}; import os; "
+                          "print(p, len(f), sum(sum(n for _, n in r) if r else os.path.getsize(x) "
+                          "for x, r in f.items() if os.path.isfile(x)))"],
                          capture_output=True, text=True, env=env)
     path, n, size = (out.stdout.split() + ["?", "0", "0"])[:3]
     return {"path": path, "files": int(n), "bytes": int(size)}
@@ -208,6 +210,12 @@ def drop_caches() -> None:
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
     except OSError:
         pass
+
+
+def moe_only_command(moetool: list[str], sh: Path, src: Path, args) -> list[str]:
+    return moetool + ["verify", str(sh), "--ref", str(src), "--ep", "1", "--dp", "1", "--all2all", "all2all",
+                      "--experts", "triton" if DEV == "cuda" else "torch", "--tokens", str(args.moe_only_tokens),
+                      "--chunk-size", str(args.moe_only_tokens), "--json"]
 
 
 def moe_only(moetool: list[str], sh: Path, src: Path, args, w: Path, res: dict) -> dict:
@@ -225,10 +233,7 @@ def moe_only(moetool: list[str], sh: Path, src: Path, args, w: Path, res: dict) 
         log = w / f"moe-only-{name}.json"
         t0 = time.perf_counter()
         with open(log, "w") as f, open(f"{log}.err", "w") as e:
-            proc = subprocess.Popen(moetool + ["verify", str(sh), "--ref", str(src), "--ep", "1", "--dp", "1",
-                                               "--all2all", "all2all", "--experts", "triton" if DEV == "cuda" else "torch", "--tokens",
-                                               str(args.moe_only_tokens), "--chunk-size",
-                                               str(args.moe_only_tokens), "--json"], stdout=f, stderr=e, env=env,
+            proc = subprocess.Popen(moe_only_command(moetool, sh, src, args), stdout=f, stderr=e, env=env,
                                     cwd=path)  # python -m puts the cwd first on sys.path
             rss, disk = TreeRSS(proc.pid), DiskReads()
             code = proc.wait()
@@ -295,8 +300,9 @@ def main() -> None:
                     help="checkouts whose moetool to time too (MoE-only and whole-model), each before this one")
     ap.add_argument("--skip-whole-model", action="store_true")
     ap.add_argument("--prime", action="store_true",
-                    help="run this checkout's --whole-model once, untimed, before the timed runs: the code its "
-                         "processes import is then recorded (moetool.read.code_files), as for a user's second run")
+                    help="run this checkout's verify runs once each, untimed, before the timed ones: the code its "
+                         "processes import is then recorded (moetool.read.code_files), as for a user's second "
+                         "run, and Triton's kernels are compiled for every timed run alike")
     ap.add_argument("--env", nargs="*", default=[], metavar="NAME=VALUE",
                     help="environment of this checkout's verify runs only (an A/B of a setting against --old)")
     args = ap.parse_args()
@@ -327,21 +333,24 @@ def main() -> None:
     t0 = time.perf_counter()
     subprocess.run(["sh", "-c", f"find {sh} -name '*.safetensors' -exec cat {{}} + > /dev/null"], check=True)
     res["shards_read_s"] = time.perf_counter() - t0
+    whole = [moetool + ["verify", str(sh), "--ref", str(src), "--whole-model", "--ep", "1", "--dp", "1", "--experts",
+                        "triton" if DEV == "cuda" else "torch", "--tokens", str(args.tokens), "--seq-len",
+                        str(args.seq_len), "--json"]]
+    if args.prime:  # untimed: the code list recorded, Triton's kernels compiled (else the first timed run pays)
+        for name, cmd in (("whole-model", whole[0]), ("moe-only", moe_only_command(moetool, sh, src, args))):
+            if name == "moe-only" and not args.moe_only_tokens:
+                continue
+            t0 = time.perf_counter()
+            code = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  env=dict(os.environ, **new_env(args))).returncode
+            res[f"prime_{name}_s"] = time.perf_counter() - t0
+            print(f"prime run, {name} (untimed): {res[f'prime_{name}_s']:.1f} s, exit {code}", flush=True)
     if args.moe_only_tokens:
         res["moe_only"] = moe_only(moetool, sh, src, args, w, res)
     if args.skip_whole_model:
         if args.json:
             args.json.write_text(json.dumps(res, indent=2))
         return
-    whole = [moetool + ["verify", str(sh), "--ref", str(src), "--whole-model", "--ep", "1", "--dp", "1", "--experts",
-                        "triton" if DEV == "cuda" else "torch", "--tokens", str(args.tokens), "--seq-len",
-                        str(args.seq_len), "--json"]]
-    if args.prime:
-        t0 = time.perf_counter()
-        code = subprocess.run(whole[0], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              env=dict(os.environ, **new_env(args))).returncode
-        res["prime_s"] = time.perf_counter() - t0
-        print(f"prime run (untimed): {res['prime_s']:.1f} s, exit {code}", flush=True)
     res["code_list"] = code_list_size(dict(os.environ, **new_env(args)))
     print(f"code list: {res['code_list']}", flush=True)
     res["whole_model_old"] = {}

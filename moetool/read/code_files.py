@@ -5,11 +5,14 @@ A cold start (page cache empty, as on a fresh node) spends its first seconds fau
 code of torch, CUDA, NCCL and transformers a few pages at a time: ~1 GB of small reads behind
 `import torch` on an H100 host, more in the ranks. Bulk reads of a checkpoint starve those
 reads, so verify waited for its imports before reading ahead, and the disk idled. Instead each
-command records at its end what its processes mapped and imported (:func:`record`: a text
-list in the user's cache folder, merged over runs), and the next run reads that list in large
-reads on a few threads first thing (:func:`warm`): the imports then find their files in
-memory, and the checkpoint's reads can start once the warm-up is done instead of once the
-imports are (:func:`warming`).
+command records at its end what its processes ran (:func:`record`: a text list in the user's
+cache folder, merged over runs): the byte ranges of each shared library they touched (pages
+present in their page tables: a third of the 3-4 GB of libraries they map), and the files of
+the modules they imported. The next run reads that list on a few threads first thing
+(:func:`warm`): the imports then find their code in memory, and the checkpoint's reads can
+start once the warm-up is done instead of once the imports are (:func:`warming`).
+
+The list's lines: ``PATH`` (the whole file) or ``PATH<TAB>OFFSET+LENGTH,...`` (those ranges).
 
 A hint only: no list (a first run), a damaged list, a file gone, anything that fails is
 skipped quietly; the imports then read what they need themselves. Torch-free.
@@ -35,6 +38,10 @@ LIBRARY_THREADS = 3
 #: a process-mapped file is code if its name says so (checkpoints are mapped too, never listed)
 _SHARED_OBJECT = re.compile(r"\.so(\.[0-9.]+)?$")
 _MODULE_SUFFIXES = (".py", ".pyc", ".so", ".pyd")
+#: a pagemap entry's high byte with bit 63 set: the page is present
+_PRESENT = re.compile(rb"[\x80-\xff]+")
+#: touched ranges closer than this are read as one (fewer, larger reads)
+RANGE_GAP = 256 << 10
 
 _warming: Warming | None = None
 _lock = threading.Lock()
@@ -53,19 +60,73 @@ def list_path() -> Path | None:
     return cache / "moetool" / f"code-files-{key}.txt"
 
 
-def read_list(path: Path) -> list[str]:
-    """The absolute paths a list names, in its order; [] for a list missing or unreadable."""
+def read_list(path: Path) -> dict[str, list[tuple[int, int]] | None]:
+    """The files a list names (absolute paths, in its order) -> their byte ranges (offset,
+    length), or None for the whole file; {} for a list missing or unreadable. Damaged lines
+    are skipped."""
     try:
         text = path.read_text(encoding="utf-8", errors="strict")
     except (OSError, UnicodeDecodeError, ValueError):
-        return []
-    return [line for line in text.splitlines() if line.startswith("/")][:MAX_FILES]
+        return {}
+    files: dict[str, list[tuple[int, int]] | None] = {}
+    for line in text.splitlines()[:MAX_FILES]:
+        name, _, spans = line.partition("\t")
+        if not name.startswith("/"):
+            continue
+        try:
+            ranges = [tuple(int(v) for v in span.split("+")) for span in spans.split(",")] if spans else None
+        except ValueError:
+            continue
+        if ranges is not None and any(len(r) != 2 or r[0] < 0 or r[1] <= 0 for r in ranges):
+            continue
+        files[name] = ranges  # type: ignore[assignment]
+    return files
 
 
-def current_files() -> list[str]:
-    """What this process runs: the shared libraries it maps (/proc/self/maps, Linux), then
-    the files of its imported modules in import order (sources and their bytecode caches)."""
-    files: dict[str, None] = {}
+def merge_ranges(ranges: list[tuple[int, int]], gap: int = RANGE_GAP) -> list[tuple[int, int]]:
+    """(offset, length) ranges, sorted and joined where fewer than ``gap`` bytes lie between."""
+    out: list[list[int]] = []
+    for lo, n in sorted(ranges):
+        if out and lo <= out[-1][0] + out[-1][1] + gap:
+            out[-1][1] = max(out[-1][1], lo + n - out[-1][0])
+        else:
+            out.append([lo, n])
+    return [(lo, n) for lo, n in out]
+
+
+def touched_ranges() -> dict[str, list[tuple[int, int]]]:
+    """Each shared library this process maps -> the byte ranges of it the process has touched:
+    pages present in its page tables (/proc/self/pagemap, bit 63; readable by the process
+    itself, Linux). The kernel maps up to 64 KiB of cached pages around each fault, so this
+    is what was touched and a little around it. {} where pagemap cannot be read."""
+    page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+    spans: dict[str, list[tuple[int, int]]] = {}
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps, \
+                open("/proc/self/pagemap", "rb", buffering=0) as pagemap:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                name = fields[5].rstrip("\n") if len(fields) == 6 else ""
+                if not (name.startswith("/") and _SHARED_OBJECT.search(name)):
+                    continue
+                lo, hi = (int(v, 16) for v in fields[0].split("-"))
+                offset = int(fields[2], 16)
+                pagemap.seek(lo // page * 8)
+                entries = pagemap.read((hi - lo) // page * 8)
+                flags = entries[7::8]  # the high byte of each little-endian 8-byte entry
+                for run in _PRESENT.finditer(flags):
+                    spans.setdefault(name, []).append((offset + run.start() * page, (run.end() - run.start()) * page))
+    except (OSError, ValueError):
+        return {}
+    return {name: merge_ranges(r) for name, r in spans.items()}
+
+
+def current_files() -> dict[str, list[tuple[int, int]] | None]:
+    """What this process runs: the shared libraries it maps with the ranges it touched (the
+    whole file where pagemap says nothing), then the files of its imported modules in import
+    order (sources and their bytecode caches), whole."""
+    files: dict[str, list[tuple[int, int]] | None] = {}
+    touched = touched_ranges()
     try:
         with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
             for line in maps:
@@ -73,30 +134,39 @@ def current_files() -> list[str]:
                 if len(fields) == 6 and fields[5].startswith("/"):
                     name = fields[5].rstrip("\n")
                     if _SHARED_OBJECT.search(name):
-                        files[name] = None
+                        files[name] = touched.get(name) if touched else None
     except OSError:
         pass
     for module in list(sys.modules.values()):
         for attr in ("__file__", "__cached__"):
             name = getattr(module, attr, None)
             if isinstance(name, str) and name.endswith(_MODULE_SUFFIXES) and os.path.isabs(name):
-                files[name] = None
-    return list(files)
+                files.setdefault(name, None)
+    return {name: ranges for name, ranges in files.items() if ranges != []}
 
 
 def record(path: Path | None = None) -> None:
-    """Merge this process's files (:func:`current_files`) into the list, dropping entries whose
-    file is gone; written whole under a temporary name, then renamed. Quiet on any failure."""
+    """Merge this process's files (:func:`current_files`) into the list: a file's ranges are
+    the union of both (whole, if either says whole), files gone are dropped. Written whole
+    under a temporary name, then renamed. Quiet on any failure."""
     path = list_path() if path is None else path
     if path is None:
         return
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
-        merged = dict.fromkeys(read_list(path))
-        merged.update(dict.fromkeys(current_files()))
-        kept = [f for f in merged if os.path.isfile(f)][:MAX_FILES]
+        merged = read_list(path)
+        for name, ranges in current_files().items():
+            if name in merged:
+                old = merged[name]
+                merged[name] = None if old is None or ranges is None else merge_ranges(old + ranges)
+            else:
+                merged[name] = ranges
+        lines = []
+        for name, ranges in merged.items():
+            if len(lines) < MAX_FILES and os.path.isfile(name):
+                lines.append(name if ranges is None else name + "\t" + ",".join(f"{o}+{n}" for o, n in ranges))
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text("".join(f + "\n" for f in kept), encoding="utf-8")
+        tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
         os.replace(tmp, path)
     except (OSError, ValueError):
         try:
@@ -106,23 +176,27 @@ def record(path: Path | None = None) -> None:
 
 
 class Warming:
-    """Reading a list's files into the page cache on daemon threads: shared libraries largest
-    first on ``LIBRARY_THREADS`` threads, Python modules in the list's (import) order on one.
-    ``budget``: bytes read at most (a share of the memory available)."""
+    """Reading a list's files (:func:`read_list`'s dict) into the page cache on daemon
+    threads: the shared libraries' ranges, largest library first, on ``LIBRARY_THREADS``
+    threads; the modules' files in the list's (import) order on one more. ``budget``: bytes
+    read at most (a file that would pass it is left)."""
 
-    def __init__(self, files: list[str], budget: int):
-        sized = []
-        for name in files:
+    def __init__(self, files: dict[str, list[tuple[int, int]] | None], budget: int):
+        libraries, modules = [], []
+        for name, ranges in files.items():
             try:
                 st = os.stat(name)
             except OSError:
                 continue
-            if stat.S_ISREG(st.st_mode):  # never a FIFO or a device: opening one could block
-                sized.append((name, st.st_size))
-        libraries = sorted((f for f in sized if _SHARED_OBJECT.search(f[0])), key=lambda f: -f[1])
-        modules = [f for f in sized if not _SHARED_OBJECT.search(f[0])]
-        #: bytes the list's files hold, and how many were read into the cache so far
-        self.total_bytes = sum(s for _, s in sized)
+            if not stat.S_ISREG(st.st_mode):  # never a FIFO or a device: opening one could block
+                continue
+            spans = [(0, st.st_size)] if ranges is None else \
+                [(o, min(n, st.st_size - o)) for o, n in ranges if o < st.st_size]
+            item = (name, spans, sum(n for _, n in spans))
+            (libraries if _SHARED_OBJECT.search(name) else modules).append(item)
+        libraries.sort(key=lambda item: -item[2])
+        #: bytes the list asks for, and how many were read into the cache so far
+        self.total_bytes = sum(item[2] for item in libraries + modules)
         self.bytes_read = 0
         self._left = budget
         self._libraries = libraries
@@ -134,7 +208,7 @@ class Warming:
         for t in self._threads:
             t.start()
 
-    def _next_library(self) -> tuple[str, int]:
+    def _next_library(self) -> tuple[str, list[tuple[int, int]], int]:
         with self._count_lock:
             if not self._libraries:
                 raise StopIteration
@@ -148,17 +222,19 @@ class Warming:
         try:
             while True:
                 try:
-                    name, size = take()
+                    name, spans, size = take()
                 except StopIteration:
                     return
                 with self._count_lock:
                     if self._left < size:
                         continue
                     self._left -= size
+                done = 0
                 try:
-                    done = filler.fill(Path(name), 0, size)
+                    for offset, length in spans:
+                        done += filler.fill(Path(name), offset, length)
                 except OSError:
-                    continue
+                    pass
                 with self._count_lock:
                     self.bytes_read += done
         finally:
@@ -178,7 +254,7 @@ def warm() -> Warming | None:
     with _lock:
         if _warming is None:
             path = list_path()
-            files = read_list(path) if path is not None else []
+            files = read_list(path) if path is not None else {}
             if files and getattr(os, "sendfile", None) is not None:
                 _warming = Warming(files, int(available_memory() * 0.25))
         return _warming

@@ -25,7 +25,7 @@ def code_list(tmp_path, monkeypatch):
     return path
 
 
-def test_record_lists_mapped_libraries_and_imported_modules_never_checkpoints(code_list, tmp_path):
+def test_record_lists_touched_ranges_of_libraries_and_imported_modules_never_checkpoints(code_list, tmp_path):
     from safetensors.torch import save_file
 
     ckpt = tmp_path / "model.safetensors"
@@ -33,24 +33,52 @@ def test_record_lists_mapped_libraries_and_imported_modules_never_checkpoints(co
     with safe_open(str(ckpt), "pt") as f:  # the checkpoint is mapped while the list is made
         f.get_tensor("w")
         code_files.record()
-    listed = code_list.read_text().splitlines()
-    names = {Path(f).name for f in listed}
-    assert any(n.startswith("libtorch_cpu.so") for n in names)  # mapped by import torch
-    assert code_files.__file__ in listed and torch.__file__ in listed  # imported modules
+    listed = code_files.read_list(code_list)
+    lib = next(f for f in listed if Path(f).name.startswith("libtorch_cpu.so"))  # mapped by import torch
+    spans = listed[lib]
+    size = os.path.getsize(lib)
+    assert spans and 0 < sum(n for _, n in spans) < size  # the pages touched, not the whole library
+    assert all(o % 4096 == 0 and o + n <= size + 4096 for o, n in spans)
+    assert listed[code_files.__file__] is None and listed[torch.__file__] is None  # modules whole
     assert str(ckpt) not in listed and not any(f.endswith(".safetensors") for f in listed)
     assert all(os.path.isabs(f) and os.path.isfile(f) for f in listed)
     assert not list(code_list.parent.glob("*.tmp"))
 
 
+def test_touched_ranges_follow_the_pages_a_process_reads(tmp_path):
+    """A library mapped and read at two places: the ranges hold those pages (and what the
+    kernel maps around a fault: 64 KiB of cached pages, or a whole large folio, 2 MiB here),
+    not the pages between."""
+    import mmap
+
+    lib = tmp_path / "libtouched.so"
+    lib.write_bytes(os.urandom(64 << 20))
+    with open(lib, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        m[5 << 20], m[40 << 20]  # noqa: B018 - touch two pages
+        spans = code_files.touched_ranges()[str(lib)]
+    assert any(o <= 5 << 20 < o + n for o, n in spans) and any(o <= 40 << 20 < o + n for o, n in spans)
+    assert sum(n for _, n in spans) <= 2 * (2 << 20) + 2 * code_files.RANGE_GAP
+    assert not any(o <= 20 << 20 < o + n for o, n in spans)
+
+
+def test_merge_ranges_joins_overlaps_and_near_neighbours():
+    assert code_files.merge_ranges([(8192, 4096), (0, 4096), (4096, 4096)], gap=0) == [(0, 12288)]
+    assert code_files.merge_ranges([(0, 4096), (10 << 20, 4096)], gap=1 << 20) == [(0, 4096), (10 << 20, 4096)]
+    assert code_files.merge_ranges([(0, 4096), (100_000, 4096)], gap=1 << 20) == [(0, 104_096)]
+
+
 def test_record_merges_with_the_list_and_drops_files_gone(code_list, tmp_path):
-    kept, gone = tmp_path / "kept.so", tmp_path / "gone.so"
+    kept, gone, lib = tmp_path / "kept.py", tmp_path / "gone.so", tmp_path / "libkept.so"
     kept.write_bytes(b"x")
+    lib.write_bytes(b"y" * 100_000)
     code_list.parent.mkdir(parents=True)
-    code_list.write_text(f"{kept}\n{gone}\nrelative/line.so\n\x00junk\n")
+    code_list.write_text(f"{kept}\n{gone}\n{lib}\t0+4096,65536+4096\nrelative/line.so\n\x00junk\n"
+                         f"{tmp_path}/bad.so\t12+x\n{tmp_path}/neg.so\t-4+10\n")
     code_files.record()
-    listed = code_list.read_text().splitlines()
-    assert listed[0] == str(kept) and str(gone) not in listed
-    assert not any(not f.startswith("/") for f in listed)
+    listed = code_files.read_list(code_list)
+    assert list(listed)[:2] == [str(kept), str(lib)] and str(gone) not in listed
+    assert listed[str(kept)] is None and listed[str(lib)] == [(0, 4096), (65536, 4096)]
+    assert all(f.startswith("/") for f in listed)
 
 
 def test_record_is_quiet_where_the_list_cannot_be_written(tmp_path, monkeypatch):
@@ -65,27 +93,31 @@ def test_record_is_quiet_where_the_list_cannot_be_written(tmp_path, monkeypatch)
 def test_a_damaged_list_warms_nothing(code_list):
     code_list.parent.mkdir(parents=True)
     code_list.write_bytes(b"\xff\xfe binary \x00 garbage")
-    assert code_files.read_list(code_list) == []
+    assert code_files.read_list(code_list) == {}
     assert code_files.warm() is None
 
 
 def test_warming_reads_every_regular_file_and_never_opens_a_fifo(tmp_path):
     """A FIFO or folder named in the list is skipped (opening a FIFO blocks until a writer
-    comes: the warm-up would never end); a missing file too; a file over the budget is left."""
-    files = []
+    comes: the warm-up would never end); a missing file too; a file over the budget is left;
+    a library's ranges are read, clipped to its size."""
+    files = {}
     for i, size in enumerate((3 << 20, 5000, 0, 70_000)):
         f = tmp_path / (f"lib{i}.so.1" if i % 2 else f"mod{i}.py")
         f.write_bytes(os.urandom(size))
-        files.append(str(f))
+        files[str(f)] = None
+    lib = tmp_path / "libranges.so"
+    lib.write_bytes(os.urandom(1 << 20))
+    files[str(lib)] = [(0, 4096), (1 << 19, 8192), ((1 << 20) - 100, 4096), (2 << 20, 4096)]
     fifo = tmp_path / "pipe.so"
     os.mkfifo(fifo)
-    listed = [*files, str(fifo), str(tmp_path), str(tmp_path / "missing.py")]
-    sizes = [os.path.getsize(f) for f in files]
-    warm = code_files.Warming(listed, budget=1 << 30)
+    files.update({str(fifo): None, str(tmp_path): None, str(tmp_path / "missing.py"): None})
+    want = (3 << 20) + 5000 + 70_000 + 4096 + 8192 + 100
+    warm = code_files.Warming(files, budget=1 << 30)
     assert warm.wait(timeout=30), "the warm-up did not end"
-    assert warm.bytes_read == warm.total_bytes == sum(sizes)
-    small = code_files.Warming(listed, budget=100_000)  # the 3 MiB library does not fit
-    assert small.wait(timeout=30) and small.bytes_read == sum(sizes) - (3 << 20)
+    assert warm.bytes_read == warm.total_bytes == want
+    small = code_files.Warming(files, budget=100_000)  # the 3 MiB module does not fit
+    assert small.wait(timeout=30) and small.bytes_read == want - (3 << 20)
 
 
 def test_warm_starts_once_per_process_from_the_list(code_list, tmp_path):
@@ -161,3 +193,34 @@ def test_whole_model_reads_ahead_once_the_warm_up_is_done(monkeypatch):
     assert not started.is_set()  # the warm-up is not done
     release.set()
     assert started.wait(10)
+
+
+def test_verify_whole_model_starts_its_read_ahead_early_only_after_a_warm_up(tmp_path, monkeypatch):
+    """`verify --whole-model` hands its read-ahead to the code warm-up's end when there is one
+    (the run takes it over); without a warm-up, and for the MoE-only mode, it does not."""
+    from moetool.cli import verify as verify_cli
+
+    calls = []
+    monkeypatch.setattr(verify_cli, "read_verify_inputs_early", lambda jobs, after, gpu: calls.append(jobs))
+    monkeypatch.setattr(verify_cli.fork_server, "start", lambda preload=(): True)
+    (tmp_path / "shards").mkdir()  # no manifest: verify fails after the start
+    argv = ["verify", str(tmp_path / "shards"), "--ref", str(tmp_path), "--whole-model", "--ep", "1"]
+
+    class Warm:
+        def wait(self, timeout=None):
+            return True
+
+    from moetool.cli import main
+
+    for warm, extra, want in ((None, [], 0), (Warm(), [], 1), (Warm(), ["--layers", "1"], 0)):
+        monkeypatch.setattr(code_files, "_warming", warm)
+        calls.clear()
+        args = argv if not extra else [a for a in argv if a != "--whole-model"] + extra
+        with pytest.raises(SystemExit):
+            main(args)
+        assert len(calls) == want, (warm, extra)
+    monkeypatch.setattr(code_files, "_warming", Warm())
+    calls.clear()
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert calls == [[(tmp_path / "shards", tmp_path, None)]]
