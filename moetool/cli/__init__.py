@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     restore_signals = catch_stop_signals()
     command = _command(sys.argv[1:] if argv is None else argv)
     if command in CODE_WARMED_COMMANDS:
+        code_files.watch()  # what the command's imports open: the next run's warm-up
         code_files.warm()  # before the command's imports: they find their files in memory
     try:
         status = app(args=argv, prog_name="moetool", standalone_mode=False)

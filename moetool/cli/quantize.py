@@ -20,6 +20,7 @@ from moetool.cli import command_app
 from moetool.cli.options import DryRun, Force, MaxShardSize, Out, Quiet, Revision, Source, CONVERT_LAYOUTS, check_layout, parse_size
 from moetool.errors import MoetoolError
 from moetool.lazy import import_module
+from moetool.read import code_files
 from moetool.read.prefetch import prefetch
 
 HELP = "Requantize routed-expert weights; everything else passes through bit-identical."
@@ -84,7 +85,8 @@ def _prefetch_source(args: list[str]) -> None:
         return
     for arg in args[args.index("quantize") + 1:]:
         if not arg.startswith("-") and os.path.isdir(arg) and any(Path(arg).glob("*.safetensors")):
-            prefetch(Path(arg), idle=True)
+            warm = code_files.warming()  # the imports' code first: bulk reads would starve its small reads
+            prefetch(Path(arg), idle=True, after=None if warm is None else warm.wait)
             return
 
 

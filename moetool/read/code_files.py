@@ -12,7 +12,10 @@ the modules they imported. The next run reads that list on a few threads first t
 (:func:`warm`): the imports then find their code in memory, and the checkpoint's reads can
 start once the warm-up is done instead of once the imports are (:func:`warming`).
 
-The list's lines: ``PATH`` (the whole file) or ``PATH<TAB>OFFSET+LENGTH,...`` (those ranges).
+Beside what a process maps and imports, :func:`watch` notes what it opens and lists through
+Python (an audit hook): transformers' package metadata, configs, the folders the import
+system lists. The list's lines: ``PATH`` (the whole file), ``PATH<TAB>OFFSET+LENGTH,...``
+(those ranges of it) or ``PATH/`` (a folder, listed).
 
 A hint only: no list (a first run), a damaged list, a file gone, anything that fails is
 skipped quietly; the imports then read what they need themselves. Torch-free.
@@ -43,8 +46,52 @@ _PRESENT = re.compile(rb"[\x80-\xff]+")
 #: touched ranges closer than this are read as one (fewer, larger reads)
 RANGE_GAP = 256 << 10
 
+#: files and package metadata read through Python, larger than this, are data, not code
+MAX_OPENED_BYTES = 64 << 20
+#: the names of moetool's reader threads, whose opens are not the run's
+_READER_THREADS = ("moetool-warm", "moetool-read", "moetool-prefetch")
+#: what an opened file is never: a checkpoint's or a conversion's data
+_DATA_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npy", ".npz", ".tmp", ".part")
+
 _warming: Warming | None = None
 _lock = threading.Lock()
+#: what this process opened for reading (files) and listed (folders, with a trailing "/")
+#: through Python since :func:`watch`, in order
+_opened: dict[str, None] = {}
+_watching = False
+
+
+def watch() -> None:
+    """From now on, note what this process opens for reading and lists through Python (an
+    audit hook: its imports' files and folders, the package metadata transformers reads,
+    configs): beside the shared libraries it maps, that is what a cold start waits on the disk
+    for. Forked processes inherit it. Once per process; not while the list is off."""
+    global _watching
+    if _watching or list_path() is None:
+        return
+    _watching = True
+
+    def hook(event: str, args: tuple) -> None:
+        try:
+            if threading.current_thread().name.startswith(_READER_THREADS):
+                return  # moetool's own readers (this warm-up, read-aheads): not what the run needs
+            if event == "open":
+                path, flags = args[0], args[2]
+                if isinstance(flags, int) and flags & os.O_ACCMODE != os.O_RDONLY:
+                    return
+                suffix = ""
+            elif event in ("os.listdir", "os.scandir"):
+                path, suffix = args[0], "/"
+            else:
+                return
+            if isinstance(path, (str, bytes, os.PathLike)):
+                name = os.path.abspath(os.fsdecode(path))
+                if not name.startswith(("/proc/", "/sys/", "/dev/")):
+                    _opened[name + suffix] = None
+        except Exception:  # noqa: BLE001 - an audit hook that raises breaks the call it watches
+            pass
+
+    sys.addaudithook(hook)
 
 
 def list_path() -> Path | None:
@@ -77,7 +124,7 @@ def read_list(path: Path) -> dict[str, list[tuple[int, int]] | None]:
             ranges = [tuple(int(v) for v in span.split("+")) for span in spans.split(",")] if spans else None
         except ValueError:
             continue
-        if ranges is not None and any(len(r) != 2 or r[0] < 0 or r[1] <= 0 for r in ranges):
+        if ranges is not None and (name.endswith("/") or any(len(r) != 2 or r[0] < 0 or r[1] <= 0 for r in ranges)):
             continue
         files[name] = ranges  # type: ignore[assignment]
     return files
@@ -142,7 +189,23 @@ def current_files() -> dict[str, list[tuple[int, int]] | None]:
             name = getattr(module, attr, None)
             if isinstance(name, str) and name.endswith(_MODULE_SUFFIXES) and os.path.isabs(name):
                 files.setdefault(name, None)
+    for name in list(_opened):
+        if name.endswith("/") or (not name.endswith(_DATA_SUFFIXES) and _small_file(name)):
+            files.setdefault(name, None)
     return {name: ranges for name, ranges in files.items() if ranges != []}
+
+
+def _small_file(name: str) -> bool:
+    try:
+        st = os.stat(name)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_size <= MAX_OPENED_BYTES
+
+
+def _exists(name: str) -> bool:
+    """A listed file still there (a folder's entry, with its trailing "/", a folder)."""
+    return os.path.isdir(name) if name.endswith("/") else os.path.isfile(name)
 
 
 def record(path: Path | None = None) -> None:
@@ -163,7 +226,7 @@ def record(path: Path | None = None) -> None:
                 merged[name] = ranges
         lines = []
         for name, ranges in merged.items():
-            if len(lines) < MAX_FILES and os.path.isfile(name):
+            if len(lines) < MAX_FILES and _exists(name):
                 lines.append(name if ranges is None else name + "\t" + ",".join(f"{o}+{n}" for o, n in ranges))
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
@@ -184,6 +247,9 @@ class Warming:
     def __init__(self, files: dict[str, list[tuple[int, int]] | None], budget: int):
         libraries, modules = [], []
         for name, ranges in files.items():
+            if name.endswith("/"):
+                modules.append((name, [], 0))
+                continue
             try:
                 st = os.stat(name)
             except OSError:
@@ -225,6 +291,14 @@ class Warming:
                     name, spans, size = take()
                 except StopIteration:
                     return
+                if name.endswith("/"):  # a folder the imports list: its entries read into the cache
+                    try:
+                        with os.scandir(name) as entries:
+                            for _ in entries:
+                                pass
+                    except OSError:
+                        pass
+                    continue
                 with self._count_lock:
                     if self._left < size:
                         continue

@@ -15,7 +15,7 @@ import errno
 import os
 import threading
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 
 #: share of the memory available (MemAvailable) a folder's prefetch may fill
@@ -100,15 +100,19 @@ class CacheFiller:
 
 
 def read_ahead_ranges(ranges: Iterable[tuple[Path, int, int]], budget: int,
-                      stop: threading.Event | None = None, idle: bool = False) -> threading.Thread | None:
+                      stop: threading.Event | None = None, idle: bool = False,
+                      after: Callable[[], object] | None = None) -> threading.Thread | None:
     """On a daemon thread, read each (file, offset, length) in order into the page cache until
-    ``budget`` bytes are read (or ``stop`` is set); ``idle``: at the idle I/O priority. Returns
-    the thread, or None where there is no ``sendfile``."""
+    ``budget`` bytes are read (or ``stop`` is set); ``idle``: at the idle I/O priority;
+    ``after``: called first (what the reads wait for). Returns the thread, or None where there
+    is no ``sendfile``."""
     if getattr(os, "sendfile", None) is None:
         return None
     ranges = list(ranges)
 
     def run() -> None:
+        if after is not None:
+            after()
         if idle:
             idle_io_priority()
         left = budget
@@ -132,7 +136,7 @@ def read_ahead_ranges(ranges: Iterable[tuple[Path, int, int]], budget: int,
     return thread
 
 
-def prefetch(root: Path, idle: bool = False) -> threading.Thread | None:
+def prefetch(root: Path, idle: bool = False, after: Callable[[], object] | None = None) -> threading.Thread | None:
     """The ``*.safetensors`` files of the folder ``root`` into the page cache, in name order
     (the order conversions read them), up to ``PREFETCH_SHARE`` of the memory available: a
     command that imports torch before its first read (quantize) then finds its input in
@@ -143,7 +147,8 @@ def prefetch(root: Path, idle: bool = False) -> threading.Thread | None:
     ``idle``: read at the idle I/O priority, behind every other read and write of the machine:
     quantize asks so while torch imports, whose page faults then go first (a cold ``import
     torch`` took 6.9 s alone on an H100 host and 9-14 s beside the read-ahead of its input),
-    and the conversion's own reads and writes go before the read-ahead after it."""
+    and the conversion's own reads and writes go before the read-ahead after it. ``after``:
+    called on the thread before it reads (the code warm-up's end: :mod:`moetool.read.code_files`)."""
     if not Path(root).is_dir():
         return None
     key = Path(root).resolve()
@@ -154,6 +159,5 @@ def prefetch(root: Path, idle: bool = False) -> threading.Thread | None:
             except OSError:
                 ranges = []
             budget = int(available_memory() * PREFETCH_SHARE)
-            _started[key] = (read_ahead_ranges(ranges, budget, idle=True) if idle else
-                             read_ahead_ranges(ranges, budget)) if ranges else None
+            _started[key] = read_ahead_ranges(ranges, budget, idle=idle, after=after) if ranges else None
         return _started[key]

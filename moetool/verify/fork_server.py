@@ -24,6 +24,9 @@ START_ENV = "MOETOOL_RANK_START"
 
 #: the module that starts the ranks (imported by every server)
 LAUNCH = "moetool.verify.launch"
+#: imported first by every server: it notes the files its imports open, for the code warm-up
+#: of the next run (:mod:`moetool.read.code_files`; the ranks inherit it)
+WATCH = "moetool.read.code_watch"
 #: what the ranks of a MoE-only check import
 MOE_ONLY_MODULES = ("moetool.verify.rank",)
 #: what the ranks of a --whole-model check import: transformers' shared modeling code too (the
@@ -38,11 +41,11 @@ def forks() -> bool:
 
 
 def start(preload: Sequence[str] = ()) -> bool:
-    """Start the server now, importing ``LAUNCH`` and ``preload``, unless one runs already (or
+    """Start the server now, importing ``WATCH``, ``LAUNCH`` and ``preload``, unless one runs already (or
     ranks are spawned: False). It imports while this process goes on; the first rank waits for it."""
     if not forks():
         return False
-    mp_forkserver.set_forkserver_preload(list(dict.fromkeys((LAUNCH, *preload))))
+    mp_forkserver.set_forkserver_preload(list(dict.fromkeys((WATCH, LAUNCH, *preload))))
     with _sigint_ignored():
         mp_forkserver.ensure_running()
     return True

@@ -163,8 +163,8 @@ class WholeModelReport:
     #: compare), the same per row (``row_timings_s``: {row: {phase: seconds}}) and memory
     #: (peak RSS; the most weights filled at once)
     ranks: list[dict] = field(default_factory=list)
-    #: the parent's timeline, seconds: startup_s (this process's start to the ranks' spawn),
-    #: then from the spawn: checked_s (transformers' modules checked), ranks_s, wall_s, and
+    #: the parent's timeline, seconds: imported_s (this process's start to the check's
+    #: entry: its imports), startup_s (to the ranks' spawn: the inputs checked), then from the spawn: checked_s (transformers' modules checked), ranks_s, wall_s, and
     #: when the last rank ended each of its steps (rank_start_s, rank_built_s,
     #: rank_layer_<i>_s, rank_head_s, rank_checked_s: its files' sha256 passed)
     timings_s: dict = field(default_factory=dict)
@@ -713,6 +713,7 @@ def verify_whole_model_many(jobs: list[tuple], *, revision: str | None = None,
     That both checkpoints hold every tensor transformers' modules need (``Skeleton.check``:
     seconds of imports and module building at full size) is checked on a thread while the
     ranks start; a failed check stops them and is the error raised."""
+    entered = time.time()
     require_transformers()
     prepared = []
     for shards_dir, ref, opts in jobs:
@@ -735,8 +736,9 @@ def verify_whole_model_many(jobs: list[tuple], *, revision: str | None = None,
     timings: dict = {}
     t0, t0_epoch = time.perf_counter(), time.time()
     started = process_started()
-    if started is not None:
-        timings["startup_s"] = t0_epoch - started  # this process's start to the ranks' spawn
+    if started is not None:  # this process's start to here (its imports), and to the ranks' spawn (+ the checks)
+        timings["imported_s"] = entered - started
+        timings["startup_s"] = t0_epoch - started
     abort, reading_done = threading.Event(), threading.Event()
     ep, backend = eps.pop(), backends.pop()
 

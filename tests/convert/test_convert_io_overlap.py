@@ -305,10 +305,21 @@ def test_prefetch_reads_the_source_named_after_quantize(tiny, tmp_path, monkeypa
     assert not thread.is_alive()
     assert prefetch(tmp_path / "missing") is None
     asked = []
-    monkeypatch.setattr(cli_quantize, "prefetch", lambda path, idle=False: asked.append((path, idle)))
+    monkeypatch.setattr(cli_quantize, "prefetch", lambda path, idle=False, after=None: asked.append((path, idle, after)))
     cli_quantize._prefetch_source(["quantize", "--format", "fp8-block", str(src), str(tmp_path / "out")])
     cli_quantize._prefetch_source(["shard", str(src), str(tmp_path / "out")])
-    assert asked == [(src, True)]  # behind the import's reads
+    assert asked == [(src, True, None)]  # behind the import's reads
+
+    class Warm:  # a code warm-up under way: the source's reads start at its end
+        def wait(self, timeout=None):
+            return True
+
+    from moetool.read import code_files
+
+    warm = Warm()
+    monkeypatch.setattr(code_files, "_warming", warm)
+    cli_quantize._prefetch_source(["quantize", str(src), str(tmp_path / "out")])
+    assert asked[1] == (src, True, warm.wait)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or os.uname().machine != "x86_64", reason="ioprio_get")
@@ -337,7 +348,8 @@ def test_prefetch_reads_each_folder_once(tiny, monkeypatch):
     src = tiny("mixtral", shards=2)
     read = []
     monkeypatch.setattr(pf, "_started", {})
-    monkeypatch.setattr(pf, "read_ahead_ranges", lambda ranges, budget: read.append([r[0] for r in ranges]) or None)
+    monkeypatch.setattr(pf, "read_ahead_ranges",
+                        lambda ranges, budget, **kw: read.append([r[0] for r in ranges]) or None)
     pf.prefetch(src)
     pf.prefetch(src)
     assert read == [sorted(Path(src).resolve().glob("*.safetensors"))]

@@ -224,3 +224,54 @@ def test_verify_whole_model_starts_its_read_ahead_early_only_after_a_warm_up(tmp
     with pytest.raises(SystemExit):
         main(argv)
     assert calls == [[(tmp_path / "shards", tmp_path, None)]]
+
+
+WATCHED = r'''
+import json, os, sys
+from pathlib import Path
+from moetool.read import code_files
+tmp = Path(sys.argv[1])
+code_files.watch()
+import xml.dom.minidom  # noqa: F401 - a module this process had not imported
+(tmp / "config.json").read_text()
+(tmp / "written.txt").write_text("out")  # written: not code to warm
+with open(tmp / "model.safetensors", "rb") as f:  # checkpoint data, read
+    f.read()
+os.listdir(tmp / "folder")
+warm = code_files.Warming({str(tmp / "warmed.py"): None}, budget=1 << 20)  # its own opens are not the run's
+warm.wait(30)
+code_files.record()
+'''
+
+
+def test_watch_notes_what_a_process_opens_for_reading_and_lists_never_data_or_its_own_reads(code_list, tmp_path):
+    for name in ("config.json", "model.safetensors", "warmed.py"):
+        (tmp_path / name).write_text("{}")
+    (tmp_path / "folder").mkdir()
+    r = subprocess.run([sys.executable, "-c", WATCHED, str(tmp_path)], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, **{code_files.ENV: str(code_list)}))
+    assert r.returncode == 0, r.stderr
+    listed = code_files.read_list(code_list)
+    import xml.dom
+
+    assert str(tmp_path / "config.json") in listed and f"{tmp_path / 'folder'}/" in listed
+    assert any(f.startswith(os.path.dirname(xml.dom.__file__)) and "minidom" in f for f in listed)
+    assert not any(Path(f.rstrip("/")).name in ("written.txt", "model.safetensors", "warmed.py") for f in listed)
+
+
+def test_watch_is_off_with_the_list(monkeypatch):
+    monkeypatch.setattr(code_files, "_watching", False)
+    hooks = []
+    monkeypatch.setattr(sys, "addaudithook", hooks.append)
+    monkeypatch.setenv(code_files.ENV, "off")
+    code_files.watch()
+    assert hooks == [] and not code_files._watching
+
+
+def test_warming_lists_the_folders_the_imports_list(tmp_path, monkeypatch):
+    listed = []
+    real = os.scandir
+    monkeypatch.setattr(code_files.os, "scandir", lambda p: listed.append(p) or real(p))
+    (tmp_path / "pkg").mkdir()
+    warm = code_files.Warming({f"{tmp_path / 'pkg'}/": None, f"{tmp_path / 'gone'}/": None}, budget=0)
+    assert warm.wait(30) and listed == [f"{tmp_path / 'pkg'}/", f"{tmp_path / 'gone'}/"]

@@ -203,7 +203,7 @@ def test_verify_starts_the_ranks_fork_server_before_it_imports_torch(tmp_path):
         r = subprocess.run([sys.executable, "-c", SPY_SERVER_START, *argv], capture_output=True, text=True,
                            timeout=120, env=env)
         out = json.loads(r.stdout.strip().splitlines()[-1])
-        assert out["seen"][:1] == [{"torch": False, "preload": [fork_server.LAUNCH, *modules]}], (flags, out)
+        assert out["seen"][:1] == [{"torch": False, "preload": [fork_server.WATCH, fork_server.LAUNCH, *modules]}], (flags, out)
         assert out["code"] != 0
 
 
