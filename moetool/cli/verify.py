@@ -90,8 +90,8 @@ def verify_cmd(
         warm = code_files.warming()
         if whole_model and warm is not None and Path(ref).is_dir():
             # the checkpoints' reads start once the imports' code is in memory, not after them
-            read_verify_inputs_early([(shards, Path(ref), None)], warm.wait,
-                                     gpu=backend == "nccl" or (backend is None and os.path.exists("/dev/nvidiactl")))
+            # (Triton's files are not read first: what the ranks used of them is in that code)
+            read_verify_inputs_early([(shards, Path(ref), None)], warm.wait)
     if whole_model:
         wm = import_module("moetool.verify.whole_model")
         wopts = wm.WholeModelOptions(dp=dp, ep=ep, tokens=tokens, seq_len=seq_len, text=None if text is None else str(text),

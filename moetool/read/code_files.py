@@ -53,7 +53,7 @@ _READER_THREADS = ("moetool-warm", "moetool-read", "moetool-prefetch")
 #: what an opened file is never: a checkpoint's or a conversion's data
 _DATA_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npy", ".npz", ".tmp", ".part")
 
-_warming: Warming | None = None
+_warming: ChildWarming | None = None
 _lock = threading.Lock()
 #: what this process opened for reading (files) and listed (folders, with a trailing "/")
 #: through Python since :func:`watch`, in order
@@ -321,19 +321,59 @@ class Warming:
         return not any(t.is_alive() for t in self._threads)
 
 
-def warm() -> Warming | None:
-    """Start reading this interpreter's list into the page cache (once per process: a second
-    call returns the first's); None where there is no list or it is off."""
+class ChildWarming:
+    """:class:`Warming` run by a child interpreter (``python -I -S``: no site, none of this
+    process's environment): its threads then hold no GIL of this process, whose imports hold
+    it most of the time (a Python thread reading 10,000 small files here waited for the GIL
+    after every call, and read at 0.2-0.3 GB/s). Its own session: a Ctrl-C at the terminal
+    leaves it to end its reads; its output goes nowhere."""
+
+    def __init__(self, path: Path, budget: int):
+        import subprocess
+
+        root = str(Path(__file__).resolve().parents[2])  # the folder that holds the moetool package
+        code = ("import sys; sys.path.insert(0, sys.argv[1]); from moetool.read import code_files; "
+                "code_files.Warming(code_files.read_list(code_files.Path(sys.argv[2])), int(sys.argv[3])).wait()")
+        self._proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", code, root, str(path), str(budget)],
+                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        """The child's exit status once it has ended (0: every file read or skipped quietly)."""
+        return self._proc.poll()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Until the child has read every file (or ``timeout`` seconds); True once done."""
+        import subprocess
+
+        try:
+            self._proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
+
+def warm() -> ChildWarming | None:
+    """Start reading this interpreter's list into the page cache, in a child process (once per
+    process: a second call returns the first's); None where there is no list, it is off or
+    holds nothing, or the child cannot start."""
     global _warming
     with _lock:
         if _warming is None:
             path = list_path()
-            files = read_list(path) if path is not None else {}
-            if files and getattr(os, "sendfile", None) is not None:
-                _warming = Warming(files, int(available_memory() * 0.25))
+            if path is not None and read_list(path) and getattr(os, "sendfile", None) is not None:
+                try:
+                    _warming = ChildWarming(path, int(available_memory() * 0.25))
+                except OSError:
+                    pass
         return _warming
 
 
-def warming() -> Warming | None:
+def warming() -> ChildWarming | None:
     """The warm-up this process started, if any: its end is when bulk reads may begin."""
     return _warming
