@@ -11,8 +11,6 @@ from moetool.cli import command_app
 from moetool.cli.options import Json, Revision
 from moetool.errors import MoetoolError
 from moetool.lazy import import_module
-from moetool.read import code_files
-from moetool.read.order import read_verify_inputs_early
 from moetool.verify import fork_server
 from moetool.verify.report import raise_if_failed
 
@@ -87,11 +85,6 @@ def verify_cmd(
     if not under_torchrun() and shards.is_dir():
         # the ranks' fork server imports what they need beside this process's imports, not after
         fork_server.start(fork_server.WHOLE_MODEL_MODULES if whole_model else fork_server.MOE_ONLY_MODULES)
-        warm = code_files.warming()
-        if whole_model and warm is not None and Path(ref).is_dir():
-            # the checkpoints' reads start once the imports' code is in memory, not after them
-            # (Triton's files are not read first: what the ranks used of them is in that code)
-            read_verify_inputs_early([(shards, Path(ref), None)], warm.wait)
     if whole_model:
         wm = import_module("moetool.verify.whole_model")
         wopts = wm.WholeModelOptions(dp=dp, ep=ep, tokens=tokens, seq_len=seq_len, text=None if text is None else str(text),

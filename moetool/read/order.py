@@ -11,7 +11,6 @@ import threading
 from bisect import bisect_left
 from itertools import accumulate
 from pathlib import Path
-from typing import Callable
 
 from moetool.errors import MoetoolError
 from moetool.read.checkpoint import Checkpoint, open_checkpoint
@@ -129,11 +128,6 @@ class PacedReadAhead:
         self._stop.set()
         with self._cond:
             self._cond.notify_all()
-
-    def stop_on(self, event: threading.Event) -> None:
-        """Stop also once ``event`` is set (a run taking over a read-ahead started before it)."""
-        threading.Thread(target=lambda: (event.wait(), self.stop()), name="moetool-read-ahead-stop",
-                         daemon=True).start()
 
     def _run(self) -> None:
         try:
@@ -271,45 +265,3 @@ def read_verify_inputs_ahead(jobs: list[tuple[Path, Path, list[int] | None]],
     if getattr(os, "sendfile", None) is None:
         return None
     return PacedReadAhead(keyed, read_ahead_window(), stop)
-
-
-#: verify read-aheads started before their run (``read_verify_inputs_early``), by their jobs'
-#: key: the thread that starts it and, once it has, the read-ahead (or None)
-_early: dict[tuple, tuple[threading.Thread, list]] = {}
-
-
-def _jobs_key(jobs: list[tuple[Path, Path, list[int] | None]]) -> tuple:
-    return tuple((str(Path(s).resolve()), str(Path(r).resolve()), None if layers is None else tuple(layers))
-                 for s, r, layers in jobs)
-
-
-def read_verify_inputs_early(jobs: list[tuple[Path, Path, list[int] | None]], after: Callable[[], object], *,
-                             gpu: bool = False) -> None:
-    """``read_verify_inputs_ahead(jobs)``, started on a thread once ``after()`` returns: the
-    command line calls it before the run's imports, with ``after`` the end of the code
-    warm-up (:mod:`moetool.read.code_files`; before it, bulk reads would starve the imports).
-    The run takes it over (:func:`take_early`) instead of starting its own."""
-    box: list = []
-
-    def start() -> None:
-        after()
-        box.append(read_verify_inputs_ahead(jobs, gpu=gpu))
-
-    thread = threading.Thread(target=start, name="moetool-read-early", daemon=True)
-    thread.start()
-    _early[_jobs_key(jobs)] = (thread, box)
-
-
-def take_early(jobs: list[tuple[Path, Path, list[int] | None]],
-               stop: threading.Event | None = None) -> PacedReadAhead | None:
-    """The read-ahead :func:`read_verify_inputs_early` started for these jobs (waiting for it
-    to start), stopped by ``stop`` too; None if there is none (or it could not start)."""
-    entry = _early.pop(_jobs_key(jobs), None)
-    if entry is None:
-        return None
-    thread, box = entry
-    thread.join()
-    ahead = box[0] if box else None
-    if ahead is not None and stop is not None:
-        ahead.stop_on(stop)
-    return ahead

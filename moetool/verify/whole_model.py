@@ -44,7 +44,7 @@ from moetool.model.families import describe, text_config
 from moetool.read import code_files
 from moetool.read.checkpoint import open_checkpoint
 from moetool.read.experts import ExpertReader
-from moetool.read.order import EMBED_STAGE, LAST_STAGE, read_verify_inputs_ahead, take_early
+from moetool.read.order import EMBED_STAGE, LAST_STAGE, read_verify_inputs_ahead
 from moetool.read.shards import EPShards
 from moetool.verify import fork_server
 from moetool.verify.driver import THRESHOLDS as MOE_THRESHOLDS
@@ -744,11 +744,9 @@ def verify_whole_model_many(jobs: list[tuple], *, revision: str | None = None,
 
     def read_ahead() -> None:
         # the disk reads both checkpoints in the order the ranks take them (layer by layer, the
-        # shards then the reference) while the ranks build their modules and compile; the
-        # command line may have started that already (once its code warm-up was done)
-        jobs = [(sh.root, Path(ref), None) for sh, ref, *_ in prepared]
-        if take_early(jobs, reading_done) is None:
-            read_verify_inputs_ahead(jobs, stop=reading_done, gpu=backend == "nccl")
+        # shards then the reference) while the ranks build their modules and compile
+        read_verify_inputs_ahead([(sh.root, Path(ref), None) for sh, ref, *_ in prepared], stop=reading_done,
+                                 gpu=backend == "nccl")
 
     with ThreadPoolExecutor(1, thread_name_prefix="moetool-check") as pool:
         checked = pool.submit(_check_modules, [(p[0], p[1]) for p in prepared], revision, timings, t0,
@@ -784,9 +782,10 @@ def verify_whole_model_many(jobs: list[tuple], *, revision: str | None = None,
 
 def _after_imports(read_ahead: Callable[[], None]) -> Callable[[], None]:
     """What the check thread calls once its imports are done: ``read_ahead`` (bulk reads
-    starve a cold import's small reads), or nothing where this process is reading the imports'
-    files into memory first (:func:`moetool.read.code_files.warm`): the read-ahead then starts
-    on its own thread as soon as they are in, seconds before the imports end."""
+    starve a cold import's small reads), or nothing where this process read the imports' code
+    into memory first (:func:`moetool.read.code_files.warm`): the read-ahead then starts at the
+    spawn, once that is done. Not sooner: on the H100 hosts bulk reads slowed the parent's
+    imports even with every file in memory (16 s alone, 23-26 s beside them)."""
     warm = code_files.warming()
     if warm is None:
         return read_ahead

@@ -198,37 +198,6 @@ def test_whole_model_reads_ahead_once_the_warm_up_is_done(monkeypatch):
     assert started.wait(10)
 
 
-def test_verify_whole_model_starts_its_read_ahead_early_only_after_a_warm_up(tmp_path, monkeypatch):
-    """`verify --whole-model` hands its read-ahead to the code warm-up's end when there is one
-    (the run takes it over); without a warm-up, and for the MoE-only mode, it does not."""
-    from moetool.cli import verify as verify_cli
-
-    calls = []
-    monkeypatch.setattr(verify_cli, "read_verify_inputs_early", lambda jobs, after, **kw: calls.append(jobs))
-    monkeypatch.setattr(verify_cli.fork_server, "start", lambda preload=(): True)
-    (tmp_path / "shards").mkdir()  # no manifest: verify fails after the start
-    argv = ["verify", str(tmp_path / "shards"), "--ref", str(tmp_path), "--whole-model", "--ep", "1"]
-
-    class Warm:
-        def wait(self, timeout=None):
-            return True
-
-    from moetool.cli import main
-
-    for warm, extra, want in ((None, [], 0), (Warm(), [], 1), (Warm(), ["--layers", "1"], 0)):
-        monkeypatch.setattr(code_files, "_warming", warm)
-        calls.clear()
-        args = argv if not extra else [a for a in argv if a != "--whole-model"] + extra
-        with pytest.raises(SystemExit):
-            main(args)
-        assert len(calls) == want, (warm, extra)
-    monkeypatch.setattr(code_files, "_warming", Warm())
-    calls.clear()
-    with pytest.raises(SystemExit):
-        main(argv)
-    assert calls == [[(tmp_path / "shards", tmp_path, None)]]
-
-
 WATCHED = r'''
 import json, os, sys
 from pathlib import Path

@@ -178,34 +178,3 @@ def test_the_read_ahead_window_can_be_set(monkeypatch):
             read_ahead_window()
     monkeypatch.delenv("MOETOOL_READ_AHEAD_MB")
     assert read_ahead_window() > 0
-
-
-def test_a_read_ahead_started_early_waits_for_the_code_and_is_taken_over(verify_chain, verify_shards, monkeypatch):
-    """The command line starts --whole-model's read-ahead once its code warm-up is done (not
-    before: bulk reads starve the imports' small ones); the run then takes that one over,
-    found by its folders however they were written, and stops it with its own event."""
-    from moetool.read import order
-
-    model, shards = verify_chain[0], verify_shards("fp8-block", 2)
-    monkeypatch.setattr(order, "_early", {})
-    warmed = threading.Event()
-    started = []
-    real = order.read_verify_inputs_ahead
-
-    def spy(jobs, stop=None, *, gpu=False):
-        started.append(warmed.is_set())
-        return real(jobs, stop, gpu=gpu)
-
-    monkeypatch.setattr(order, "read_verify_inputs_ahead", spy)
-    order.read_verify_inputs_early([(shards, model, None)], lambda: warmed.wait(10))
-    time.sleep(0.2)
-    assert started == []  # the warm-up is not done
-    warmed.set()
-    done = threading.Event()
-    relative = Path(os.path.relpath(shards)), Path(os.path.relpath(model))
-    ahead = order.take_early([(*relative, None)], done)
-    assert started == [True] and isinstance(ahead, PacedReadAhead)
-    assert order.take_early([(shards, model, None)]) is None  # taken once
-    done.set()
-    ahead.thread.join(30)
-    assert not ahead.thread.is_alive()
