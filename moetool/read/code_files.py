@@ -211,19 +211,22 @@ def _exists(name: str) -> bool:
 def record(path: Path | None = None) -> None:
     """Merge this process's files (:func:`current_files`) into the list: a file's ranges are
     the union of both (whole, if either says whole), files gone are dropped. Written whole
-    under a temporary name, then renamed. Quiet on any failure."""
+    under a temporary name, then renamed; not at all when it holds this process's files
+    already. Quiet on any failure."""
     path = list_path() if path is None else path
     if path is None:
         return
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         merged = read_list(path)
+        changed = False
         for name, ranges in current_files().items():
-            if name in merged:
-                old = merged[name]
-                merged[name] = None if old is None or ranges is None else merge_ranges(old + ranges)
-            else:
-                merged[name] = ranges
+            old = merged.get(name, [])
+            new = None if old is None or ranges is None else merge_ranges(old + ranges)
+            if name not in merged or new != old:
+                merged[name], changed = new, True
+        if not changed:  # the usual case once a command has run: no stat of every entry, no write
+            return
         lines = []
         for name, ranges in merged.items():
             if len(lines) < MAX_FILES and _exists(name):
@@ -332,7 +335,8 @@ class ChildWarming:
         import subprocess
 
         root = str(Path(__file__).resolve().parents[2])  # the folder that holds the moetool package
-        code = ("import sys; sys.path.insert(0, sys.argv[1]); from moetool.read import code_files; "
+        # niced: on a small machine with the files already in memory its CPU would only slow the command
+        code = ("import os, sys; os.nice(10); sys.path.insert(0, sys.argv[1]); from moetool.read import code_files; "
                 "code_files.Warming(code_files.read_list(code_files.Path(sys.argv[2])), int(sys.argv[3])).wait()")
         self._proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", code, root, str(path), str(budget)],
                                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -366,12 +370,39 @@ def warm() -> ChildWarming | None:
     with _lock:
         if _warming is None:
             path = list_path()
-            if path is not None and read_list(path) and getattr(os, "sendfile", None) is not None:
+            files = read_list(path) if path is not None else {}
+            if files and getattr(os, "sendfile", None) is not None and not looks_cached(files):
                 try:
                     _warming = ChildWarming(path, int(available_memory() * 0.25))
                 except OSError:
                     pass
         return _warming
+
+
+def looks_cached(files: dict[str, list[tuple[int, int]] | None], samples: int = 4) -> bool:
+    """Whether the list's code is in memory already (a warm machine: a second child process
+    would only cost CPU, 2-4 % of a small CPU quantize here): one page in the middle of the
+    largest touched range of each of its ``samples`` largest libraries, read with RWF_NOWAIT
+    (which fails rather than wait for the disk). False where that cannot be asked."""
+    nowait = getattr(os, "RWF_NOWAIT", None)
+    spans = sorted(((max(ranges, key=lambda r: r[1]), name) for name, ranges in files.items()
+                    if ranges and _SHARED_OBJECT.search(name)), key=lambda item: -item[0][1])[:samples]
+    if nowait is None or not spans:
+        return False
+    buf = bytearray(4096)
+    for (offset, length), name in spans:
+        try:
+            fd = os.open(name, os.O_RDONLY)
+        except OSError:
+            return False
+        try:
+            if os.preadv(fd, [buf], (offset + length // 2) // 4096 * 4096, nowait) <= 0:
+                return False
+        except OSError:  # EAGAIN: not in memory; or no RWF_NOWAIT on this file system
+            return False
+        finally:
+            os.close(fd)
+    return True
 
 
 def warming() -> ChildWarming | None:

@@ -247,3 +247,51 @@ def test_warming_lists_the_folders_the_imports_list(tmp_path, monkeypatch):
     (tmp_path / "pkg").mkdir()
     warm = code_files.Warming({f"{tmp_path / 'pkg'}/": None, f"{tmp_path / 'gone'}/": None}, budget=0)
     assert warm.wait(30) and listed == [f"{tmp_path / 'pkg'}/", f"{tmp_path / 'gone'}/"]
+
+
+def test_a_list_whose_code_is_in_memory_starts_no_warm_up(code_list, tmp_path):
+    """On a warm machine the child would only cost CPU: a page of each of the largest
+    libraries' touched ranges read without waiting answers whether the code is in memory."""
+    lib = tmp_path / "libhot.so"
+    lib.write_bytes(os.urandom(1 << 20))  # just written: in the page cache
+    files = {str(lib): [(0, 1 << 20)]}
+    if getattr(os, "RWF_NOWAIT", None) is None:
+        pytest.skip("no RWF_NOWAIT here")
+    assert code_files.looks_cached(files)
+    code_list.parent.mkdir(parents=True)
+    code_list.write_text(f"{lib}\t0+1048576\n")
+    assert code_files.warm() is None  # nothing to read
+    if _file_system(tmp_path) in ("tmpfs", "ramfs"):
+        pytest.skip("the page cache is the file here: it cannot be dropped")
+    with open(lib, "rb") as f:  # out of the page cache (clean pages: the kernel drops them when asked)
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    assert not code_files.looks_cached(files)
+    assert not code_files.looks_cached({str(tmp_path / "gone.so"): [(0, 4096)]})
+    assert not code_files.looks_cached({str(tmp_path / "mod.py"): None})  # no library to ask about
+
+
+def test_a_list_that_holds_the_run_already_is_not_rewritten(code_list, tmp_path, monkeypatch):
+    lib, mod = tmp_path / "liba.so", tmp_path / "a.py"
+    lib.write_bytes(b"x" * 8192)
+    mod.write_text("")
+    ran = {str(lib): [(0, 4096)], str(mod): None}
+    monkeypatch.setattr(code_files, "current_files", lambda: dict(ran))
+    code_files.record()
+    code_list.write_text(code_list.read_text() + "/no/such/file.py\n")  # a rewrite would drop it
+    code_files.record()  # nothing new
+    assert "/no/such/file.py" in code_list.read_text()
+    ran[str(lib)] = [(4096, 4096)]  # a range not in the list yet
+    code_files.record()
+    assert code_files.read_list(code_list) == {str(lib): [(0, 8192)], str(mod): None}
+
+
+def _file_system(path: Path) -> str:
+    """The type of the file system ``path`` is on (/proc/mounts: the longest mount point above it)."""
+    best, kind = "", ""
+    for line in Path("/proc/mounts").read_text().splitlines():
+        fields = line.split()
+        if len(fields) > 2 and str(path).startswith(fields[1]) and len(fields[1]) > len(best):
+            best, kind = fields[1], fields[2]
+    return kind
+
