@@ -163,10 +163,11 @@ class WholeModelReport:
     #: compare), the same per row (``row_timings_s``: {row: {phase: seconds}}) and memory
     #: (peak RSS; the most weights filled at once)
     ranks: list[dict] = field(default_factory=list)
-    #: the parent's timeline, seconds: imported_s (this process's start to the check's
-    #: entry: its imports), startup_s (to the ranks' spawn: the inputs checked), then from the spawn: checked_s (transformers' modules checked), ranks_s, wall_s, and
-    #: when the last rank ended each of its steps (rank_start_s, rank_built_s,
-    #: rank_layer_<i>_s, rank_head_s, rank_checked_s: its files' sha256 passed)
+    #: the parent's timeline, seconds: imported_s (this process's start to the check's entry:
+    #: its imports), startup_s (to the ranks' spawn: the inputs checked), then from the spawn:
+    #: checked_s (transformers' modules checked), ranks_s, wall_s, and when the last rank
+    #: ended each of its steps (rank_start_s, rank_built_s, rank_layer_<i>_s, rank_head_s,
+    #: rank_checked_s: its files' sha256 passed)
     timings_s: dict = field(default_factory=dict)
 
     @property
