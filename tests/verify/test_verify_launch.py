@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -106,9 +107,12 @@ def test_run_under_torchrun_single_rank_layer(monkeypatch):
         assert res["stats"]["chunks"] == 3 and res["stats"]["pairs_computed"] == 27
 
 
-def test_spawn_start_method_on_request(monkeypatch):
+def test_spawn_start_method_on_request(monkeypatch, tmp_path):
     """MOETOOL_RANK_START=spawn: ranks are fresh interpreters (the way around the fork server),
-    and a world still runs; their environment is the spawning process's either way."""
+    and a world still runs; their environment is the spawning process's either way. Rank 0
+    records the code it ran for the next run's warm-up (moetool.read.code_files): the
+    libraries it maps, the modules it imported."""
+    from moetool.read import code_files
     from moetool.verify import launch
 
     monkeypatch.setenv("MOETOOL_RANK_START", "spawn")
@@ -117,7 +121,13 @@ def test_spawn_start_method_on_request(monkeypatch):
     assert launch.spawn_world(_env_value, 2, "gloo", args=("MOETOOL_SEEN_BY_RANKS",), timeout_s=120) == ["yes", "yes"]
     monkeypatch.delenv("MOETOOL_RANK_START")
     assert launch._rank_context().get_start_method() == "forkserver"
+    code_list = tmp_path / "code-files.txt"
+    monkeypatch.setenv(code_files.ENV, str(code_list))
     assert launch.spawn_world(_env_value, 2, "gloo", args=("MOETOOL_SEEN_BY_RANKS",), timeout_s=120) == ["yes"] * 2
+    listed = code_files.read_list(code_list)
+    assert any(Path(f).name.startswith("libtorch_cpu.so") and r for f, r in listed.items())  # touched ranges
+    assert any(f.endswith(os.path.join("torch", "distributed", "distributed_c10d.py")) for f in listed)
+    monkeypatch.setenv(code_files.ENV, "off")
     monkeypatch.setenv("MOETOOL_SEEN_BY_RANKS", "later")  # set after the fork server started
     assert launch.spawn_world(_env_value, 2, "gloo", args=("MOETOOL_SEEN_BY_RANKS",), timeout_s=120) == ["later"] * 2
 
