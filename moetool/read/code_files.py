@@ -214,12 +214,12 @@ def _exists(name: str) -> bool:
 def record(path: Path | None = None) -> None:
     """Merge this process's files (:func:`current_files`) into the list: a file's ranges are
     the union of both (whole, if either says whole), files gone are dropped. Written whole
-    under a temporary name, then renamed; not at all when it holds this process's files
-    already. Quiet on any failure."""
+    under a temporary name, then renamed (another writer's list may replace it: the last one
+    stays whole); not at all when it holds this process's files already. Quiet on any failure."""
     path = list_path() if path is None else path
     if path is None:
         return
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")  # one per writer
     try:
         merged = read_list(path)
         changed = False

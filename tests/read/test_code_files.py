@@ -282,6 +282,33 @@ def test_a_list_that_holds_the_run_already_is_not_rewritten(code_list, tmp_path,
     assert code_files.read_list(code_list) == {str(lib): [(0, 8192)], str(mod): None}
 
 
+def test_writers_at_once_leave_a_whole_list(code_list, tmp_path, monkeypatch):
+    """Several processes end at once (the parent and rank 0): each writes its own temporary
+    file and renames it, so the list is always one writer's whole list, never a mix."""
+    libs = [tmp_path / f"lib{i}.so" for i in range(4)]
+    for lib in libs:
+        lib.write_bytes(b"x" * 4096 * 61)
+    local = threading.local()  # each record a longer range: every one writes
+    monkeypatch.setattr(code_files, "current_files", lambda: {str(libs[local.i]): [(0, 4096 * (1 + local.n))]})
+    seen = []
+
+    def writer(i: int) -> None:
+        local.i = i
+        for n in range(60):
+            local.n = n
+            code_files.record()
+            seen.append(code_files.read_list(code_list))
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(listed and all(len(r) == 1 and r[0][0] == 0 and r[0][1] % 4096 == 0 for r in listed.values())
+               for listed in seen)
+    assert not list(code_list.parent.glob("*.tmp"))
+
+
 def _file_system(path: Path) -> str:
     """The type of the file system ``path`` is on (/proc/mounts: the longest mount point above it)."""
     best, kind = "", ""
