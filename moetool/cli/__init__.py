@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(err.exit_code)
     except (Interrupted, KeyboardInterrupt) as err:
-        _interrupted(err.exit_code if isinstance(err, Interrupted) else 128 + signal.SIGINT, argv)
+        _interrupted(err.exit_code if isinstance(err, Interrupted) else 128 + signal.SIGINT, command)
     except OSError as err:
         if os.environ.get("MOETOOL_TRACEBACK"):
             raise
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     # 130 for a KeyboardInterrupt it caught itself
     if isinstance(status, int) and status:
         if status == 128 + signal.SIGINT:
-            _interrupted(status, argv)
+            _interrupted(status, command)
         sys.exit(status)
 
 
@@ -138,11 +138,11 @@ def _command(args: list[str]) -> str | None:
     return next((a for a in args if not a.startswith("-")), None)
 
 
-def _interrupted(status: int, argv: list[str] | None = None) -> None:
+def _interrupted(status: int, command: str | None) -> None:
     """``error: interrupted``, with how to resume where the command writes an output folder
     (verify and inspect write none: the hint would send the user looking for one)."""
     hint = ("; an output folder without manifest.json is unfinished: re-run the same command to resume it"
-            if _command(sys.argv[1:] if argv is None else argv) in WRITING_COMMANDS else "")
+            if command in WRITING_COMMANDS else "")
     print(f"error: interrupted{hint}", file=sys.stderr)
     sys.exit(status)
 

@@ -144,49 +144,42 @@ def merge_ranges(ranges: list[tuple[int, int]], gap: int = RANGE_GAP) -> list[tu
     return [(lo, n) for lo, n in out]
 
 
-def touched_ranges() -> dict[str, list[tuple[int, int]]]:
+def touched_ranges() -> dict[str, list[tuple[int, int]] | None]:
     """Each shared library this process maps -> the byte ranges of it the process has touched:
     pages present in its page tables (/proc/self/pagemap, bit 63; readable by the process
     itself, Linux). The kernel maps up to 64 KiB of cached pages around each fault, so this
-    is what was touched and a little around it. {} where pagemap cannot be read."""
+    is what was touched and a little around it. None (the whole file) where pagemap says
+    nothing: it cannot be read, or no page is present. {} where the maps cannot be read."""
     page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-    spans: dict[str, list[tuple[int, int]]] = {}
+    mappings = []  # (library, first address, end address, file offset)
     try:
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps, \
-                open("/proc/self/pagemap", "rb", buffering=0) as pagemap:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
             for line in maps:
                 fields = line.split(maxsplit=5)
                 name = fields[5].rstrip("\n") if len(fields) == 6 else ""
-                if not (name.startswith("/") and _SHARED_OBJECT.search(name)):
-                    continue
-                lo, hi = (int(v, 16) for v in fields[0].split("-"))
-                offset = int(fields[2], 16)
-                pagemap.seek(lo // page * 8)
-                entries = pagemap.read((hi - lo) // page * 8)
-                flags = entries[7::8]  # the high byte of each little-endian 8-byte entry
-                for run in _PRESENT.finditer(flags):
-                    spans.setdefault(name, []).append((offset + run.start() * page, (run.end() - run.start()) * page))
+                if name.startswith("/") and _SHARED_OBJECT.search(name):
+                    lo, hi = (int(v, 16) for v in fields[0].split("-"))
+                    mappings.append((name, lo, hi, int(fields[2], 16)))
     except (OSError, ValueError):
         return {}
-    return {name: merge_ranges(r) for name, r in spans.items()}
+    spans: dict[str, list[tuple[int, int]]] = {name: [] for name, *_ in mappings}
+    try:
+        with open("/proc/self/pagemap", "rb", buffering=0) as pagemap:
+            for name, lo, hi, offset in mappings:
+                pagemap.seek(lo // page * 8)
+                flags = pagemap.read((hi - lo) // page * 8)[7::8]  # each little-endian entry's high byte
+                spans[name] += [(offset + run.start() * page, (run.end() - run.start()) * page)
+                                for run in _PRESENT.finditer(flags)]
+    except OSError:
+        return dict.fromkeys(spans)
+    return {name: merge_ranges(r) if r else None for name, r in spans.items()}
 
 
 def current_files() -> dict[str, list[tuple[int, int]] | None]:
     """What this process runs: the shared libraries it maps with the ranges it touched (the
     whole file where pagemap says nothing), then the files of its imported modules in import
     order (sources and their bytecode caches), whole."""
-    files: dict[str, list[tuple[int, int]] | None] = {}
-    touched = touched_ranges()
-    try:
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
-            for line in maps:
-                fields = line.split(maxsplit=5)
-                if len(fields) == 6 and fields[5].startswith("/"):
-                    name = fields[5].rstrip("\n")
-                    if _SHARED_OBJECT.search(name):
-                        files[name] = touched.get(name) if touched else None
-    except OSError:
-        pass
+    files = touched_ranges()
     for module in list(sys.modules.values()):
         for attr in ("__file__", "__cached__"):
             name = getattr(module, attr, None)
@@ -195,7 +188,7 @@ def current_files() -> dict[str, list[tuple[int, int]] | None]:
     for name in list(_opened):
         if name.endswith("/") or (not name.endswith(_DATA_SUFFIXES) and _small_file(name)):
             files.setdefault(name, None)
-    return {name: ranges for name, ranges in files.items() if ranges != []}
+    return files
 
 
 def _small_file(name: str) -> bool:

@@ -193,10 +193,11 @@ class ExpertReader:
             yield e, tuple(self.dequantize({k: v.to(device, non_blocking=True) for k, v in lins[r].items()},
                                            f"layer {layer.index} expert {e}").float() for r in roles)
 
-    def router_fp32(self, layer: MoELayerSpec) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    def router_fp32(self, layer: MoELayerSpec, device: torch.device | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(router weight [E, H], its score correction bias [E] or None, its logit bias [E] or
-        None: gpt-oss) of the MoE layer in float32."""
-        get = lambda name: self.ckpt.get(name).float() if name else None  # noqa: E731
+        None: gpt-oss) of the MoE layer in float32, on ``device`` (default: where read)."""
+        get = lambda name: self.ckpt.get(name).float().to(device) if name else None  # noqa: E731
         return get(layer.router_weight), get(layer.correction_bias), get(layer.router_bias)
 
     def shared_fp32(self, layer: MoELayerSpec):

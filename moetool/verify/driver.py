@@ -122,7 +122,7 @@ def iter_references(ref_ckpt, spec, opts: VerifyOptions, layer_ids: list[int], n
         layer = spec.layer(i)
         nw_name = norm_weight_name(layer)
         nw = ref_ckpt.get(nw_name) if nw_name in ref_ckpt else None
-        gate, bias, rbias = (None if t is None else t.to(device) for t in reader.router_fp32(layer))
+        gate, bias, rbias = reader.router_fp32(layer, device)
         shared = reader.shared_fp32(layer)
         shared = None if shared is None else tuple(None if w is None else w.to(device) for w in shared)
         xs = [make_tokens(i, g, opts.tokens, layer.hidden, opts.seed, nw, numerics).to(device) for g in range(opts.dp)]

@@ -135,7 +135,7 @@ def _run_job(rank: int, shards: EPShards, ckpt, spec, opts: VerifyOptions, layer
             progress.reached(n)  # this layer's files may be hashed now
         layer = spec.layer(i)
         placement = shards.placements[i]
-        gate, bias, rbias = (None if t is None else t.to(device) for t in reader.router_fp32(layer))
+        gate, bias, rbias = reader.router_fp32(layer, device)
         shared = reader.shared_fp32(layer)
         shared = None if shared is None else tuple(None if w is None else w.float().to(device) for w in shared)
         nw_name = norm_weight_name(layer)
