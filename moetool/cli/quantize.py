@@ -18,6 +18,7 @@ import typer
 
 from moetool.cli import command_app
 from moetool.cli.options import DryRun, Force, MaxShardSize, Out, Quiet, Revision, Source, CONVERT_LAYOUTS, check_layout, parse_size
+from moetool.convert import gpu_start
 from moetool.errors import MoetoolError
 from moetool.lazy import import_module
 from moetool.read import code_files
@@ -45,6 +46,9 @@ def _options(
 def quantize_app() -> typer.Typer:
     """A one-command Typer app: ``quantize`` with the options of the formats registered now."""
     _prefetch_source(sys.argv[1:])
+    index = gpu_start.cuda_index(sys.argv[1:]) if "quantize" in sys.argv[1:] else None
+    if index is not None:
+        gpu_start.begin(index)  # beside torch's import, instead of after the plan
     registry = import_module("moetool.formats.registry")  # torch: the command converts anyway
     targets = registry.quantize_targets()
     FormatName = registry.name_enum([cls.name for cls in targets])  # the choices of --format
