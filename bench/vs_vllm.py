@@ -33,7 +33,9 @@ routing go to both (vLLM: global ids and its expert map; moetool: local ids, -1 
 Outputs must agree first (SQNR of moetool's bf16 output against vLLM's, >= MIN_SQNR_DB), then
 each side and each tile choice is captured in a CUDA graph without its align step (precomputed
 for both) and the graphs are replayed in turns, --reps rounds, L2 flushed before each replay
-(``tune.time_graphs``: drift of clocks or temperature falls on all alike); medians. moetool runs three tile
+(``tune.time_graphs``: drift of clocks or temperature falls on all alike; the flush reads twice
+the L2, ``--flush-by-writing`` overwrites it as the tables before the sixth session did, whose
+dirty lines the timed kernels then paid to write back); medians. moetool runs three tile
 choices: ``before`` (``default_config``, what fused_experts picks today), ``rules``
 (``rule_config`` only) and ``after`` (``select_config``: the tuned table, else the rules).
 ratio = vLLM us / moetool us (> 1: moetool faster); the geometric mean is over all cells.
@@ -644,12 +646,15 @@ def main(argv=None):
     ap.add_argument("--schemes", nargs="+", default=list(tune.SCHEMES_TUNED), choices=list(tune.SCHEMES_TUNED))
     ap.add_argument("--tokens", nargs="+", type=int, default=None, help="default: the issue's T per shape")
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--flush-by-writing", action="store_true",
+                    help="flush the L2 by overwriting a buffer, as the tables before the sixth session did")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--cache3", action="store_true", help="also time GEMM2 writing fp32 rows (column c3f32)")
     ap.add_argument("--prev-table", type=Path, default=None, help="also time this tile table's choice (column prev)")
     ap.add_argument("--no-peaks", action="store_true",
                     help="floors from the datasheet (PEAKS) instead of a copy and matmuls measured at the start")
     args = ap.parse_args(argv)
+    tune.FLUSH_BY_WRITING = args.flush_by_writing
     if args.fetch or args.wheel:
         wheel = args.wheel or download_wheel(args.version, WHEEL_DIR)
         names = extract(wheel, args.src)
