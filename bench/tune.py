@@ -171,9 +171,9 @@ def fixed_align():
 
 
 _FLUSH: list = []
-#: flush the L2 by overwriting the buffer (the method before the sixth session): it leaves the
-#: L2 full of dirty lines, whose write-back the timed kernel then pays as it reads (~17 us of a
-#: 14.7 MB int4 GEMV on an H100); for comparing with earlier tables (``--flush-by-writing``)
+#: flush the L2 by overwriting the buffer, as the earlier tables did: it leaves the L2 full of
+#: dirty lines, whose write-back the timed kernels then pay as they read (DSV3 EP8 fp8-block T=1
+#: on an H100: 85.0 us, 76.1 us after a reading flush); for comparisons (``--flush-by-writing``)
 FLUSH_BY_WRITING = False
 
 
@@ -610,7 +610,7 @@ def main(argv=None):
     ap.add_argument("--cells", nargs="+", default=None, help="LAYER/SCHEME/T each, instead of layers x schemes x tokens")
     ap.add_argument("--reps", type=int, default=30, help="timed graph replays per candidate (median)")
     ap.add_argument("--flush-by-writing", action="store_true",
-                    help="flush the L2 by overwriting a buffer, as before the sixth session (FLUSH_BY_WRITING)")
+                    help="flush the L2 by overwriting a buffer, as the earlier tables did (FLUSH_BY_WRITING)")
     ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1), help="compiling worker processes")
     ap.add_argument("--budget-s", type=float, default=420.0,
                     help="stop sweeping this many seconds after the start (cells not reached keep their entry)")

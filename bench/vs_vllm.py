@@ -34,8 +34,8 @@ Outputs must agree first (SQNR of moetool's bf16 output against vLLM's, >= MIN_S
 each side and each tile choice is captured in a CUDA graph without its align step (precomputed
 for both) and the graphs are replayed in turns, --reps rounds, L2 flushed before each replay
 (``tune.time_graphs``: drift of clocks or temperature falls on all alike; the flush reads twice
-the L2, ``--flush-by-writing`` overwrites it as the tables before the sixth session did, whose
-dirty lines the timed kernels then paid to write back); medians. moetool runs three tile
+the L2, ``--flush-by-writing`` overwrites it as the earlier tables did, whose dirty lines the timed
+kernels then paid to write back); medians. moetool runs three tile
 choices: ``before`` (``default_config``, what fused_experts picks today), ``rules``
 (``rule_config`` only) and ``after`` (``select_config``: the tuned table, else the rules).
 ratio = vLLM us / moetool us (> 1: moetool faster); the geometric mean is over all cells.
@@ -647,7 +647,7 @@ def main(argv=None):
     ap.add_argument("--tokens", nargs="+", type=int, default=None, help="default: the issue's T per shape")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--flush-by-writing", action="store_true",
-                    help="flush the L2 by overwriting a buffer, as the tables before the sixth session did")
+                    help="flush the L2 by overwriting a buffer, as the earlier tables did")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--cache3", action="store_true", help="also time GEMM2 writing fp32 rows (column c3f32)")
     ap.add_argument("--prev-table", type=Path, default=None, help="also time this tile table's choice (column prev)")
