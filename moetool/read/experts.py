@@ -200,12 +200,13 @@ class ExpertReader:
         get = lambda name: self.ckpt.get(name).float().to(device) if name else None  # noqa: E731
         return get(layer.router_weight), get(layer.correction_bias), get(layer.router_bias)
 
-    def shared_fp32(self, layer: MoELayerSpec):
-        """(gate, up, down, shared_gate_weight|None) of the shared expert in float32, or None."""
+    def shared_fp32(self, layer: MoELayerSpec, device: torch.device | None = None):
+        """(gate, up, down, shared_gate_weight|None) of the shared expert in float32, on
+        ``device`` (default: where read), or None."""
         if layer.shared_bases is None:
             return None
-        g, u, d = (self.dequantize_any(b) for b in layer.shared_bases)
-        sg = self.ckpt.get(layer.shared_gate_weight).float() if layer.shared_gate_weight else None
+        g, u, d = (self.dequantize_any(b).float().to(device) for b in layer.shared_bases)
+        sg = self.ckpt.get(layer.shared_gate_weight).float().to(device) if layer.shared_gate_weight else None
         return g, u, d, sg
 
     def dequantize(self, lin: Linear, where: str) -> torch.Tensor:

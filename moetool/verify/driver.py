@@ -123,8 +123,7 @@ def iter_references(ref_ckpt, spec, opts: VerifyOptions, layer_ids: list[int], n
         nw_name = norm_weight_name(layer)
         nw = ref_ckpt.get(nw_name) if nw_name in ref_ckpt else None
         gate, bias, rbias = reader.router_fp32(layer, device)
-        shared = reader.shared_fp32(layer)
-        shared = None if shared is None else tuple(None if w is None else w.to(device) for w in shared)
+        shared = reader.shared_fp32(layer, device)
         xs = [make_tokens(i, g, opts.tokens, layer.hidden, opts.seed, nw, numerics).to(device) for g in range(opts.dp)]
         probe = probe_tokens(i, layer.hidden, opts.seed, nw, numerics).to(device)
         biases = None

@@ -136,8 +136,7 @@ def _run_job(rank: int, shards: EPShards, ckpt, spec, opts: VerifyOptions, layer
         layer = spec.layer(i)
         placement = shards.placements[i]
         gate, bias, rbias = reader.router_fp32(layer, device)
-        shared = reader.shared_fp32(layer)
-        shared = None if shared is None else tuple(None if w is None else w.float().to(device) for w in shared)
+        shared = reader.shared_fp32(layer, device)
         nw_name = norm_weight_name(layer)
         nw = ckpt.get(nw_name) if nw_name in ckpt else None
         x = make_tokens(i, topo.group_index, opts.tokens, layer.hidden, opts.seed, nw, numerics).to(device)
