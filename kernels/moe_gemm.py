@@ -50,6 +50,55 @@ def _e2m1_times_2_14(codes):
     return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
+#: int4 weights dequantized by packed 16-bit PTX (:func:`_int4_quads`); False: the same values by
+#: Triton's scalar ops (tests compare the two bit for bit)
+INT4_ASM = True
+
+
+def _quads_asm(fma: str, one: int, magic: int) -> tl.constexpr:
+    """:func:`_int4_quads`' PTX for one 16-bit type: $4 two int16 (eight codes), $5 two 2^m + z,
+    $6 two scales -> $0..$3 nibble n's (q - z) * s of both. lop3 0xEA = (a & b) | c."""
+    lines = ["mov.b32 one, %#x;" % one, "mov.b32 nzero, 0x80008000;", "xor.b32 nz, $5, 0x80008000;",
+             "shr.u32 t1, $4, 4;", "shr.u32 t2, $4, 8;", "shr.u32 t3, $4, 12;"]
+    lines += [f"lop3.b32 ${n}, {src}, 0x000F000F, {magic * 0x10001:#x}, 0xEA;" for n, src in enumerate(("$4", "t1", "t2", "t3"))]
+    lines += [f"{fma} ${n}, ${n}, one, nz;" for n in range(4)]  # 2^m + q - (2^m + z): exact
+    lines += [f"{fma} ${n}, ${n}, $6, nzero;" for n in range(4)]  # times s, + (-0): the one rounding
+    return tl.constexpr("{ .reg .b32 t1, t2, t3, nz, one, nzero; " + " ".join(lines) + " }")
+
+
+_QUADS_BF16 = _quads_asm("fma.rn.bf16x2", 0x3F803F80, 0x4300)
+_QUADS_F16 = _quads_asm("fma.rn.f16x2", 0x3C003C00, 0x6400)
+
+
+@triton.jit
+def _int4_quads(x, z, s, DOT_DTYPE: tl.constexpr, ASM: tl.constexpr):
+    """int16 x, each four int4 codes (nibble n at bits 4n: K column 4j + n of element j, value
+    q + 8), z int32 (what the code loses: the zero point + 8, or 8) and scale s (ASM: DOT_DTYPE)
+    -> four DOT_DTYPE tensors, nibble n's (q_n - z) * s rounded once: the values of the plain
+    int4 path ((q - z) in fp32 times s, cast).
+    ASM (16-bit DOT_DTYPE, s stored in it): no int -> float conversions, which bound the plain
+    path (Hopper converts 16 values per SM a clock): per two int16 (one 32-bit register, eight
+    codes) three shifts, then per nibble pair one lop3 puts both codes into the mantissas of
+    2^m + q (2^m: the power of two whose ulp is 1, bf16 128, fp16 1024), one packed fma
+    subtracts 2^m + z exactly, one multiplies by s with the one rounding."""
+    if ASM:
+        if DOT_DTYPE == tl.bfloat16:
+            zb = (z | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)  # 128 + z, exact
+            return tl.inline_asm_elementwise(asm=_QUADS_BF16, constraints="=r,=r,=r,=r,r,r,r",
+                                             args=[x, zb, s], dtype=(tl.bfloat16,) * 4, is_pure=True, pack=2)
+        else:
+            zb = (z | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)  # 1024 + z, exact
+            return tl.inline_asm_elementwise(asm=_QUADS_F16, constraints="=r,=r,=r,=r,r,r,r",
+                                             args=[x, zb, s], dtype=(tl.float16,) * 4, is_pure=True, pack=2)
+    else:
+        x32 = x.to(tl.int32)
+        sf = s.to(tl.float32)
+        w0 = (((x32 & 0xF) - z).to(tl.float32) * sf).to(DOT_DTYPE)
+        w1 = ((((x32 >> 4) & 0xF) - z).to(tl.float32) * sf).to(DOT_DTYPE)
+        w2 = ((((x32 >> 8) & 0xF) - z).to(tl.float32) * sf).to(DOT_DTYPE)
+        w3 = ((((x32 >> 12) & 0xF) - z).to(tl.float32) * sf).to(DOT_DTYPE)
+        return w0, w1, w2, w3
+
 @triton.jit
 def _fp4_half(codes, sb, HAS_GS: tl.constexpr, FP4_GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
               BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr):
@@ -121,7 +170,7 @@ def _moe_gemm_kernel(
     stride_cs, stride_cm, stride_cn, alpha, limit,
     FMT: tl.constexpr, HAS_ZP: tl.constexpr, GROUP_TILE: tl.constexpr, EVEN_K: tl.constexpr,
     FP4_GROUP: tl.constexpr, HAS_GS: tl.constexpr, BS_TILE: tl.constexpr, SPLIT: tl.constexpr,
-    SWAP_AB: tl.constexpr,
+    SWAP_AB: tl.constexpr, QUADS: tl.constexpr, ASM: tl.constexpr,
     SILU: tl.constexpr, CLAMPED: tl.constexpr, ROUND: tl.constexpr,
     MUL_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, SOFT_BF16: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PREC: tl.constexpr,
@@ -272,6 +321,37 @@ def _moe_gemm_kernel(
                         q = q - 8
                     w = (q.to(tl.float32) * s).to(DOT_DTYPE)
             acc = tl.dot(w, tl.trans(a.to(DOT_DTYPE)), acc, input_precision=PREC)
+        elif FMT == 3 and QUADS:  # B as int16 [E, N, K/4]: element j holds K columns 4j .. 4j + 3
+            kq = k0 // 4 + tl.arange(0, BLOCK_K // 4)  # [BK/4]
+            x = _load_k(b_base + offs_bn64[None, :] * stride_bn + kq[:, None] * stride_bk,
+                        None, (kq < 2 * tl.cdiv(K, 8))[:, None], EVEN_K)  # [BK/4, BN] int16
+            if GROUP_TILE:  # the K tile lies in one group: one scale / zero point per column
+                grp = k0 // group_k
+                s = tl.load(b_scale_ptr + expert * stride_se + offs_bn64 * stride_sn + grp * stride_sk)[None, :]
+                if HAS_ZP:
+                    zw = tl.load(b_zp_ptr + expert * stride_ze + (offs_bn64 // 8) * stride_zn + grp * stride_zk)
+                    z = ((zw >> ((offs_bn % 8) * 4)) & 0xF)[None, :]  # z + 8
+                else:
+                    z = tl.full([1, BLOCK_N], 8, tl.int32)
+            else:  # groups of g >= 4 columns: element j's four in one
+                grp = (k0 + 4 * tl.arange(0, BLOCK_K // 4)) // group_k  # [BK/4]
+                g_mask = (kq < 2 * tl.cdiv(K, 8))[:, None]
+                s = tl.load(b_scale_ptr + expert * stride_se + offs_bn64[None, :] * stride_sn + grp[:, None] * stride_sk,
+                            mask=g_mask, other=0.0)
+                if HAS_ZP:
+                    zw = tl.load(b_zp_ptr + expert * stride_ze + (offs_bn64 // 8)[None, :] * stride_zn
+                                 + grp[:, None] * stride_zk, mask=g_mask, other=0)
+                    z = (zw >> ((offs_bn % 8) * 4)[None, :]) & 0xF
+                else:
+                    z = tl.full([1, BLOCK_N], 8, tl.int32)
+            w0, w1, w2, w3 = _int4_quads(x, z, s, DOT_DTYPE, ASM)  # [BK/4, BN] each: K columns 4j + n
+            a_l0, a_l1 = tl.split(tl.reshape(a.to(DOT_DTYPE), [BLOCK_M, BLOCK_K // 4, 2, 2]))  # 4j + 2h + l
+            a0, a2 = tl.split(a_l0)
+            a1, a3 = tl.split(a_l1)
+            acc = tl.dot(a0, w0, acc, input_precision=PREC)
+            acc = tl.dot(a1, w1, acc, input_precision=PREC)
+            acc = tl.dot(a2, w2, acc, input_precision=PREC)
+            acc = tl.dot(a3, w3, acc, input_precision=PREC)
         elif FMT == 3:
             # one load per int32 word (contiguous along K), then 8 nibbles each: k = 8 * w + i
             kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # [BK/8]
@@ -462,15 +542,18 @@ def moe_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, wts: StackedWeights,
             dot_dtype = tl.float32  # the interpreter's bf16 tl.dot is wrong
         prec = "ieee" if dot_dtype == tl.float32 else "tf32"
     def launch(cfg: MoeConfig) -> None:
+        # int4 as int16 quads (four dots of K tile / 4 >= 16 columns; every quad in one group)
+        quads = wts.fmt == 3 and not cfg.swap_ab and cfg.block_k >= 64 and main.stride(2) == 1 and group_size % 4 == 0
+        b = main.view(torch.int16) if quads else main
         k_split = triton.cdiv(triton.cdiv(K, cfg.block_k), splits) * cfg.block_k  # whole K tiles per slice
         grid = (triton.cdiv(EM, cfg.block_m) * triton.cdiv(R, cfg.block_n), splits)
         _moe_gemm_kernel[grid](
-            a, a_scale_, main, scale_, zp_, gs_, c, topk_weights, bias_,
+            a, a_scale_, b, scale_, zp_, gs_, c, topk_weights, bias_,
             sorted_ids, expert_ids, num_post_pad,
             R, K, EM, num_valid, a_row_div, split_n, triton.cdiv(split_n, FP8_BLOCK), group_size,
             R // gs_.shape[1] if wts.global_scale is not None else R, k_split,
             a.stride(0), a.stride(1), a_scale_.stride(0), a_scale_.stride(-1),
-            main.stride(0), main.stride(1), main.stride(2),
+            b.stride(0), b.stride(1), b.stride(2),
             scale_.stride(0), scale_.stride(1), scale_.stride(-1),
             zp_.stride(0), zp_.stride(1), zp_.stride(-1),
             gs_.stride(0), bias_.stride(0),
@@ -479,7 +562,10 @@ def moe_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, wts: StackedWeights,
             FMT=wts.fmt, HAS_ZP=wts.zp is not None, GROUP_TILE=group_size % cfg.block_k == 0,
             EVEN_K=K % cfg.block_k == 0, FP4_GROUP=wts.fp4_group or 16, HAS_GS=wts.global_scale is not None,
             BS_TILE=wts.fmt == 1 and FP8_BLOCK % cfg.block_n == 0 and (split_n % cfg.block_n == 0 or split_n == R),
-            SPLIT=splits > 1, SWAP_AB=cfg.swap_ab, SILU=silu, CLAMPED=clamp is not None, ROUND=ROUND_CODE[c.dtype] if silu else 0,
+            SPLIT=splits > 1, SWAP_AB=cfg.swap_ab, QUADS=quads,
+            ASM=quads and INT4_ASM and dot_dtype in (tl.bfloat16, tl.float16) and scale.dtype == a.dtype
+            and not is_interpreted(_moe_gemm_kernel),
+            SILU=silu, CLAMPED=clamp is not None, ROUND=ROUND_CODE[c.dtype] if silu else 0,
             MUL_WEIGHT=bool(mul_weight), HAS_BIAS=bias is not None, SOFT_BF16=c.dtype == torch.bfloat16 and is_interpreted(_moe_gemm_kernel),
             DOT_DTYPE=dot_dtype, PREC=prec,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
