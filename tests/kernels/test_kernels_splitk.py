@@ -155,11 +155,14 @@ FUSE_CASES = [("dense-fp32", (5, 3, 96, 48, 2, None)), ("dense-bf16", (4, 3, 64,
 @pytest.mark.parametrize("case,shape", FUSE_CASES, ids=[c[0] for c in FUSE_CASES])
 def test_fused_silu_is_the_unfused_pipeline(case, shape, device):
     """silu(gate) * up in GEMM1's epilogue computes what GEMM1 + silu_and_mul do: the same
-    rounding of the product to the act dtype, the same silu, bit for bit (the interpreter runs
-    the same dots for both; N = 48 / 80 / 96 are not whole 32-row tiles)."""
+    rounding of the product to the act dtype, the same silu (N = 48 / 80 / 96 are not whole
+    32-row tiles). Bit for bit where the dot sums a column in one order wherever it lies; the
+    interpreter's dots are numpy's, whose BLAS on some CPUs (AMD EPYC here) sums the fused
+    tile's interleaved columns in another order: 1.5e-7 (fp32) to 1e-6 (fp16 rows) apart, while
+    a missed rounding of the fp16 product would be ~1e-4."""
     run, ref, tol = _problem(case, shape, device)
     fused = run(MoeConfig(16, 32, 32, 1, 4, 1, fuse_silu=True))
-    assert torch.equal(fused, run(MoeConfig(16, 32, 32, 1, 4, 1)))
+    assert rel_err(fused, run(MoeConfig(16, 32, 32, 1, 4, 1))) < 1e-5
     assert rel_err(fused, ref) < tol
     # W8A8 quantizes the silu output per group: fuse_silu does not apply, the output is the same
     if case == "dense-fp32":
@@ -218,18 +221,18 @@ DSV3_EP8, MIXTRAL = (32, 2048, 7168, 8), (8, 14336, 4096, 2)
 def test_rules_split_dequantizing_gemms_with_few_programs(scheme):
     """int4 / fp4 at decode are dequantization-bound: fewer than DEQUANT_PROGRAMS programs per SM
     (min(E, T*k) blocks of the narrower GEMM's 128-wide tiles) split K (H100, DeepSeek-V3 EP8
-    T=1: int4 144 -> 98 us, nvfp4 165 -> 107 us; fp4 with swapped operands and 128-wide K tiles:
-    nvfp4 107 -> 97 us); with more, one slice and silu fused."""
+    T=1: nvfp4 165 -> 107 us, with swapped operands and 128-wide K tiles 97 us; int4's quads
+    128 x 128 tiles in 4 + 1 slices: 72 us); with more, one slice and silu fused."""
     fp4 = scheme != "int4-group"
     for (E, N, H, k), T, split in ((DSV3_EP8, 1, True), (DSV3_EP8, 16, False), (MIXTRAL, 1, True),
                                    (MIXTRAL, 16, True)):
         cfg = mt.rule_config(scheme, E, N, H, k, T, torch.bfloat16, 128, H100_SMS)
         blocks = min(E, T * k) * -(-min(2 * N, H) // 128)
         assert split == (blocks < mt.DEQUANT_PROGRAMS * H100_SMS)
-        want = ((64, 4, 4) if fp4 else (128, 8, 4)) if split else (128, 1, 1)
+        want = ((64, 4, 4) if fp4 else (128, 4, 1)) if split else (128 if fp4 else 64, 1, 1)
         assert (cfg.block_n, cfg.split_w13, cfg.split_w2) == want and cfg.fuse_silu == (not split), (T, cfg)
         swap = fp4 and split
-        assert (cfg.block_m, cfg.block_k, cfg.num_stages, cfg.swap_ab) == (16, 128 if swap else 64, 3, swap)
+        assert (cfg.block_m, cfg.block_k, cfg.num_stages, cfg.swap_ab) == (16, 128 if swap or not fp4 else 64, 3, swap)
 
 
 @pytest.mark.parametrize("scheme", ["nvfp4", "mxfp4"])
