@@ -275,7 +275,7 @@ DECODE_SPLITS = ((2, 1), (2, 2), (4, 1), (4, 2), (4, 4), (8, 2), (8, 4))
 def candidates(scheme: str, layer: Layer, T: int) -> list:
     """The tile configs swept for one cell: decode (T <= 16) varies BLOCK_N, BLOCK_K, warps and
     the pipeline depth at BLOCK_M 16, and split-K of both GEMMs (DECODE_SPLITS, at the first
-    BLOCK_K, 4 warps, 3 or 4 stages); more tokens vary BLOCK_M around the expected pairs per
+    BLOCK_K, the dequantizing schemes' both, 4 warps, 3 or 4 stages); more tokens vary BLOCK_M around the expected pairs per
     expert (T*k/E_global), BLOCK_N, warps, stages and the M grouping; the old default and the
     rules' choice and the shipped table's entry always included. Where the activations stay 16-bit (not W8A8), each unsplit
     candidate also runs with silu in GEMM1's epilogue (``fuse_silu``; at decode those with 4
@@ -304,8 +304,9 @@ def candidates(scheme: str, layer: Layer, T: int) -> list:
                         if warps == 4 or bk >= 128:
                             out.append(MoeConfig(16, bn, bk, 1, warps, stages))
             for s13, s2 in DECODE_SPLITS:
-                for stages in (3, 4):
-                    out.append(MoeConfig(16, bn, dbks[0], 1, 4, stages, s13, s2))
+                for bk in dbks if dequant else dbks[:1]:  # int4's quads dequantize cheaply: wide K tiles too
+                    for stages in (3, 4):
+                        out.append(MoeConfig(16, bn, bk, 1, 4, stages, s13, s2))
         if scheme not in ("fp8-block", "fp8-channel"):
             out += [MoeConfig(16, bn, bk, 1, 4, stages, fuse_silu=True)
                     for bn in (64, 128, 256) for bk in dbks for stages in (3, 4, 5)]

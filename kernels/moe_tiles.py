@@ -171,14 +171,13 @@ def rule_config(scheme: str, E: int, N: int, H: int, top_k: int, T: int, act_dty
     DeepSeek-V3 EP8 at T=1 (~1.5 local experts) ran BLOCK_N 128 within 1.2 % of its best, while
     BLOCK_N 32 on all 256 experts ran 15 % slower. Split-K does not help the bf16 / fp8 GEMMs
     there (DeepSeek-V3 EP8 T=1, 3 active experts: GEMM1 at 2.3 TB/s bf16 with 1 to 8 slices, as
-    many programs as 384 or 3072), so they keep one slice. int4 and fp4 take BLOCK_K 64 and 3
-    stages; dequantization-bound, they want more programs than SMs: with fewer than
-    DEQUANT_PROGRAMS per SM (min(E, T*k) blocks of the narrower GEMM's 128-wide tiles) they
-    split K. DeepSeek-V3 EP8 T=1 on an H100, to each cell's best: 64-wide tiles in 4 + 4
-    slices 1.00 for int4, nvfp4 and mxfp4 (int4 144 -> 98 us, nvfp4 165 -> 107, mxfp4 147 ->
-    96); 128-wide tiles in 8 + 4 slices 1.03-1.09, in 4 + 2 1.01-1.33. fp4 takes the first; int4
-    keeps BLOCK_N 128 (the second), wider without a split (narrower unsplit tiles ran 12-66 %
-    slower; T=16, one slice: 128 wide 1.00-1.07, 64 wide 1.08-1.10).
+    many programs as 384 or 3072), so they keep one slice. int4 and fp4 take 3 stages and want
+    more programs than SMs: with fewer than DEQUANT_PROGRAMS per SM (min(E, T*k) blocks of the
+    narrower GEMM's 128-wide tiles) they split K. fp4 (BLOCK_K 64, dequantization-bound):
+    DeepSeek-V3 EP8 T=1 on an H100, 64-wide tiles in 4 + 4 slices (nvfp4 165 -> 107 us, mxfp4
+    147 -> 96). int4, whose tiles dequantize without conversions (moe_gemm's int16 quads),
+    takes 128 x 128 tiles in 4 + 1 slices there (72.3 us; the earlier 64 x 64 in 4 + 4 96.1 us),
+    and unsplit BLOCK_N 64 x BLOCK_K 128 with more programs (T=16: 269 us, 128 wide 297-301).
     Where the activations stay 16/32-bit (not W8A8) and GEMM1 is not split, silu(gate) * up is
     GEMM1's epilogue (``fuse_silu``): one kernel and one [P, 2N] round trip less.
 
@@ -187,43 +186,49 @@ def rule_config(scheme: str, E: int, N: int, H: int, top_k: int, T: int, act_dty
     one M tile (Mixtral T=128, ~32 pairs per expert: BLOCK_M 16 took 2.0x the time of 64).
     Past LARGE_PPE pairs per expert the compute-bound tiles: dense 128 x 256 x 64 with 8
     warps (128 x 128: 7-21 % slower); fp8-block 64 x 128 x 128 with 4 warps and group 32
-    (8 warps / group 8, the older default: 35-56 % slower); fp8-channel and int4 BLOCK_M 128;
+    (8 warps / group 8, the older default: 35-56 % slower); fp8-channel BLOCK_M 128; int4 128 x
+    256 x 128 with 8 warps (DeepSeek-V3 EP8 T=4096: 1741 us, 128 x 128 x 64 1956 us), its mid
+    tiles BLOCK_K 128 at BLOCK_M 16 (T=128: 411 us, 64-wide 451) and 64 with 4 stages above;
     fp4 BLOCK_M 256 with 8 warps and 3 stages, so each weight tile is dequantized once per 256
     pairs (DeepSeek-V3 EP8 T=4096, ~190 pairs an expert: mxfp4 2460 -> 2028 us, nvfp4 2825 ->
     2352; 2 stages 31 % slower), with swapped operands (``swap_ab``: mxfp4 2018 -> 1640 us,
     nvfp4 2354 -> 1693).
     fp4 at decode with few programs swaps operands too, 64 weight rows by 128-wide K tiles in 4 +
     4 slices (DeepSeek-V3 EP8 T=1: nvfp4 107 -> 97 us, mxfp4 96 -> 89). int4 keeps its unswapped
-    tiles (swapped: 5-25 % slower at T = 1 / 128 / 4096).
+    tiles (swapped, with the quads too: 8-16 % slower at T = 1 to 4096).
     """
     sch = SCHEMES[scheme]
     ppe = T * top_k / max(E, 1)
-    kind = "int4" if sch.groups or sch.fp4_group else scheme if sch.fp8_acts else "dense"  # fp4: int4's bytes
+    kind = "int4" if sch.groups else "fp4" if sch.fp4_group else scheme if sch.fp8_acts else "dense"
     fuse = not sch.fp8_acts
     narrow = min(2 * N, H)
     blocks = max(1, min(E, T * top_k))
     if T <= DECODE_T:
-        if kind == "int4":
+        if kind in ("int4", "fp4"):
             few = blocks * triton.cdiv(narrow, 128) < DEQUANT_PROGRAMS * num_sms
-            if few and sch.fp4_group:
+            if few and kind == "fp4":
                 cfg = MoeConfig(16, 64, 128, 1, 4, 3, 4, 4, swap_ab=True)
             elif few:
-                cfg = MoeConfig(16, 128, 64, 1, 4, 3, 8, 4)
+                cfg = MoeConfig(16, 128, 128, 1, 4, 3, 4, 1)
+            elif kind == "int4":
+                cfg = MoeConfig(16, 64, 128, 1, 4, 3, fuse_silu=fuse)
             else:
                 cfg = MoeConfig(16, 128, 64, 1, 4, 3, fuse_silu=fuse)
         else:
             bn = next((b for b in (128, 64, 32) if blocks * triton.cdiv(narrow, b) >= num_sms), 32)
             cfg = MoeConfig(16, bn, 128, 1, 4, 4, fuse_silu=fuse)
-    elif ppe > LARGE_PPE and sch.fp4_group:
+    elif ppe > LARGE_PPE and kind == "fp4":
         cfg = MoeConfig(256, 128, 64, 8, 8, 3, swap_ab=True)
     elif ppe > LARGE_PPE:
         cfg = MoeConfig(*{"dense": (128, 256, 64, 8, 8, 4), "fp8-block": (64, 128, 128, 32, 4, 3),
-                          "fp8-channel": (128, 128, 128, 8, 4, 3), "int4": (128, 128, 64, 8, 4, 3)}[kind])
+                          "fp8-channel": (128, 128, 128, 8, 4, 3), "int4": (128, 256, 128, 8, 8, 3)}[kind])
     else:
         bm = min(64, max(16, triton.next_power_of_2(math.ceil(1.5 * ppe))))
         gm = 1 if bm == 16 else 8
         cfg = {"dense": MoeConfig(bm, 128, 128, gm, 4, 3), "fp8-block": MoeConfig(bm, 128, 128, gm, 4, 3),
-               "fp8-channel": MoeConfig(bm, 64, 128, gm, 4, 3), "int4": MoeConfig(bm, 128, 64, gm, 4, 3)}[kind]
+               "fp8-channel": MoeConfig(bm, 64, 128, gm, 4, 3),
+               "int4": MoeConfig(bm, 128, 128, gm, 4, 3) if bm == 16 else MoeConfig(bm, 128, 64, gm, 4, 4),
+               "fp4": MoeConfig(bm, 128, 64, gm, 4, 3)}[kind]
         cfg = replace(cfg, fuse_silu=fuse)
     return _fit(sch, cfg, act_dtype, group_size)
 

@@ -146,12 +146,18 @@ def test_rules_fill_every_sm_at_decode(scheme, shape):
     assert rule_config(scheme, e, n, h, kk, 1, torch.bfloat16, 128, H100_SMS).block_n == 32
 
 
-def test_rules_int4_decode_keeps_wide_tiles():
-    """int4's packed rows are BLOCK_K / 2 bytes: narrow tiles ran 12-66 % slower on the H100."""
+def test_rules_int4_decode_takes_wide_k_tiles():
+    """int4's quads dequantize cheaply: 128-wide K tiles at decode, split K where few programs
+    (DeepSeek-V3 EP8 T=1: 128 x 128 in 4 + 1 slices), else 64 x 128 and silu fused (T=16)."""
+    E, N, H, k = DSV3_EP8
+    assert rule_config("int4-group", E, N, H, k, 1, torch.bfloat16, 128, H100_SMS) == MoeConfig(16, 128, 128, 1, 4, 3, 4, 1)
+    assert rule_config("int4-group", E, N, H, k, 16, torch.bfloat16, 128, H100_SMS) == \
+        MoeConfig(16, 64, 128, 1, 4, 3, fuse_silu=True)
     for E, N, H, k in (DSV3_EP8, DSV3_256, MIXTRAL):
         for T in (1, 16):
             cfg = rule_config("int4-group", E, N, H, k, T, torch.bfloat16, 128, H100_SMS)
-            assert (cfg.block_m, cfg.block_n, cfg.block_k) == (16, 128, 64)
+            assert (cfg.block_m, cfg.block_k, cfg.swap_ab) == (16, 128, False)
+            assert rule_config("int4-group", E, N, H, k, T, torch.bfloat16, 64, H100_SMS).block_k == 64  # g 64
 
 
 @pytest.mark.parametrize("scheme", list(SCHEMES))
