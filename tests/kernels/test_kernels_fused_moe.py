@@ -481,6 +481,29 @@ def test_silu_and_mul(device):
     torch.testing.assert_close(half.float(), ref, rtol=1e-3, atol=1e-3)
 
 
+def test_silu_blocks_give_decode_every_sm_and_keep_the_values(device, monkeypatch):
+    """Few rows: smaller blocks until the call has MIN_PROGRAMS programs (DeepSeek-V3 EP8 T=1,
+    8 pairs of N = 2048: 128 programs, was 4), never narrower than a quantization group; the
+    values do not depend on the blocks (forced here onto the interpreter)."""
+    from moetool.kernels import moe_silu as ms
+    assert ms.silu_blocks(8, 2048, 1024, False, False) == (1, 128)
+    assert ms.silu_blocks(8, 2048, 128, True, False) == (1, 128)  # fp8-block: 1 x 128 groups
+    assert ms.silu_blocks(8, 2048, 2048, True, True) == (1, 2048)  # per token: a program a row
+    assert ms.silu_blocks(4096, 2048, 1024, False, False) == (4, 1024)  # many rows: as before
+    x = torch.randn(5, 2 * 256) * 4
+    ids = torch.tensor([0, -1, 2, 1, 0])
+    want = silu_and_mul(x.to(device)).cpu(), silu_and_mul(x.to(device), ids.to(device), quant_fp8=True)
+    monkeypatch.setattr(ms, "is_interpreted", lambda fn: False)  # the GPU's blocks: [1, 128], 10 programs
+    monkeypatch.setattr(ms, "check_device", lambda fn, t: None)
+    monkeypatch.setattr(ms, "MIN_PROGRAMS", 8)
+    assert ms.silu_blocks(5, 256, 256, False, False, 8) == (1, 128)
+    got = silu_and_mul(x.to(device)), silu_and_mul(x.to(device), ids.to(device), quant_fp8=True, soft_fp8=device == "cpu")
+    assert torch.equal(got[0].cpu(), want[0])
+    keep = ids >= 0
+    assert torch.equal(got[1][0].cpu()[keep].view(torch.uint8), want[1][0].cpu()[keep].view(torch.uint8))
+    assert torch.equal(got[1][1].cpu()[keep], want[1][1].cpu()[keep])
+
+
 def test_moe_sum_bit_exact_and_ignores_dropped_rows(device):
     T, k, H = 9, 3, 70
     ids = torch.randint(-1, 4, (T, k))
