@@ -192,6 +192,10 @@ def _moe_gemm_kernel(
     FMT 3 int4-group (W4A16): B int32 [E, N, ceil(K/8)] nibbles, scale [E, N, ceil(K/g)],
           zero points [E, ceil(N/8), ceil(K/g)] (HAS_ZP); tile dequantized as (q - z) * s.
           GROUP_TILE: g % BLOCK_K == 0, so scales / zero points are loaded once per K tile.
+          QUADS (unswapped, BLOCK_K >= 64, g % 4 == 0): B read as int16 [E, N, K/4], element j
+          the codes of K columns 4j .. 4j + 3, dequantized by :func:`_int4_quads` (ASM: packed
+          16-bit PTX, no int -> float conversions) into four [BK/4, BN] tiles dotted with A's
+          columns 4j + n: the same dequantized values, summed in another order.
     FMT 4 fp4 (W4A16): B uint8 [E, N, K/2], e2m1 codes, k = 2j in the low nibble of byte j,
           2j + 1 in the high one; scale [E, N, K/FP4_GROUP] as uint8 bits: e4m3 divided by the
           global scale gs [E, P] of the row (HAS_GS, nvfp4: row n takes gs[n // gs_rows]), or
