@@ -15,10 +15,12 @@ from test_kernels_fused_moe import CASES, _to, fused_ref, make_hidden, make_rout
 
 QUADS = MoeConfig(16, 32, 64, 1, 4, 1)  # K tile 64: four dots of 16 columns
 PLAIN = MoeConfig(16, 32, 32, 1, 4, 1)  # K tile 32: the int32-word tile
-# (case, (T, E, H, N, k, g)): g = 64 one scale per K tile; g = 8 and 32 a scale per quad, with
-# zero points; H = 136 and N = 40 leave a ragged last K tile (and H a half-padded last word)
+# (case, (T, E, H, N, k, g)): g = 64 one scale (and zero point) per K tile: the codes are dotted
+# and the fp32 product scaled; g = 8 and 32 a scale per quad (the dequantized quads), with zero
+# points; H = 136 and N = 40 leave a ragged last K tile (and H a half-padded last word)
 QUAD_CASES = [
     ("int4-sym-fp16", (9, 3, 128, 64, 2, 64)),
+    ("int4-asym-fp16", (9, 3, 136, 40, 2, 64)),
     ("int4-asym-fp16", (9, 3, 136, 40, 2, 8)),
     ("int4-asym-fp32", (5, 2, 136, 64, 2, 32)),
 ]
@@ -41,13 +43,17 @@ def _problem(case, shape, device, hdtype=None):
     return run, ref, tol, w13
 
 
-@pytest.mark.parametrize("case,shape", QUAD_CASES, ids=[c[0] for c in QUAD_CASES])
+@pytest.mark.parametrize("case,shape", QUAD_CASES, ids=[f"{c[0]}-g{c[1][-1]}" for c in QUAD_CASES])
 def test_quads_match_ref_and_plain_tile(case, shape, device):
     run, ref, tol, _ = _problem(case, shape, device)
     quads, plain = run(QUADS), run(PLAIN)
     assert rel_err(quads, ref) < tol, rel_err(quads, ref)
-    # the same dequantized values, summed in another order
-    assert rel_err(quads, plain) < tol / 4, rel_err(quads, plain)
+    if shape[-1] % QUADS.block_k == 0:
+        # codes dotted, the fp32 product scaled: the weights are never rounded to the dot's dtype,
+        # closer to the reference than the plain tile (fp16: 3.3e-4 against 5.0e-4)
+        assert rel_err(quads, ref) < rel_err(plain, ref), (rel_err(quads, ref), rel_err(plain, ref))
+    else:  # the same dequantized values, summed in another order
+        assert rel_err(quads, plain) < tol / 4, rel_err(quads, plain)
 
 
 def test_quads_only_for_k_tiles_of_64(device, monkeypatch):
