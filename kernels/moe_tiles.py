@@ -175,9 +175,9 @@ def rule_config(scheme: str, E: int, N: int, H: int, top_k: int, T: int, act_dty
     more programs than SMs: with fewer than DEQUANT_PROGRAMS per SM (min(E, T*k) blocks of the
     narrower GEMM's 128-wide tiles) they split K. fp4 (BLOCK_K 64, dequantization-bound):
     DeepSeek-V3 EP8 T=1 on an H100, 64-wide tiles in 4 + 4 slices (nvfp4 165 -> 107 us, mxfp4
-    147 -> 96). int4, whose tiles dequantize without conversions (moe_gemm's int16 quads),
-    takes 128 x 128 tiles in 4 + 1 slices there (72.3 us; the earlier 64 x 64 in 4 + 4 96.1 us),
-    and unsplit BLOCK_N 64 x BLOCK_K 128 with more programs (T=16: 269 us, 128 wide 297-301).
+    147 -> 96). int4, whose tiles dequantize without conversions (moe_gemm's int16 quads and
+    codes), takes 128 x 128 tiles in 4 + 2 slices there (56.0 us; 4 + 1 58.7, the earlier 64 x
+    64 in 4 + 4 99.1), unsplit with more programs (T=16: 253.1 us, 64 wide 270.9).
     Where the activations stay 16/32-bit (not W8A8) and GEMM1 is not split, silu(gate) * up is
     GEMM1's epilogue (``fuse_silu``): one kernel and one [P, 2N] round trip less.
 
@@ -188,7 +188,7 @@ def rule_config(scheme: str, E: int, N: int, H: int, top_k: int, T: int, act_dty
     warps (128 x 128: 7-21 % slower); fp8-block 64 x 128 x 128 with 4 warps and group 32
     (8 warps / group 8, the older default: 35-56 % slower); fp8-channel BLOCK_M 128; int4 128 x
     256 x 128 with 8 warps (DeepSeek-V3 EP8 T=4096: 1741 us, 128 x 128 x 64 1956 us), its mid
-    tiles BLOCK_K 128 at BLOCK_M 16 (T=128: 411 us, 64-wide 451) and 64 with 4 stages above;
+    tiles 128 x 128 (T=128: 397.3 us, 64 wide 429.3; T=512 at BLOCK_M 32: 522.9, K tile 64 542.3);
     fp4 BLOCK_M 256 with 8 warps and 3 stages, so each weight tile is dequantized once per 256
     pairs (DeepSeek-V3 EP8 T=4096, ~190 pairs an expert: mxfp4 2460 -> 2028 us, nvfp4 2825 ->
     2352; 2 stages 31 % slower), with swapped operands (``swap_ab``: mxfp4 2018 -> 1640 us,
@@ -209,9 +209,9 @@ def rule_config(scheme: str, E: int, N: int, H: int, top_k: int, T: int, act_dty
             if few and kind == "fp4":
                 cfg = MoeConfig(16, 64, 128, 1, 4, 3, 4, 4, swap_ab=True)
             elif few:
-                cfg = MoeConfig(16, 128, 128, 1, 4, 3, 4, 1)
+                cfg = MoeConfig(16, 128, 128, 1, 4, 3, 4, 2)
             elif kind == "int4":
-                cfg = MoeConfig(16, 64, 128, 1, 4, 3, fuse_silu=fuse)
+                cfg = MoeConfig(16, 128, 128, 1, 4, 3, fuse_silu=fuse)
             else:
                 cfg = MoeConfig(16, 128, 64, 1, 4, 3, fuse_silu=fuse)
         else:
@@ -227,7 +227,7 @@ def rule_config(scheme: str, E: int, N: int, H: int, top_k: int, T: int, act_dty
         gm = 1 if bm == 16 else 8
         cfg = {"dense": MoeConfig(bm, 128, 128, gm, 4, 3), "fp8-block": MoeConfig(bm, 128, 128, gm, 4, 3),
                "fp8-channel": MoeConfig(bm, 64, 128, gm, 4, 3),
-               "int4": MoeConfig(bm, 128, 128, gm, 4, 3) if bm == 16 else MoeConfig(bm, 128, 64, gm, 4, 4),
+               "int4": MoeConfig(bm, 128, 128, gm, 4, 3),
                "fp4": MoeConfig(bm, 128, 64, gm, 4, 3)}[kind]
         cfg = replace(cfg, fuse_silu=fuse)
     return _fit(sch, cfg, act_dtype, group_size)

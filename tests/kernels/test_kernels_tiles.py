@@ -148,11 +148,11 @@ def test_rules_fill_every_sm_at_decode(scheme, shape):
 
 def test_rules_int4_decode_takes_wide_k_tiles():
     """int4's quads dequantize cheaply: 128-wide K tiles at decode, split K where few programs
-    (DeepSeek-V3 EP8 T=1: 128 x 128 in 4 + 1 slices), else 64 x 128 and silu fused (T=16)."""
+    (DeepSeek-V3 EP8 T=1: 128 x 128 in 4 + 2 slices), else one slice and silu fused (T=16)."""
     E, N, H, k = DSV3_EP8
-    assert rule_config("int4-group", E, N, H, k, 1, torch.bfloat16, 128, H100_SMS) == MoeConfig(16, 128, 128, 1, 4, 3, 4, 1)
+    assert rule_config("int4-group", E, N, H, k, 1, torch.bfloat16, 128, H100_SMS) == MoeConfig(16, 128, 128, 1, 4, 3, 4, 2)
     assert rule_config("int4-group", E, N, H, k, 16, torch.bfloat16, 128, H100_SMS) == \
-        MoeConfig(16, 64, 128, 1, 4, 3, fuse_silu=True)
+        MoeConfig(16, 128, 128, 1, 4, 3, fuse_silu=True)
     for E, N, H, k in (DSV3_EP8, DSV3_256, MIXTRAL):
         for T in (1, 16):
             cfg = rule_config("int4-group", E, N, H, k, T, torch.bfloat16, 128, H100_SMS)
