@@ -103,6 +103,7 @@ def _int4_quads(x, z, s, DOT_DTYPE: tl.constexpr, ASM: tl.constexpr):
         w3 = ((((x32 >> 12) & 0xF) - z).to(tl.float32) * sf).to(DOT_DTYPE)
         return w0, w1, w2, w3
 
+
 def _codes_asm(fma: str, one: int, magic: int, neg_bias: int) -> tl.constexpr:
     """:func:`_int4_codes`' PTX for one 16-bit type: $1 two int16 -> $0 the codes of their low
     nibbles, q - 8 (2^m + q from a lop3, minus 2^m + 8 by a packed fma: exact)."""
@@ -239,7 +240,9 @@ def _moe_gemm_kernel(
           QUADS (unswapped, BLOCK_K >= 64, g % 4 == 0): B read as int16 [E, N, K/4], element j
           the codes of K columns 4j .. 4j + 3, dequantized by :func:`_int4_quads` (ASM: packed
           16-bit PTX, no int -> float conversions) into four [BK/4, BN] tiles dotted with A's
-          columns 4j + n: the same dequantized values, summed in another order.
+          columns 4j + n: the same dequantized values, summed in another order. CODES (GROUP_TILE,
+          BLOCK_M < 64): the dots take the codes q - 8 (:func:`_int4_codes`, exact) and the fp32
+          product is scaled, minus (z - 8) * sum(a) for zero points: the weights never rounded.
     FMT 4 fp4 (W4A16): B uint8 [E, N, K/2], e2m1 codes, k = 2j in the low nibble of byte j,
           2j + 1 in the high one; scale [E, N, K/FP4_GROUP] as uint8 bits: e4m3 divided by the
           global scale gs [E, P] of the row (HAS_GS, nvfp4: row n takes gs[n // gs_rows]), or
@@ -611,6 +614,7 @@ def moe_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, wts: StackedWeights,
         # int4 as int16 quads (four dots of K tile / 4 >= 16 columns; every quad in one group)
         quads = wts.fmt == 3 and not cfg.swap_ab and cfg.block_k >= 64 and main.stride(2) == 1 and group_size % 4 == 0
         b = main.view(torch.int16) if quads else main
+        codes = INT4_CODES and cfg.block_m < 64 and group_size % cfg.block_k == 0  # (with quads)
         k_split = triton.cdiv(triton.cdiv(K, cfg.block_k), splits) * cfg.block_k  # whole K tiles per slice
         grid = (triton.cdiv(EM, cfg.block_m) * triton.cdiv(R, cfg.block_n), splits)
         _moe_gemm_kernel[grid](
@@ -628,9 +632,9 @@ def moe_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, wts: StackedWeights,
             FMT=wts.fmt, HAS_ZP=wts.zp is not None, GROUP_TILE=group_size % cfg.block_k == 0,
             EVEN_K=K % cfg.block_k == 0, FP4_GROUP=wts.fp4_group or 16, HAS_GS=wts.global_scale is not None,
             BS_TILE=wts.fmt == 1 and FP8_BLOCK % cfg.block_n == 0 and (split_n % cfg.block_n == 0 or split_n == R),
-            SPLIT=splits > 1, SWAP_AB=cfg.swap_ab, QUADS=quads,
-            ASM=quads and INT4_ASM and dot_dtype in (tl.bfloat16, tl.float16) and scale.dtype == a.dtype
-            and not is_interpreted(_moe_gemm_kernel), CODES=INT4_CODES and cfg.block_m < 64,
+            SPLIT=splits > 1, SWAP_AB=cfg.swap_ab, QUADS=quads, CODES=codes,
+            ASM=quads and INT4_ASM and dot_dtype in (tl.bfloat16, tl.float16) and not is_interpreted(_moe_gemm_kernel)
+            and (codes or scale.dtype == a.dtype),  # the dequantized quads multiply the scale in the dot's dtype
             SILU=silu, CLAMPED=clamp is not None, ROUND=ROUND_CODE[c.dtype] if silu else 0,
             MUL_WEIGHT=bool(mul_weight), HAS_BIAS=bias is not None, SOFT_BF16=c.dtype == torch.bfloat16 and is_interpreted(_moe_gemm_kernel),
             DOT_DTYPE=dot_dtype, PREC=prec,
