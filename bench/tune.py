@@ -275,8 +275,8 @@ DECODE_SPLITS = ((2, 1), (2, 2), (4, 1), (4, 2), (4, 4), (8, 2), (8, 4))
 def candidates(scheme: str, layer: Layer, T: int) -> list:
     """The tile configs swept for one cell: decode (T <= 16) varies BLOCK_N, BLOCK_K, warps and
     the pipeline depth at BLOCK_M 16, and split-K of both GEMMs (DECODE_SPLITS, at the first
-    BLOCK_K, the dequantizing schemes' both, 4 warps, 3 or 4 stages); more tokens vary BLOCK_M around the expected pairs per
-    expert (T*k/E_global), BLOCK_N, warps, stages and the M grouping; the old default and the
+    BLOCK_K, the dequantizing schemes' both, 4 warps, 3 or 4 stages); more tokens vary BLOCK_M
+    around the expected pairs per expert (T*k/E_global), BLOCK_N, warps, stages and the M grouping; the old default and the
     rules' choice and the shipped table's entry always included. Where the activations stay 16-bit (not W8A8), each unsplit
     candidate also runs with silu in GEMM1's epilogue (``fuse_silu``; at decode those with 4
     warps, also BLOCK_N 256: 128 gate and 128 up rows), and the dequantizing schemes (int4,

@@ -149,6 +149,8 @@ def silu_blocks(M: int, N: int, block_n: int, quant: bool, per_token: bool,
     while not quant and block_n > 128 and programs() < min_programs:
         block_n //= 2
     return block_m, block_n
+
+
 #: round_to's ROUND for an activation dtype
 ROUND_CODE = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 0}
 
