@@ -26,12 +26,12 @@ QUAD_CASES = [
 ]
 
 
-def _problem(case, shape, device, hdtype=None):
+def _problem(case, shape, device, hdtype=None, scale_dtype=None):
     fmt, case_dtype, symmetric, tol = CASES[case]
     hdtype = hdtype or case_dtype
     T, E, H, N, k, group = shape
-    w13, w2 = make_weights(fmt, E, H, N, group, bool(symmetric), dtype=hdtype if hdtype != torch.float32
-                           else torch.bfloat16)
+    w13, w2 = make_weights(fmt, E, H, N, group, bool(symmetric),
+                           dtype=scale_dtype or (hdtype if hdtype != torch.float32 else torch.bfloat16))
     ids, tw = make_routing(T, E, k)
     x, _ = make_hidden(T, H, hdtype)
     ref = fused_ref(x, w13, w2, fmt, ids, tw, group, bool(symmetric))
@@ -84,16 +84,20 @@ def test_quads_only_for_k_tiles_of_64(device, monkeypatch):
 
 GPU_TILES = [MoeConfig(16, 64, 64, 1, 4, 3, 4, 4), MoeConfig(16, 128, 128, 1, 4, 4, fuse_silu=True),
              MoeConfig(64, 128, 64, 8, 4, 3), MoeConfig(128, 128, 128, 8, 8, 3)]
-GPU_CASES = [("int4-sym-fp16", torch.bfloat16, 128), ("int4-sym-fp16", torch.float16, 128),
-             ("int4-asym-fp16", torch.bfloat16, 32), ("int4-asym-fp16", torch.float16, 64)]
+# (case, activations, g, scales): fp32 scales take the PTX only in the codes tiles (under 64 rows;
+# the dequantized quads multiply the scale in the dot's dtype)
+GPU_CASES = [("int4-sym-fp16", torch.bfloat16, 128, None), ("int4-sym-fp16", torch.float16, 128, None),
+             ("int4-asym-fp16", torch.bfloat16, 32, None), ("int4-asym-fp16", torch.float16, 64, None),
+             ("int4-sym-fp16", torch.bfloat16, 128, torch.float32)]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("case,hdtype,group", GPU_CASES, ids=[f"{c}-{str(d)[6:]}-g{g}" for c, d, g in GPU_CASES])
-def test_quads_ptx_bit_exact_gpu(case, hdtype, group, monkeypatch):
-    run, ref, _, w13 = _problem(case, (300, 8, 1024, 512, 8, group), "cuda", hdtype)
-    assert w13["weight_scale"].dtype == hdtype  # the PTX path's condition: scales in the dot's dtype
+@pytest.mark.parametrize("case,hdtype,group,scale_dtype", GPU_CASES,
+                         ids=[f"{c}-{str(d)[6:]}-g{g}" + ("-fp32-scales" if sd else "") for c, d, g, sd in GPU_CASES])
+def test_quads_ptx_bit_exact_gpu(case, hdtype, group, scale_dtype, monkeypatch):
+    run, ref, _, w13 = _problem(case, (300, 8, 1024, 512, 8, group), "cuda", hdtype, scale_dtype)
+    assert w13["weight_scale"].dtype == (scale_dtype or hdtype)
     for cfg in GPU_TILES:
         monkeypatch.setattr(mg, "INT4_ASM", True)
         asm = run(cfg)
