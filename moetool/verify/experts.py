@@ -105,8 +105,9 @@ class TorchExperts(ExpertsBackend):
     did not already), gate and up outputs rounded to the served dtype, silu(gate) * up rounded
     and, W8A8, quantized and dequantized again for the down GEMM, each pair's weighted output
     rounded, the sum over k in float32. Weight-only formats run their dequantized weights
-    rounded to the served dtype (as the W4A16 / bf16 kernels feed the tensor cores). Expert
-    biases (gpt-oss) are held in the served dtype and added to each GEMM's float32 result
+    rounded to the served dtype (as vLLM's W4A16 and the bf16 kernels feed the tensor cores;
+    moetool's int4 tiles under 64 rows keep theirs exact: docs/guide.md). Expert biases
+    (gpt-oss) are held in the served dtype and added to each GEMM's float32 result
     before it is rounded (as vLLM's fused MoE adds them in its epilogue), the down bias before
     the top-k weight; the activation is the experts' own (``LocalExperts.activation``)."""
 
