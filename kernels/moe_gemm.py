@@ -372,55 +372,49 @@ def _moe_gemm_kernel(
                         q = q - 8
                     w = (q.to(tl.float32) * s).to(DOT_DTYPE)
             acc = tl.dot(w, tl.trans(a.to(DOT_DTYPE)), acc, input_precision=PREC)
-        elif FMT == 3 and QUADS and GROUP_TILE and CODES:
-            # the tile's columns share each row's scale and zero point: dot the codes q - 8 (exact in
-            # DOT_DTYPE) and scale the fp32 product; the codes' only op is a unary asm, which lets the
-            # compiler load them straight into the MMA's operand layout (no shared-memory trip of the
-            # dequantized tile)
-            kq = k0 // 4 + tl.arange(0, BLOCK_K // 4)  # [BK/4]
-            x = _load_k(b_base + offs_bn64[None, :] * stride_bn + kq[:, None] * stride_bk,
-                        None, (kq < 2 * tl.cdiv(K, 8))[:, None], EVEN_K)  # [BK/4, BN] int16
-            a0, a1, a2, a3 = _quad_columns(a.to(DOT_DTYPE), BLOCK_M, BLOCK_K)
-            p = tl.dot(a0, _int4_codes(x, 0, DOT_DTYPE, ASM), input_precision=PREC)
-            p = tl.dot(a1, _int4_codes(x, 1, DOT_DTYPE, ASM), p, input_precision=PREC)
-            p = tl.dot(a2, _int4_codes(x, 2, DOT_DTYPE, ASM), p, input_precision=PREC)
-            p = tl.dot(a3, _int4_codes(x, 3, DOT_DTYPE, ASM), p, input_precision=PREC)
-            grp = k0 // group_k
-            s = tl.load(b_scale_ptr + expert * stride_se + offs_bn64 * stride_sn + grp * stride_sk).to(tl.float32)
-            if HAS_ZP:  # (q - z) * s summed = s * (sum a (q - 8) - (z - 8) sum a)
-                zw = tl.load(b_zp_ptr + expert * stride_ze + (offs_bn64 // 8) * stride_zn + grp * stride_zk)
-                z8 = (((zw >> ((offs_bn % 8) * 4)) & 0xF) - 8).to(tl.float32)  # [BN]
-                p = p - tl.sum(a.to(DOT_DTYPE).to(tl.float32), axis=1)[:, None] * z8[None, :]
-            acc += p * s[None, :]
         elif FMT == 3 and QUADS:  # B as int16 [E, N, K/4]: element j holds K columns 4j .. 4j + 3
             kq = k0 // 4 + tl.arange(0, BLOCK_K // 4)  # [BK/4]
+            q_mask = (kq < 2 * tl.cdiv(K, 8))[:, None]
             x = _load_k(b_base + offs_bn64[None, :] * stride_bn + kq[:, None] * stride_bk,
-                        None, (kq < 2 * tl.cdiv(K, 8))[:, None], EVEN_K)  # [BK/4, BN] int16
+                        None, q_mask, EVEN_K)  # [BK/4, BN] int16
+            a0, a1, a2, a3 = _quad_columns(a.to(DOT_DTYPE), BLOCK_M, BLOCK_K)
             if GROUP_TILE:  # the K tile lies in one group: one scale / zero point per column
                 grp = k0 // group_k
-                s = tl.load(b_scale_ptr + expert * stride_se + offs_bn64 * stride_sn + grp * stride_sk)[None, :]
+                s = tl.load(b_scale_ptr + expert * stride_se + offs_bn64 * stride_sn + grp * stride_sk)  # [BN]
                 if HAS_ZP:
                     zw = tl.load(b_zp_ptr + expert * stride_ze + (offs_bn64 // 8) * stride_zn + grp * stride_zk)
-                    z = ((zw >> ((offs_bn % 8) * 4)) & 0xF)[None, :]  # z + 8
+                    z = (zw >> ((offs_bn % 8) * 4)) & 0xF  # z + 8
                 else:
-                    z = tl.full([1, BLOCK_N], 8, tl.int32)
+                    z = tl.full([BLOCK_N], 8, tl.int32)
             else:  # groups of g >= 4 columns: element j's four in one
                 grp = (k0 + 4 * tl.arange(0, BLOCK_K // 4)) // group_k  # [BK/4]
-                g_mask = (kq < 2 * tl.cdiv(K, 8))[:, None]
                 s = tl.load(b_scale_ptr + expert * stride_se + offs_bn64[None, :] * stride_sn + grp[:, None] * stride_sk,
-                            mask=g_mask, other=0.0)
+                            mask=q_mask, other=0.0)
                 if HAS_ZP:
                     zw = tl.load(b_zp_ptr + expert * stride_ze + (offs_bn64 // 8)[None, :] * stride_zn
-                                 + grp[:, None] * stride_zk, mask=g_mask, other=0)
+                                 + grp[:, None] * stride_zk, mask=q_mask, other=0)
                     z = (zw >> ((offs_bn % 8) * 4)[None, :]) & 0xF
                 else:
                     z = tl.full([1, BLOCK_N], 8, tl.int32)
-            w0, w1, w2, w3 = _int4_quads(x, z, s, DOT_DTYPE, ASM)  # [BK/4, BN] each: K columns 4j + n
-            a0, a1, a2, a3 = _quad_columns(a.to(DOT_DTYPE), BLOCK_M, BLOCK_K)
-            acc = tl.dot(a0, w0, acc, input_precision=PREC)
-            acc = tl.dot(a1, w1, acc, input_precision=PREC)
-            acc = tl.dot(a2, w2, acc, input_precision=PREC)
-            acc = tl.dot(a3, w3, acc, input_precision=PREC)
+            if GROUP_TILE and CODES:
+                # dot the codes q - 8 (exact in DOT_DTYPE) and scale the fp32 product: the codes' only
+                # op is a unary asm, which lets the compiler load them straight into the MMA's operand
+                # layout (no shared-memory trip of a dequantized tile)
+                p = tl.dot(a0, _int4_codes(x, 0, DOT_DTYPE, ASM), input_precision=PREC)
+                p = tl.dot(a1, _int4_codes(x, 1, DOT_DTYPE, ASM), p, input_precision=PREC)
+                p = tl.dot(a2, _int4_codes(x, 2, DOT_DTYPE, ASM), p, input_precision=PREC)
+                p = tl.dot(a3, _int4_codes(x, 3, DOT_DTYPE, ASM), p, input_precision=PREC)
+                if HAS_ZP:  # (q - z) * s summed = s * (sum a (q - 8) - (z - 8) sum a)
+                    p = p - tl.sum(a.to(DOT_DTYPE).to(tl.float32), axis=1)[:, None] * (z - 8).to(tl.float32)[None, :]
+                acc += p * s.to(tl.float32)[None, :]
+            else:
+                if GROUP_TILE:
+                    s, z = s[None, :], z[None, :]
+                w0, w1, w2, w3 = _int4_quads(x, z, s, DOT_DTYPE, ASM)  # [BK/4, BN] each: K columns 4j + n
+                acc = tl.dot(a0, w0, acc, input_precision=PREC)
+                acc = tl.dot(a1, w1, acc, input_precision=PREC)
+                acc = tl.dot(a2, w2, acc, input_precision=PREC)
+                acc = tl.dot(a3, w3, acc, input_precision=PREC)
         elif FMT == 3:
             # one load per int32 word (contiguous along K), then 8 nibbles each: k = 8 * w + i
             kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # [BK/8]
@@ -614,7 +608,8 @@ def moe_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, wts: StackedWeights,
         # int4 as int16 quads (four dots of K tile / 4 >= 16 columns; every quad in one group)
         quads = wts.fmt == 3 and not cfg.swap_ab and cfg.block_k >= 64 and main.stride(2) == 1 and group_size % 4 == 0
         b = main.view(torch.int16) if quads else main
-        codes = INT4_CODES and cfg.block_m < 64 and group_size % cfg.block_k == 0  # (with quads)
+        group_tile = group_size % cfg.block_k == 0
+        codes = INT4_CODES and cfg.block_m < 64 and group_tile  # (with quads)
         k_split = triton.cdiv(triton.cdiv(K, cfg.block_k), splits) * cfg.block_k  # whole K tiles per slice
         grid = (triton.cdiv(EM, cfg.block_m) * triton.cdiv(R, cfg.block_n), splits)
         _moe_gemm_kernel[grid](
@@ -629,7 +624,7 @@ def moe_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, wts: StackedWeights,
             gs_.stride(0), bias_.stride(0),
             c.stride(0) if splits > 1 else 0, c.stride(-2), c.stride(-1),
             float(clamp[0]) if clamp else 1.0, float(clamp[1]) if clamp else 0.0,
-            FMT=wts.fmt, HAS_ZP=wts.zp is not None, GROUP_TILE=group_size % cfg.block_k == 0,
+            FMT=wts.fmt, HAS_ZP=wts.zp is not None, GROUP_TILE=group_tile,
             EVEN_K=K % cfg.block_k == 0, FP4_GROUP=wts.fp4_group or 16, HAS_GS=wts.global_scale is not None,
             BS_TILE=wts.fmt == 1 and FP8_BLOCK % cfg.block_n == 0 and (split_n % cfg.block_n == 0 or split_n == R),
             SPLIT=splits > 1, SWAP_AB=cfg.swap_ab, QUADS=quads, CODES=codes,
