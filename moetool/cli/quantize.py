@@ -22,7 +22,7 @@ from moetool.convert import gpu_start
 from moetool.errors import MoetoolError
 from moetool.lazy import import_module
 from moetool.read import code_files
-from moetool.read.prefetch import idle_class_waits, prefetch
+from moetool.read.prefetch import prefetch
 
 HELP = "Requantize routed-expert weights; everything else passes through bit-identical."
 
@@ -84,20 +84,13 @@ def _prefetch_source(args: list[str]) -> None:
     """The command is built from the format registry, so torch is imported (4 s on an H100
     host) before its arguments are parsed: meanwhile the kernel reads the source, taken as the
     first checkpoint folder after ``quantize`` in the process's arguments (a hint only: the
-    parsed arguments decide what is converted).
-
-    The reads run in the idle I/O class. Where the disk's scheduler serves that class behind
-    every other request (mq-deadline, bfq) they start at once, beside the code warm-up; on an
-    H100 host's mq-deadline disk, 6.5 GB cold, that took 0.6-1.0 s off each of three paired
-    runs. Elsewhere (``none``: the class is ignored) bulk reads would starve the warm-up's
-    small reads, so they wait for its end."""
+    parsed arguments decide what is converted)."""
     if "quantize" not in args:
         return
     for arg in args[args.index("quantize") + 1:]:
         if not arg.startswith("-") and os.path.isdir(arg) and any(Path(arg).glob("*.safetensors")):
-            warm = code_files.warming()
-            wait = warm is not None and not idle_class_waits(Path(arg))
-            prefetch(Path(arg), idle=True, after=warm.wait if wait else None)
+            warm = code_files.warming()  # the imports' code first: bulk reads would starve its small reads
+            prefetch(Path(arg), idle=True, after=None if warm is None else warm.wait)
             return
 
 

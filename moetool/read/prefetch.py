@@ -44,34 +44,6 @@ _IOPRIO_SET = {"x86_64": 251, "aarch64": 30}
 _IOPRIO_WHO_PROCESS, _IOPRIO_CLASS_IDLE, _IOPRIO_CLASS_SHIFT = 1, 3, 13
 
 
-#: I/O schedulers that serve the idle class only when no other request waits
-PRIORITY_SCHEDULERS = ("mq-deadline", "bfq")
-
-
-def disk_scheduler(path: Path, sysfs: Path = Path("/sys")) -> str | None:
-    """The active I/O scheduler of the block device holding ``path`` (``mq-deadline``,
-    ``bfq``, ``none``...), or None where there is none to read (an overlay or network file
-    system, a device mapper's queue without one, not Linux)."""
-    try:
-        dev = os.stat(path).st_dev
-        node = (sysfs / "dev" / "block" / f"{os.major(dev)}:{os.minor(dev)}").resolve(strict=True)
-        if (node / "partition").exists():
-            node = node.parent  # a partition's queue is its disk's
-        text = (node / "queue" / "scheduler").read_text()
-    except (OSError, ValueError):
-        return None
-    start, end = text.find("["), text.find("]")
-    if 0 <= start < end:
-        return text[start + 1:end]
-    return text.strip() or None  # a single scheduler is listed without brackets
-
-
-def idle_class_waits(path: Path, sysfs: Path = Path("/sys")) -> bool:
-    """True where the disk holding ``path`` serves idle-class reads behind every other request
-    (:data:`PRIORITY_SCHEDULERS`): a read-ahead there cannot starve the imports' small reads."""
-    return disk_scheduler(path, sysfs) in PRIORITY_SCHEDULERS
-
-
 def idle_io_priority() -> bool:
     """This thread's reads and writes to the idle I/O class (Linux ``ioprio_set``): the disk
     serves them only when no other request waits (schedulers with priorities: mq-deadline,

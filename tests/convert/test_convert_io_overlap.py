@@ -318,40 +318,8 @@ def test_prefetch_reads_the_source_named_after_quantize(tiny, tmp_path, monkeypa
 
     warm = Warm()
     monkeypatch.setattr(code_files, "_warming", warm)
-    for honored in (False, True):  # behind the warm-up, unless the disk serves idle reads last
-        monkeypatch.setattr(cli_quantize, "idle_class_waits", lambda path, honored=honored: honored)
-        cli_quantize._prefetch_source(["quantize", str(src), str(tmp_path / "out")])
-    assert asked[1:] == [(src, True, warm.wait), (src, True, None)]
-
-
-def test_disk_scheduler_is_read_from_the_queue_of_the_disk_holding_the_path(tmp_path):
-    """The active scheduler (in brackets) of the file's device; a partition's is its disk's; a
-    single one listed bare; None without a queue. Only mq-deadline and bfq let idle reads wait."""
-    from moetool.read.prefetch import disk_scheduler, idle_class_waits
-
-    data = tmp_path / "ckpt"
-    data.mkdir()
-    dev = os.stat(data).st_dev
-    sysfs = tmp_path / "sys"
-    disk = sysfs / "devices" / "virtual" / "vda"
-    (disk / "queue").mkdir(parents=True)
-    (sysfs / "dev" / "block").mkdir(parents=True)
-    link = sysfs / "dev" / "block" / f"{os.major(dev)}:{os.minor(dev)}"
-    assert disk_scheduler(data, sysfs) is None and not idle_class_waits(data, sysfs)  # no such device
-    link.symlink_to(disk)
-    assert disk_scheduler(data, sysfs) is None  # a device without a scheduler file
-    cases = [("none [mq-deadline] kyber bfq\n", "mq-deadline", True), ("[none] mq-deadline\n", "none", False),
-             ("mq-deadline [bfq]\n", "bfq", True), ("none\n", "none", False), ("[kyber] none\n", "kyber", False)]
-    for text, active, waits in cases:
-        (disk / "queue" / "scheduler").write_text(text)
-        assert (disk_scheduler(data, sysfs), idle_class_waits(data, sysfs)) == (active, waits), text
-    part = disk / "vda1"
-    part.mkdir()
-    (part / "partition").write_text("1\n")
-    link.unlink()
-    link.symlink_to(part)
-    assert disk_scheduler(data, sysfs) == "kyber"  # the disk's queue
-    assert disk_scheduler(tmp_path / "missing", sysfs) is None
+    cli_quantize._prefetch_source(["quantize", str(src), str(tmp_path / "out")])
+    assert asked[1] == (src, True, warm.wait)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or os.uname().machine != "x86_64", reason="ioprio_get")
