@@ -3,6 +3,8 @@ moetool.formats), plus the align / silu / sum steps on their own.
 
 Letters: T tokens, H hidden, N intermediate, E local experts, k top-k.
 """
+from typing import Callable, NamedTuple
+
 import pytest
 import torch
 from moetool.formats import format_params, get_format
@@ -154,21 +156,45 @@ def rel_err(out, ref):
     return ((out.float().cpu() - ref.float().cpu()).norm() / ref.float().cpu().norm().clamp(min=1e-30)).item()
 
 
-def run_case(case, shape, device, apply_router_weight=True):
-    fmt, hdtype, symmetric, tol = CASES[case]
+class Problem(NamedTuple):
+    """One case's inputs, made on the CPU, and what checks them."""
+    run: Callable  # run(config=None, **fused_experts options) -> fused_experts' output on CPU
+    ref: torch.Tensor  # fused_experts_ref's output [T, H]
+    tol: float  # the case's relative error bound against ref
+    hdtype: torch.dtype  # the activations' dtype
+    ids: torch.Tensor  # topk_ids [T, k], -1 for experts on other ranks
+    w13: dict  # the stacked w13 tensors
+
+
+def make_problem(case, shape, device, hdtype=None, weight_dtype=torch.bfloat16, apply_router_weight=True) -> Problem:
+    """A case of CASES at shape (T, E, H, N, k, g; g None: 128): random weights in
+    ``weight_dtype`` (int4's scales take it) quantized to the case's format, routing with half
+    of the experts on other ranks, activations in ``hdtype`` (default: the case's; e4m3 with
+    their scales for W8A8), and the reference's output."""
+    fmt, case_dtype, symmetric, tol = CASES[case]
+    hdtype = hdtype or case_dtype
     T, E, H, N, k, group = shape
-    w13, w2 = make_weights(fmt, E, H, N, group, bool(symmetric))
+    group = group or 128
+    w13, w2 = make_weights(fmt, E, H, N, group, bool(symmetric), dtype=weight_dtype)
     ids, tw = make_routing(T, E, k)
     x, xs = make_hidden(T, H, hdtype, SCHEMES[fmt].act_group)
-    kwargs = {"hidden_scale": xs, "apply_router_weight": apply_router_weight}
-    ref = fused_ref(x, w13, w2, fmt, ids, tw, group, bool(symmetric), **kwargs)
-    kwargs["hidden_scale"] = xs.to(device) if xs is not None else None
-    if group is not None:
-        kwargs["group_size"] = group
-    out = fm.fused_experts(x.to(device), _to(w13, device), _to(w2, device), fmt, ids.to(device), tw.to(device),
-                           **kwargs)
-    assert out.dtype == torch.float32 and out.shape == (T, H)
-    return out.cpu(), ref, tol, ids
+    ref = fused_ref(x, w13, w2, fmt, ids, tw, group, bool(symmetric), hidden_scale=xs,
+                    apply_router_weight=apply_router_weight)
+    args = (x.to(device), _to(w13, device), _to(w2, device), fmt, ids.to(device), tw.to(device))
+    hidden_scale = xs.to(device) if xs is not None else None
+
+    def run(config=None, **options):
+        return fm.fused_experts(*args, hidden_scale=hidden_scale, group_size=group, config=config,
+                                apply_router_weight=apply_router_weight, **options).cpu()
+
+    return Problem(run, ref, tol, hdtype, ids, w13)
+
+
+def run_case(case, shape, device, apply_router_weight=True):
+    p = make_problem(case, shape, device, apply_router_weight=apply_router_weight)
+    out = p.run()
+    assert out.dtype == torch.float32 and out.shape == shape[:1] + shape[2:3]
+    return out, p.ref, p.tol, p.ids
 
 
 @pytest.mark.parametrize("case,shape", [pytest.param(c, s, id="{}-T{}-E{}-H{}-N{}-k{}-g{}".format(c, *s))

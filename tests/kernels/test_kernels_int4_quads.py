@@ -7,11 +7,10 @@ Letters: T tokens, H hidden, N intermediate, E local experts, k top-k, g int4 gr
 """
 import pytest
 import torch
-from moetool.kernels import fused_moe as fm
 from moetool.kernels import moe_gemm as mg
 from moetool.kernels.moe_tiles import MoeConfig
 
-from test_kernels_fused_moe import CASES, _to, fused_ref, make_hidden, make_routing, make_weights, rel_err
+from test_kernels_fused_moe import CASES, make_problem, rel_err
 
 QUADS = MoeConfig(16, 32, 64, 1, 4, 1)  # K tile 64: four dots of 16 columns
 PLAIN = MoeConfig(16, 32, 32, 1, 4, 1)  # K tile 32: the int32-word tile
@@ -27,25 +26,14 @@ QUAD_CASES = [
 
 
 def _problem(case, shape, device, hdtype=None, scale_dtype=None):
-    fmt, case_dtype, symmetric, tol = CASES[case]
-    hdtype = hdtype or case_dtype
-    T, E, H, N, k, group = shape
-    w13, w2 = make_weights(fmt, E, H, N, group, bool(symmetric),
-                           dtype=scale_dtype or (hdtype if hdtype != torch.float32 else torch.bfloat16))
-    ids, tw = make_routing(T, E, k)
-    x, _ = make_hidden(T, H, hdtype)
-    ref = fused_ref(x, w13, w2, fmt, ids, tw, group, bool(symmetric))
-    args = (x.to(device), _to(w13, device), _to(w2, device), fmt, ids.to(device), tw.to(device))
-
-    def run(cfg):
-        return fm.fused_experts(*args, group_size=group, config=cfg).cpu()
-
-    return run, ref, tol, w13
+    """make_problem with int4 scales in the activations' 16-bit dtype (bf16 under fp32) unless given."""
+    hdtype = hdtype or CASES[case][1]
+    return make_problem(case, shape, device, hdtype, scale_dtype or (hdtype if hdtype != torch.float32 else torch.bfloat16))
 
 
 @pytest.mark.parametrize("case,shape", QUAD_CASES, ids=[f"{c[0]}-g{c[1][-1]}" for c in QUAD_CASES])
 def test_quads_match_ref_and_plain_tile(case, shape, device):
-    run, ref, tol, _ = _problem(case, shape, device)
+    run, ref, tol = _problem(case, shape, device)[:3]
     quads, plain = run(QUADS), run(PLAIN)
     assert rel_err(quads, ref) < tol, rel_err(quads, ref)
     if shape[-1] % QUADS.block_k == 0:
@@ -72,7 +60,7 @@ def test_quads_only_for_k_tiles_of_64(device, monkeypatch):
     interpreted = mg.is_interpreted(real)
     monkeypatch.setattr(mg, "_moe_gemm_kernel", Spy())
     monkeypatch.setattr(mg, "is_interpreted", lambda fn: interpreted)
-    run, ref, tol, _ = _problem("int4-sym-fp16", (3, 2, 128, 64, 2, 64), device)
+    run, ref, tol = _problem("int4-sym-fp16", (3, 2, 128, 64, 2, 64), device)[:3]
     assert rel_err(run(QUADS), ref) < tol
     assert taken == [True, True]
     taken.clear()
@@ -96,7 +84,8 @@ GPU_CASES = [("int4-sym-fp16", torch.bfloat16, 128, None), ("int4-sym-fp16", tor
 @pytest.mark.parametrize("case,hdtype,group,scale_dtype", GPU_CASES,
                          ids=[f"{c}-{str(d)[6:]}-g{g}" + ("-fp32-scales" if sd else "") for c, d, g, sd in GPU_CASES])
 def test_quads_ptx_bit_exact_gpu(case, hdtype, group, scale_dtype, monkeypatch):
-    run, ref, _, w13 = _problem(case, (300, 8, 1024, 512, 8, group), "cuda", hdtype, scale_dtype)
+    p = _problem(case, (300, 8, 1024, 512, 8, group), "cuda", hdtype, scale_dtype)
+    run, ref, w13 = p.run, p.ref, p.w13
     assert w13["weight_scale"].dtype == (scale_dtype or hdtype)
     for cfg in GPU_TILES:
         monkeypatch.setattr(mg, "INT4_ASM", True)

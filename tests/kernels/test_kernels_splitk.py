@@ -19,7 +19,7 @@ from moetool.kernels.moe_weights import SCHEMES, dequantize_stacked, parse_weigh
 
 from moetool.errors import MoetoolError
 
-from test_kernels_fused_moe import CASES, _to, fused_ref, make_hidden, make_routing, make_weights, rel_err, weight_format
+from test_kernels_fused_moe import CASES, _to, fused_ref, make_problem, make_routing, make_weights, rel_err, weight_format
 
 # (case of test_kernels_fused_moe.CASES, (T, E, H, N, k, g), split_w13, split_w2): K spans
 # several tiles (fp8-block: 128 wide) and does not always divide into the slices (H 320 / 32 =
@@ -38,27 +38,10 @@ def _tile_k(fmt):
     return 128 if SCHEMES[fmt].fp8_acts else 32
 
 
-def _problem(case, shape, device):
-    """One case's inputs -> (run(cfg) -> fused_experts' output on CPU, the reference, tolerance)."""
-    fmt, hdtype, symmetric, tol = CASES[case]
-    T, E, H, N, k, group = shape
-    w13, w2 = make_weights(fmt, E, H, N, group or 128, bool(symmetric))
-    ids, tw = make_routing(T, E, k)
-    x, xs = make_hidden(T, H, hdtype, SCHEMES[fmt].act_group)
-    ref = fused_ref(x, w13, w2, fmt, ids, tw, group or 128, bool(symmetric), hidden_scale=xs)
-    args = (x.to(device), _to(w13, device), _to(w2, device), fmt, ids.to(device), tw.to(device))
-    xs_ = xs.to(device) if xs is not None else None
-
-    def run(cfg):
-        return fm.fused_experts(*args, hidden_scale=xs_, group_size=group or 128, config=cfg).cpu()
-
-    return run, ref, tol
-
-
 @pytest.mark.parametrize("case,shape,s13,s2", SPLIT_CASES, ids=[c[0] for c in SPLIT_CASES])
 def test_split_fused_experts_matches_ref_and_unsplit(case, shape, s13, s2, device):
     bk = _tile_k(CASES[case][0])
-    run, ref, tol = _problem(case, shape, device)
+    run, ref, tol = make_problem(case, shape, device)[:3]
     split = run(MoeConfig(16, 32, bk, 1, 4, 1, s13, s2))
     whole = run(MoeConfig(16, 32, bk, 1, 4, 1))
     assert rel_err(split, ref) < tol, rel_err(split, ref)
@@ -160,13 +143,13 @@ def test_fused_silu_is_the_unfused_pipeline(case, shape, device):
     interpreter's dots are numpy's, whose BLAS on some CPUs (AMD EPYC here) sums the fused
     tile's interleaved columns in another order: 1.5e-7 (fp32) to 1e-6 (fp16 rows) apart, while
     a missed rounding of the fp16 product would be ~1e-4."""
-    run, ref, tol = _problem(case, shape, device)
+    run, ref, tol = make_problem(case, shape, device)[:3]
     fused = run(MoeConfig(16, 32, 32, 1, 4, 1, fuse_silu=True))
     assert rel_err(fused, run(MoeConfig(16, 32, 32, 1, 4, 1))) < 1e-5
     assert rel_err(fused, ref) < tol
     # W8A8 quantizes the silu output per group: fuse_silu does not apply, the output is the same
     if case == "dense-fp32":
-        run8, _, _ = _problem("fp8-block-w8a8", (3, 2, 128, 64, 2, None), device)
+        run8 = make_problem("fp8-block-w8a8", (3, 2, 128, 64, 2, None), device).run
         assert torch.equal(run8(MoeConfig(16, 32, 128, 1, 4, 1, fuse_silu=True)), run8(MoeConfig(16, 32, 128, 1, 4, 1)))
 
 
@@ -270,7 +253,7 @@ GPU_SPLIT = [("dense-bf16", "dense", torch.bfloat16, 8e-3), ("fp8-block-bf16", "
 @pytest.mark.parametrize("name,fmt,hdtype,tol", GPU_SPLIT, ids=[c[0] for c in GPU_SPLIT])
 def test_split_and_fused_silu_gpu(name, fmt, hdtype, tol, monkeypatch):
     monkeypatch.setitem(CASES, name, (fmt, hdtype, True, tol))
-    run, ref, _ = _problem(name, (5, 8, 1024, 512, 8, 128), "cuda")
+    run, ref = make_problem(name, (5, 8, 1024, 512, 8, 128), "cuda")[:2]
     bk = 128 if fmt != "int4-group" else 64
     outs = {}
     for cfg in (MoeConfig(16, 64, bk, 1, 4, 4), MoeConfig(16, 64, bk, 1, 4, 4, 4, 2),

@@ -16,7 +16,7 @@ from moetool.kernels.moe_weights import parse_weights
 
 from moetool.errors import MoetoolError
 
-from test_kernels_fused_moe import CASES, _to, fused_ref, make_hidden, make_routing, make_weights, rel_err
+from test_kernels_fused_moe import CASES, _to, fused_ref, make_problem, make_routing, make_weights, rel_err
 
 # (case of test_kernels_fused_moe.CASES, (T, E, H, N, k, g), tiles): int4 with g a multiple of
 # the K tile (one scale per tile: the prefetched path), g = 8 < BLOCK_K (scales per element) and
@@ -35,25 +35,9 @@ TILE = MoeConfig(16, 32, 32, 1, 4, 1)
 SWAPPED = MoeConfig(16, 32, 32, 1, 4, 1, swap_ab=True)
 
 
-def _problem(case, shape, device):
-    """One case's inputs -> (run(cfg) -> fused_experts' output on CPU, the reference, tolerance)."""
-    fmt, hdtype, symmetric, tol = CASES[case]
-    T, E, H, N, k, group = shape
-    w13, w2 = make_weights(fmt, E, H, N, group or 128, bool(symmetric))
-    ids, tw = make_routing(T, E, k)
-    x, _ = make_hidden(T, H, hdtype)
-    ref = fused_ref(x, w13, w2, fmt, ids, tw, group or 128, bool(symmetric))
-    args = (x.to(device), _to(w13, device), _to(w2, device), fmt, ids.to(device), tw.to(device))
-
-    def run(cfg):
-        return fm.fused_experts(*args, group_size=group or 128, config=cfg).cpu()
-
-    return run, ref, tol, hdtype
-
-
 @pytest.mark.parametrize("case,shape", SWAP_CASES, ids=[c[0] for c in SWAP_CASES])
 def test_swapped_matches_ref_and_unswapped(case, shape, device):
-    run, ref, tol, hdtype = _problem(case, shape, device)
+    run, ref, tol, hdtype = make_problem(case, shape, device)[:4]
     swapped, plain = run(SWAPPED), run(TILE)
     assert rel_err(swapped, ref) < tol, rel_err(swapped, ref)
     # the same dequantized tiles and products, summed in another order (fp16: the intermediate
@@ -67,7 +51,7 @@ def test_swapped_with_split_k_and_fused_silu(case, device):
     epilogue (the gate / up interleave of the tile's rows, transposed back) agree with the
     reference and with the unswapped pipeline of the same options."""
     shape = dict(SWAP_CASES)[case]
-    run, ref, tol, hdtype = _problem(case, shape, device)
+    run, ref, tol, hdtype = make_problem(case, shape, device)[:4]
     for opts in ({"split_w13": 2, "split_w2": 3}, {"fuse_silu": True}):
         swapped = run(MoeConfig(16, 32, 32, 1, 4, 1, swap_ab=True, **opts))
         plain = run(MoeConfig(16, 32, 32, 1, 4, 1, **opts))
@@ -100,7 +84,7 @@ def test_swapped_wider_tiles_than_the_pairs(device):
     """BLOCK_M 32 over experts with 1-3 pairs (padding rows masked in the transposed store) and
     BLOCK_N 64 over w2's 48 rows (weight rows read modulo R, extra columns dropped)."""
     case, shape = "int4-sym-fp16", (4, 3, 48, 32, 2, 16)
-    run, ref, tol, _ = _problem(case, shape, device)
+    run, ref, tol = make_problem(case, shape, device)[:3]
     out = run(MoeConfig(32, 64, 16, 1, 4, 1, swap_ab=True))
     assert rel_err(out, ref) < tol, rel_err(out, ref)
 
@@ -166,7 +150,7 @@ GPU_TILES = [MoeConfig(16, 64, 64, 1, 4, 3, 4, 4, swap_ab=True), MoeConfig(16, 1
 @pytest.mark.parametrize("name,fmt,tol", GPU_SWAP, ids=[c[0] for c in GPU_SWAP])
 def test_swapped_gpu(name, fmt, tol, monkeypatch):
     monkeypatch.setitem(CASES, name, (fmt, torch.bfloat16, True, tol))
-    run, ref, _, _ = _problem(name, (300, 8, 1024, 512, 8, 128), "cuda")
+    run, ref = make_problem(name, (300, 8, 1024, 512, 8, 128), "cuda")[:2]
     plain = run(MoeConfig(64, 128, 64, 8, 4, 3))
     for cfg in GPU_TILES:
         out = run(cfg)
