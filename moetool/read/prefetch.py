@@ -41,31 +41,21 @@ def available_memory() -> int:
 
 #: ``ioprio_set`` syscall numbers (Linux) by machine
 _IOPRIO_SET = {"x86_64": 251, "aarch64": 30}
-_IOPRIO_WHO_PROCESS, _IOPRIO_CLASS_BE, _IOPRIO_CLASS_IDLE, _IOPRIO_CLASS_SHIFT = 1, 2, 3, 13
-#: the best-effort class's default level (what a thread of nice 0 gets)
-_IOPRIO_BE_LEVEL = 4
-
-
-def _set_io_priority(value: int, tid: int = 0) -> bool:
-    number = _IOPRIO_SET.get(os.uname().machine) if hasattr(os, "uname") else None
-    if number is None:
-        return False
-    try:
-        return ctypes.CDLL(None).syscall(number, _IOPRIO_WHO_PROCESS, tid, value) == 0
-    except (OSError, AttributeError):
-        return False
+_IOPRIO_WHO_PROCESS, _IOPRIO_CLASS_IDLE, _IOPRIO_CLASS_SHIFT = 1, 3, 13
 
 
 def idle_io_priority() -> bool:
     """This thread's reads and writes to the idle I/O class (Linux ``ioprio_set``): the disk
     serves them only when no other request waits (schedulers with priorities: mq-deadline,
     bfq). True if set."""
-    return _set_io_priority(_IOPRIO_CLASS_IDLE << _IOPRIO_CLASS_SHIFT)
-
-
-def best_effort_io_priority(tid: int) -> bool:
-    """Thread ``tid``'s reads and writes back to the best-effort class (the default). True if set."""
-    return _set_io_priority(_IOPRIO_CLASS_BE << _IOPRIO_CLASS_SHIFT | _IOPRIO_BE_LEVEL, tid)
+    number = _IOPRIO_SET.get(os.uname().machine) if hasattr(os, "uname") else None
+    if number is None:
+        return False
+    try:
+        return ctypes.CDLL(None).syscall(number, _IOPRIO_WHO_PROCESS, 0,
+                                         _IOPRIO_CLASS_IDLE << _IOPRIO_CLASS_SHIFT) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 class CacheFiller:
@@ -109,35 +99,13 @@ class CacheFiller:
         os.close(self._null)
 
 
-class ReadAhead(threading.Thread):
-    """The thread of :func:`read_ahead_ranges`; :meth:`hurry` ends its idle I/O class."""
-
-    def __init__(self, target: Callable[[], None]):
-        super().__init__(target=target, name="moetool-prefetch", daemon=True)
-        self._class_lock = threading.Lock()
-        self.hurried = False
-
-    def go_idle(self) -> None:
-        """On the thread itself: into the idle class, unless hurried already."""
-        with self._class_lock:
-            if not self.hurried:
-                idle_io_priority()
-
-    def hurry(self) -> None:
-        """From any thread: the reads go on in the best-effort class (their reader waits now)."""
-        with self._class_lock:
-            self.hurried = True
-            if self.native_id is not None and self.is_alive():
-                best_effort_io_priority(self.native_id)
-
-
 def read_ahead_ranges(ranges: Iterable[tuple[Path, int, int]], budget: int,
                       stop: threading.Event | None = None, idle: bool = False,
-                      after: Callable[[], object] | None = None) -> ReadAhead | None:
+                      after: Callable[[], object] | None = None) -> threading.Thread | None:
     """On a daemon thread, read each (file, offset, length) in order into the page cache until
-    ``budget`` bytes are read (or ``stop`` is set); ``idle``: at the idle I/O priority (until
-    :meth:`ReadAhead.hurry`); ``after``: called first (what the reads wait for). Returns the
-    thread, or None where there is no ``sendfile``."""
+    ``budget`` bytes are read (or ``stop`` is set); ``idle``: at the idle I/O priority;
+    ``after``: called first (what the reads wait for). Returns the thread, or None where there
+    is no ``sendfile``."""
     if getattr(os, "sendfile", None) is None:
         return None
     ranges = list(ranges)
@@ -146,7 +114,7 @@ def read_ahead_ranges(ranges: Iterable[tuple[Path, int, int]], budget: int,
         if after is not None:
             after()
         if idle:
-            thread.go_idle()
+            idle_io_priority()
         left = budget
         try:
             filler = CacheFiller()
@@ -163,12 +131,12 @@ def read_ahead_ranges(ranges: Iterable[tuple[Path, int, int]], budget: int,
         finally:
             filler.close()
 
-    thread = ReadAhead(run)
+    thread = threading.Thread(target=run, name="moetool-prefetch", daemon=True)
     thread.start()
     return thread
 
 
-def prefetch(root: Path, idle: bool = False, after: Callable[[], object] | None = None) -> ReadAhead | None:
+def prefetch(root: Path, idle: bool = False, after: Callable[[], object] | None = None) -> threading.Thread | None:
     """The ``*.safetensors`` files of the folder ``root`` into the page cache, in name order
     (the order conversions read them), up to ``PREFETCH_SHARE`` of the memory available: a
     command that imports torch before its first read (quantize) then finds its input in
@@ -179,12 +147,8 @@ def prefetch(root: Path, idle: bool = False, after: Callable[[], object] | None 
     ``idle``: read at the idle I/O priority, behind every other read and write of the machine:
     quantize asks so while torch imports, whose page faults then go first (a cold ``import
     torch`` took 6.9 s alone on an H100 host and 9-14 s beside the read-ahead of its input),
-    ``after``: called on the thread before it reads (the code warm-up's end:
-    :mod:`moetool.read.code_files`). Asked again without ``idle`` (the conversion starts and
-    reads what the read-ahead reads), an idle read-ahead goes on in the best-effort class: in
-    the idle class the disk, though it had work, ran 30-66 % busy for ~1.5 s once the
-    conversion's first reads and writes came (an H100 host's mq-deadline disk, /proc/diskstats
-    every 0.25 s)."""
+    and the conversion's own reads and writes go before the read-ahead after it. ``after``:
+    called on the thread before it reads (the code warm-up's end: :mod:`moetool.read.code_files`)."""
     if not Path(root).is_dir():
         return None
     key = Path(root).resolve()
@@ -196,6 +160,4 @@ def prefetch(root: Path, idle: bool = False, after: Callable[[], object] | None 
                 ranges = []
             budget = int(available_memory() * PREFETCH_SHARE)
             _started[key] = read_ahead_ranges(ranges, budget, idle=idle, after=after) if ranges else None
-        elif not idle and _started[key] is not None:
-            _started[key].hurry()
         return _started[key]

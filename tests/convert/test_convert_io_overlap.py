@@ -355,61 +355,6 @@ def test_prefetch_reads_each_folder_once(tiny, monkeypatch):
     assert read == [sorted(Path(src).resolve().glob("*.safetensors"))]
 
 
-def test_the_conversion_s_ask_hurries_an_idle_read_ahead(tiny, monkeypatch):
-    """quantize's command asks in the idle class; the conversion's own ask (not idle) moves the
-    read-ahead to the best-effort class. A second idle ask, or a read-ahead that was never idle,
-    changes nothing that matters (hurrying a best-effort thread keeps it best-effort)."""
-    from moetool.read import prefetch as pf
-
-    class Fake:
-        hurried = 0
-
-        def hurry(self):
-            self.hurried += 1
-
-    src = tiny("mixtral")
-    fake = Fake()
-    monkeypatch.setattr(pf, "_started", {})
-    monkeypatch.setattr(pf, "read_ahead_ranges", lambda ranges, budget, **kw: fake)
-    assert pf.prefetch(src, idle=True) is fake and fake.hurried == 0
-    assert pf.prefetch(src, idle=True) is fake and fake.hurried == 0
-    assert pf.prefetch(src) is fake and fake.hurried == 1
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux") or os.uname().machine != "x86_64", reason="ioprio_get")
-def test_hurry_moves_the_read_ahead_thread_to_best_effort():
-    """ioprio_get of the read-ahead's thread (class in bits 13 and up): idle after go_idle, best
-    effort (2) after hurry; hurried before it goes idle, it never does."""
-    import ctypes
-    import threading
-
-    from moetool.read import prefetch as pf
-
-    def ioprio(tid: int) -> int:
-        return ctypes.CDLL(None).syscall(252, 1, tid)  # ioprio_get(IOPRIO_WHO_PROCESS, tid)
-
-    for hurry_first in (False, True):
-        gate, idled, resume = threading.Event(), threading.Event(), threading.Event()
-
-        def body():
-            gate.wait(10)
-            thread.go_idle()
-            idled.set()
-            resume.wait(10)
-
-        thread = pf.ReadAhead(body)
-        thread.start()
-        if hurry_first:
-            thread.hurry()
-        gate.set()
-        idled.wait(10)
-        assert ioprio(thread.native_id) >> 13 == (2 if hurry_first else 3)
-        thread.hurry()
-        assert ioprio(thread.native_id) >> 13 == 2
-        resume.set()
-        thread.join(10)
-
-
 def test_probes_ahead_give_the_probes_one_by_one(tiny, monkeypatch):
     """Parallel probes fill the planner's cache with what sequential probing finds; a probe
     that fails is left out, for ``specs`` to raise in plan order."""
