@@ -341,7 +341,8 @@ def candidates(scheme: str, layer: Layer, T: int) -> list:
         out.sort(key=lambda c: (not c.swap_ab, c.block_m != 256))
     E, P = layer.E, T * layer.k
     out += [default_config(scheme, P / E, torch.bfloat16, False, INT4_GROUP),
-            rule_config(scheme, E, layer.N, layer.H, layer.k, T, torch.bfloat16, INT4_GROUP)]
+            rule_config(scheme, E, layer.N, layer.H, layer.k, T, torch.bfloat16, INT4_GROUP,
+                        global_experts=layer.E_global)]
     table = _table_config(scheme, layer, T)
     if table is not None:
         out.append(table)
@@ -482,7 +483,8 @@ def _chosen(args, scheme: str, layer: Layer, T: int) -> list:
 
     keep = only_filter(args.only)
     always = {default_config(scheme, T * layer.k / layer.E, torch.bfloat16, False, INT4_GROUP),
-              rule_config(scheme, layer.E, layer.N, layer.H, layer.k, T, torch.bfloat16, INT4_GROUP),
+              rule_config(scheme, layer.E, layer.N, layer.H, layer.k, T, torch.bfloat16, INT4_GROUP,
+                          global_experts=layer.E_global),
               _table_config(scheme, layer, T)}
     return [c for c in candidates(scheme, layer, T) if keep(c) or c in always]
 
@@ -509,7 +511,8 @@ def sweep(args) -> list[dict]:
         hidden, ids, tw = _problem(scheme, layer, T, layer.E, "cuda")
         out = torch.empty(T, layer.H, dtype=torch.bfloat16, device="cuda")
         old = default_config(scheme, T * layer.k / layer.E, torch.bfloat16, False, INT4_GROUP)
-        rule = rule_config(scheme, layer.E, layer.N, layer.H, layer.k, T, torch.bfloat16, INT4_GROUP)
+        rule = rule_config(scheme, layer.E, layer.N, layer.H, layer.k, T, torch.bfloat16, INT4_GROUP,
+                           global_experts=layer.E_global)
         times, wrong = {}, {}
         with fixed_align():
             ref = run_ours(hidden, w13, w2, scheme, ids, tw, old, out).float().clone()

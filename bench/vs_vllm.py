@@ -483,8 +483,10 @@ def tile_choices(scheme: str, layer: tune.Layer, T: int, prev_table: dict | None
 
     E, N, H, k = layer.E, layer.N, layer.H, layer.k
     out = {"before": default_config(scheme, T * k / E, torch.bfloat16, False, tune.INT4_GROUP),
-           "rules": rule_config(scheme, E, N, H, k, T, torch.bfloat16, tune.INT4_GROUP),
-           "after": select_config(scheme, E, N, H, k, T, torch.bfloat16, False, tune.INT4_GROUP)}
+           "rules": rule_config(scheme, E, N, H, k, T, torch.bfloat16, tune.INT4_GROUP,
+                                global_experts=layer.E_global),
+           "after": select_config(scheme, E, N, H, k, T, torch.bfloat16, False, tune.INT4_GROUP,
+                                  global_experts=layer.E_global)}
     per_t = (prev_table or {}).get(entry_key(scheme, E, N, H, k, tune.INT4_GROUP))
     if per_t:
         out["prev"] = per_t[nearest_tokens(per_t, T)]

@@ -109,6 +109,7 @@ def fused_experts(
     swiglu: tuple[float, float] | None = None,
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
+    global_experts: int | None = None,
 ) -> torch.Tensor:
     """One rank's routed experts with Triton kernels -> out [T, H] out_dtype (float32, or
     bfloat16, e.g. for a bf16 combine: each pair's weighted row rounded to bf16, the k of a
@@ -128,7 +129,8 @@ def fused_experts(
         out[t] = sum_{j: id >= 0} (topk_weights[t, j] if apply_router_weight else 1)
                  * w2[e] @ (silu(g) * u),  [g; u] = w13[e] @ hidden[t],  e = topk_ids[t, j]
     group_size: the int4 group g. config: tile sizes (default: :func:`moetool.kernels.moe_tiles.select_config`:
-    the GPU's tuned table for this shape, else rules).
+    the GPU's tuned table for this shape, else rules). global_experts: under expert parallelism,
+    the experts the router picks from on all ranks (E of them here), for the rules' pairs per expert.
     check_ids: raise if an id >= E (one host synchronisation).
     cache3_dtype: the per-pair rows before the sum (default out_dtype); float32 with a bf16
     output rounds only the sum.
@@ -166,7 +168,8 @@ def fused_experts(
     P = T * k
     interpreted = is_interpreted(_moe_gemm_kernel)
     act_dtype = hidden.dtype if hidden.dtype in FLOAT_ACTS else torch.bfloat16
-    cfg = config or select_config(scheme, E, N, H, k, T, act_dtype, interpreted, group_size)
+    cfg = config or select_config(scheme, E, N, H, k, T, act_dtype, interpreted, group_size,
+                                  global_experts=global_experts)
     check(all(b >= 16 and b & (b - 1) == 0 for b in (cfg.block_m, cfg.block_n, cfg.block_k)),
           f"tile sizes must be powers of two >= 16: {cfg}")
     act_group = SCHEMES[scheme].act_group

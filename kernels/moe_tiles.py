@@ -160,7 +160,7 @@ DEQUANT_PROGRAMS = 4
 
 
 def rule_config(scheme: str, E: int, N: int, H: int, top_k: int, T: int, act_dtype: torch.dtype,
-                group_size: int = 128, num_sms: int = DEFAULT_SMS) -> MoeConfig:
+                group_size: int = 128, num_sms: int = DEFAULT_SMS, global_experts: int | None = None) -> MoeConfig:
     """Tiles for a shape no table holds (module docstring), from what the kernel is bound by and
     what ``bench/tune.py`` measured on an H100 (issue-17 shapes; ratios are to each cell's best).
 
@@ -184,6 +184,9 @@ def rule_config(scheme: str, E: int, N: int, H: int, top_k: int, T: int, act_dty
     More tokens: BLOCK_M the power of two >= 1.5x the pairs per expert (T*k/E, an upper bound:
     -1 pairs included; the margin covers routing imbalance), 16 to 64, so an expert's rows fit
     one M tile (Mixtral T=128, ~32 pairs per expert: BLOCK_M 16 took 2.0x the time of 64).
+    ``global_experts`` (expert parallelism: the experts the router picks from on all ranks)
+    makes that T*k/global_experts, what a local expert expects: DeepSeek-V3 EP8 (32 of 256)
+    int4 at T=128 has ~4 pairs an expert, not 32, and BLOCK_M 64 ran 1.57x its best.
     Past LARGE_PPE pairs per expert the compute-bound tiles: dense 128 x 256 x 64 with 8
     warps (128 x 128: 7-21 % slower); fp8-block 64 x 128 x 128 with 4 warps and group 32
     (8 warps / group 8, the older default: 35-56 % slower); fp8-channel BLOCK_M 128; int4 128 x
@@ -198,7 +201,7 @@ def rule_config(scheme: str, E: int, N: int, H: int, top_k: int, T: int, act_dty
     tiles (swapped, with the quads too: 8-16 % slower at T = 1 to 4096).
     """
     sch = SCHEMES[scheme]
-    ppe = T * top_k / max(E, 1)
+    ppe = T * top_k / max(E, global_experts or 0, 1)
     kind = "int4" if sch.groups else "fp4" if sch.fp4_group else scheme if sch.fp8_acts else "dense"
     fuse = not sch.fp8_acts
     narrow = min(2 * N, H)
@@ -311,10 +314,11 @@ def _device(index: int) -> tuple[str, int]:
 
 def select_config(scheme: str, E: int, N: int, H: int, top_k: int, T: int, act_dtype: torch.dtype,
                   interpreted: bool, group_size: int = 128, device_name: str | None = None,
-                  num_sms: int | None = None) -> MoeConfig:
+                  num_sms: int | None = None, global_experts: int | None = None) -> MoeConfig:
     """Tiles for one ``fused_experts`` call on the current CUDA device: the tuned table's entry
     (16-bit activations) or :func:`rule_config`. Interpreted: the small test tiles.
     device_name / num_sms: a GPU other than the current one (tests; None = ask CUDA).
+    global_experts: the rules' expert count under expert parallelism (:func:`rule_config`).
     Host cost: a cached lookup (no device query after the first)."""
     if interpreted:
         return _interpreted_config(SCHEMES[scheme])
@@ -325,18 +329,18 @@ def select_config(scheme: str, E: int, N: int, H: int, top_k: int, T: int, act_d
             name, sms = "", DEFAULT_SMS
         device_name = name if device_name is None else device_name
         num_sms = sms if num_sms is None else num_sms
-    return _select(device_name, num_sms, scheme, E, N, H, top_k, T, act_dtype, group_size)
+    return _select(device_name, num_sms, scheme, E, N, H, top_k, T, act_dtype, group_size, global_experts)
 
 
 @functools.lru_cache(maxsize=4096)
 def _select(device_name: str, num_sms: int, scheme: str, E: int, N: int, H: int, top_k: int, T: int,
-            act_dtype: torch.dtype, group_size: int) -> MoeConfig:
+            act_dtype: torch.dtype, group_size: int, global_experts: int | None = None) -> MoeConfig:
     check(scheme in SCHEMES, f"unknown weight format {scheme!r} (known: {', '.join(SCHEMES)})")
     if act_dtype != torch.float32:
         cfg = table_config(device_name, scheme, E, N, H, top_k, T, group_size)
         if cfg is not None:
             return cfg
-    return rule_config(scheme, E, N, H, top_k, T, act_dtype, group_size, num_sms)
+    return rule_config(scheme, E, N, H, top_k, T, act_dtype, group_size, num_sms, global_experts)
 
 
 def config_dict(cfg: MoeConfig) -> dict:

@@ -126,7 +126,8 @@ class LocalExperts:
     (gate rows first, then up). ``w2``: logical [E_local, H, N]. ``fmt`` is a
     ``moetool.formats.base.WeightFormat``. ``slot_to_global[i]`` is the global id of slot i.
     ``bias13`` [E_local, 2N] (gate then up) and ``bias2`` [E_local, H]: the experts' biases
-    (gpt-oss), never quantized, or None; ``activation``: act(gate, up) of every expert.
+    (gpt-oss), never quantized, or None; ``activation``: act(gate, up) of every expert;
+    ``num_experts``: the layer's routed experts on all ranks (0: not known).
     """
 
     fmt: object
@@ -139,6 +140,7 @@ class LocalExperts:
     bias13: torch.Tensor | None = None
     bias2: torch.Tensor | None = None
     activation: ExpertActivation = field(default_factory=ExpertActivation)
+    num_experts: int = 0
 
     def slot(self, i: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """(w13 tensors, w2 tensors) of local slot i, each 2-D as the format stores one linear."""

@@ -244,6 +244,8 @@ class TritonExperts(ExpertsBackend):
         self._bias = {name: None if b is None else self.numerics.round(b.to(device)).contiguous()
                       for name, b in (("w13_bias", local.bias13), ("w2_bias", local.bias2))}
         self._num_slots = len(local.slot_to_global)
+        # the kernels' tile rules count pairs per expert over the experts routed to on all ranks
+        self._global_experts = local.num_experts or None
         self._bound = local
 
     def release(self) -> None:
@@ -260,7 +262,8 @@ class TritonExperts(ExpertsBackend):
             hidden = hidden.to(self.numerics.act_dtype)  # e.g. the probe batch, made in float32
         return fused_experts(hidden, self._w13, self._w2, self._fmt_name, local_ids, topk_weights,
                              hidden_scale=hidden_scale, apply_router_weight=True, check_ids=False,
-                             group_size=self._group_size, out_dtype=out_dtype, out=out, **self._act, **self._bias)
+                             group_size=self._group_size, out_dtype=out_dtype, out=out,
+                             global_experts=self._global_experts, **self._act, **self._bias)
 
 
 EXPERTS: dict[str, type[ExpertsBackend]] = {"torch": TorchExperts, "triton": TritonExperts}

@@ -284,7 +284,7 @@ def _local_experts(reader: ExpertReader, layer: MoELayerSpec, slot_to_global: li
                 raise MoetoolError(f"{layer.prefix}.experts.{name}_{s}: {v.shape[0]} experts stored, "
                                    f"the manifest places {len(slot_to_global)} on this rank")
     return LocalExperts(reader.fmt, w13, w2, list(slot_to_global), layer.intermediate, layer.hidden,
-                        bias13=b13, bias2=b2, activation=layer.activation)
+                        bias13=b13, bias2=b2, activation=layer.activation, num_experts=layer.num_experts)
 
 
 def _w13_down(reader: ExpertReader, layer: MoELayerSpec, i: int) -> tuple[dict, dict]:

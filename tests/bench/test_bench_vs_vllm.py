@@ -164,7 +164,8 @@ def test_tuner_candidates_are_valid_and_hold_the_old_and_rule_choices():
             cands = tune.candidates(scheme, layer, T)
             assert len(cands) == len(set(cands)) and all(mt.config_problem(scheme, c, 128) is None for c in cands)
             old = mt.default_config(scheme, T * layer.k / layer.E, torch.bfloat16, False, 128)
-            rule = mt.rule_config(scheme, layer.E, layer.N, layer.H, layer.k, T, torch.bfloat16, 128)
+            rule = mt.rule_config(scheme, layer.E, layer.N, layer.H, layer.k, T, torch.bfloat16, 128,
+                                  global_experts=layer.E_global)
             assert rule in cands and (old in cands or not tune._smem_ok(scheme, old.block_m, old.block_n,
                                                                           old.block_k, old.num_stages))
 

@@ -173,6 +173,49 @@ def test_rules_fit_an_experts_pairs_in_one_m_tile(scheme):
         assert cfg.block_m >= min(64, 1.5 * ppe), (T, cfg)
 
 
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+def test_rules_count_pairs_per_expert_over_the_global_experts(scheme):
+    """Expert parallelism: DeepSeek-V3 EP8 holds 32 of 256 experts, so at T=128 a local expert
+    expects 128 * 8 / 256 = 4 pairs, not 32 (int4: BLOCK_M 64 ran 1.57x the tuned 16). The
+    rules then pick the tiles of 256 experts' pairs per expert on 32; decode (T <= 16, where
+    the rules count expert blocks, not pairs) and unsharded layers are unchanged."""
+    E, N, H, k = DSV3_EP8
+    for T in (1, 16, 32, 128, 512, 4096):
+        ep = rule_config(scheme, E, N, H, k, T, torch.bfloat16, 128, H100_SMS, global_experts=256)
+        alone = rule_config(scheme, E, N, H, k, T, torch.bfloat16, 128, H100_SMS)
+        if T <= mt.DECODE_T:
+            assert ep == alone
+        else:
+            assert ep.block_m <= alone.block_m
+            assert ep.block_m >= min(64, 1.5 * T * k / 256), (T, ep)
+        assert rule_config(scheme, E, N, H, k, T, torch.bfloat16, 128, H100_SMS, global_experts=E) == alone
+    assert rule_config(scheme, E, N, H, k, 128, torch.bfloat16, 128, H100_SMS, global_experts=256).block_m == 16
+    assert select_config(scheme, E, N, H, k, 128, torch.bfloat16, False, device_name="Unknown GPU 9",
+                         num_sms=H100_SMS, global_experts=256) == \
+        rule_config(scheme, E, N, H, k, 128, torch.bfloat16, 128, H100_SMS, global_experts=256)
+
+
+def test_fused_experts_hands_the_global_expert_count_to_the_tile_choice(device, monkeypatch):
+    """fused_experts' global_experts reaches select_config (an explicit config skips it)."""
+    seen = []
+    real = fm.select_config
+
+    def spy(*args, **kw):
+        seen.append(kw.get("global_experts"))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(fm, "select_config", spy)
+    E, H, N, k, T = 2, 32, 32, 2, 3
+    w13 = {"weight": torch.randn(E, 2 * N, H, device=device)}
+    w2 = {"weight": torch.randn(E, H, N, device=device)}
+    ids = torch.tensor([[0, -1], [1, 0], [-1, -1]], device=device)
+    tw = torch.rand(T, k, device=device)
+    x = torch.randn(T, H, device=device)
+    fm.fused_experts(x, w13, w2, "dense", ids, tw, global_experts=16)
+    fm.fused_experts(x, w13, w2, "dense", ids, tw)
+    assert seen == [16, None]
+
+
 def test_rules_fp8_block_large_tiles_use_4_warps_and_group_32():
     """issue 17: fp8-block's mid / large tiles ran 8 warps and group 8 (vLLM: 4, 32)."""
     for E, N, H, k in (DSV3_EP8, DSV3_256, MIXTRAL):

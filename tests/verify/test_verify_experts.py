@@ -15,7 +15,7 @@ from moetool.model.spec import ExpertPlacement  # noqa: E402
 from moetool.verify.topology import RouteTable, check_local_experts  # noqa: E402
 from moetool.verify.wire import RowLayout  # noqa: E402
 from moetool.verify.experts import TorchExperts, TritonExperts, weight_and_reduce  # noqa: E402
-from moetool.verify.numerics import numerics_for  # noqa: E402
+from moetool.verify.numerics import Numerics, numerics_for  # noqa: E402
 from moetool.verify.reference import swiglu  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -112,6 +112,26 @@ def test_triton_experts_match_torch_experts(fmt):
     # a bf16 flip in silu's output can move an e4m3 code of the next GEMM's input by 1/8): 1e-2
     limit = 1e-2 if fmt == "fp8-block" else 5e-3
     assert float((got - want).norm() / want.norm()) < limit
+
+
+def test_triton_experts_give_the_kernels_the_layer_s_expert_count(monkeypatch):
+    """The kernels' tile rules count pairs per expert over the experts routed to on all ranks:
+    the rank's LocalExperts carry the layer's count, and TritonExperts hands it to fused_experts
+    (None where it is not known)."""
+    import dataclasses
+
+    from moetool.verify import experts as experts_mod
+
+    seen = []
+    monkeypatch.setattr(experts_mod, "fused_experts",
+                        lambda hidden, *a, **kw: seen.append(kw["global_experts"]) or torch.zeros(hidden.shape))
+    _, local = _setup()
+    x, ids, w = torch.randn(2, vw.H), torch.tensor([[0, -1], [3, 1]]), torch.ones(2, 2)
+    for num_experts, want in ((8, 8), (0, None)):
+        tri = TritonExperts(Numerics("exact"))
+        tri.bind(dataclasses.replace(local, num_experts=num_experts), CPU)
+        tri.apply(x, None, ids, w, torch.tensor([1, 1, 0, 1]))
+        assert seen.pop() == want
 
 
 def test_row_layout_round_trip_including_fp8_and_empty():
