@@ -185,8 +185,11 @@ def rule_config(scheme: str, E: int, N: int, H: int, top_k: int, T: int, act_dty
     -1 pairs included; the margin covers routing imbalance), 16 to 64, so an expert's rows fit
     one M tile (Mixtral T=128, ~32 pairs per expert: BLOCK_M 16 took 2.0x the time of 64).
     ``global_experts`` (expert parallelism: the experts the router picks from on all ranks)
-    makes that T*k/global_experts, what a local expert expects: DeepSeek-V3 EP8 (32 of 256)
-    int4 at T=128 has ~4 pairs an expert, not 32, and BLOCK_M 64 ran 1.57x its best.
+    makes that T*k/global_experts, what a local expert expects, for the 16-bit-activation
+    kinds: DeepSeek-V3 EP8 (32 of 256) at T=128 has ~4 pairs an expert, not 32; with it the
+    rules ran int4 392.4 us (BLOCK_M 64: 622.2), nvfp4 658.0 (806.2), mxfp4 665.3 (817.1),
+    bf16 at T=512 992.3 (1034.6). W8A8 keeps T*k/E: its tuned tiles there are 64 rows, and
+    16 / 32 rows ran 2-8 % slower (fp8-block T=512 581.2 vs 553.8 us).
     Past LARGE_PPE pairs per expert the compute-bound tiles: dense 128 x 256 x 64 with 8
     warps (128 x 128: 7-21 % slower); fp8-block 64 x 128 x 128 with 4 warps and group 32
     (8 warps / group 8, the older default: 35-56 % slower); fp8-channel BLOCK_M 128; int4 128 x
@@ -201,7 +204,7 @@ def rule_config(scheme: str, E: int, N: int, H: int, top_k: int, T: int, act_dty
     tiles (swapped, with the quads too: 8-16 % slower at T = 1 to 4096).
     """
     sch = SCHEMES[scheme]
-    ppe = T * top_k / max(E, global_experts or 0, 1)
+    ppe = T * top_k / max(E, 1 if sch.fp8_acts else global_experts or 0, 1)
     kind = "int4" if sch.groups else "fp4" if sch.fp4_group else scheme if sch.fp8_acts else "dense"
     fuse = not sch.fp8_acts
     narrow = min(2 * N, H)
