@@ -189,7 +189,10 @@ def rule_config(scheme: str, E: int, N: int, H: int, top_k: int, T: int, act_dty
     kinds: DeepSeek-V3 EP8 (32 of 256) at T=128 has ~4 pairs an expert, not 32; with it the
     rules ran int4 392.4 us (BLOCK_M 64: 622.2), nvfp4 658.0 (806.2), mxfp4 665.3 (817.1),
     bf16 at T=512 992.3 (1034.6). W8A8 keeps T*k/E: its tuned tiles there are 64 rows, and
-    16 / 32 rows ran 2-8 % slower (fp8-block T=512 581.2 vs 553.8 us).
+    16 / 32 rows ran 2-8 % slower (fp8-block T=512 581.2 vs 553.8 us). T is the rows a rank
+    computes: where the dispatcher sends it only rows with a local expert (all2all), each row
+    holds at least one local pair, so the count runs low by 1 / P(a row has a local expert)
+    (1.5x at EP8, k=8: within the margin; more at higher EP).
     Past LARGE_PPE pairs per expert the compute-bound tiles: dense 128 x 256 x 64 with 8
     warps (128 x 128: 7-21 % slower); fp8-block 64 x 128 x 128 with 4 warps and group 32
     (8 warps / group 8, the older default: 35-56 % slower); fp8-channel BLOCK_M 128; int4 128 x
