@@ -49,6 +49,7 @@ def test_per_expert_loading_stacks_every_expert(per_expert):
     for e in range(layer.num_experts):
         g, u, d = (lin["weight"] for lin in reader.gate_up_down(layer, e))
         assert torch.equal(local.w13["weight"][e], torch.cat([g, u])) and torch.equal(local.w2["weight"][e], d)
+    assert local.num_experts == layer.num_experts  # on all ranks: the kernels' tile rules count over them
 
 
 @pytest.mark.parametrize("damage", ["shape", "dtype", "missing"])
