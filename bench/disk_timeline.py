@@ -30,14 +30,60 @@ def disk_of(folder: Path) -> str:
     return node.name
 
 
-def read_stats(disk: str, path: str = "/proc/diskstats") -> tuple[int, int, int, int]:
-    """(bytes read, bytes written, requests in flight, ms busy) of ``disk`` so far."""
+def whole_disks(path: str = "/proc/diskstats") -> list[str]:
+    """The names of the host's whole disks in ``path`` (those /sys/block lists; no loop or ram
+    devices), or none where it cannot be read."""
+    try:
+        with open(path) as f:
+            names = [line.split()[2] for line in f if len(line.split()) > 5]
+    except OSError:
+        return []
+    return [n for n in names if Path(f"/sys/block/{n}").exists() and not n.startswith(("loop", "ram"))]
+
+
+def read_stats(disks: str | list[str], path: str = "/proc/diskstats") -> tuple[int, int, int, int]:
+    """(bytes read, bytes written, requests in flight, ms busy) so far of ``disks`` (one name or
+    a list, summed; an empty list reads nothing)."""
+    wanted = {disks} if isinstance(disks, str) else set(disks)
+    if not wanted:
+        return 0, 0, 0, 0
+    total, seen = [0, 0, 0, 0], set()
     with open(path) as f:
         for line in f:
             fields = line.split()
-            if fields[2] == disk:
-                return (int(fields[5]) * SECTOR, int(fields[9]) * SECTOR, int(fields[11]), int(fields[12]))
-    raise SystemExit(f"{disk}: not in {path}")
+            if fields[2] in wanted:
+                seen.add(fields[2])
+                for i, (col, unit) in enumerate(((5, SECTOR), (9, SECTOR), (11, 1), (12, 1))):
+                    total[i] += int(fields[col]) * unit
+    missing = wanted - seen
+    if missing:
+        raise SystemExit(f"{', '.join(sorted(missing))}: not in {path}")
+    return tuple(total)
+
+
+class DiskSampler:
+    """(time, *read_stats(disks)) every ``every`` seconds on a thread, from its start until
+    :meth:`stop` (which takes one more and returns them all)."""
+
+    def __init__(self, disks: str | list[str], every: float):
+        self.disks, self.samples = disks, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(every,), daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        self.samples.append((time.perf_counter(), *read_stats(self.disks)))
+
+    def _run(self, every: float) -> None:
+        self._sample()
+        while not self._stop.wait(every):
+            self._sample()
+        self._sample()
+
+    def stop(self) -> list[tuple[float, int, int, int, int]]:
+        self._stop.set()
+        self._thread.join()
+        return self.samples
 
 
 def intervals(samples: list[tuple[float, int, int, int, int]]) -> list[dict]:
@@ -70,20 +116,9 @@ def main(argv=None) -> int:
     if args.cold:
         os.sync()
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    samples, stop = [], threading.Event()
-
-    def sample() -> None:
-        while True:
-            samples.append((time.perf_counter(), *read_stats(disk)))
-            if stop.wait(args.every):
-                samples.append((time.perf_counter(), *read_stats(disk)))
-                return
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
+    sampler = DiskSampler(disk, args.every)
     code = subprocess.run(" ".join(command), shell=True).returncode
-    stop.set()
-    sampler.join()
+    samples = sampler.stop()
     first, last = samples[0], samples[-1]
     print(f"{disk}: {last[0] - first[0]:.2f} s, exit {code}, read {(last[1] - first[1]) / 1e9:.2f} GB, "
           f"written {(last[2] - first[2]) / 1e9:.2f} GB")

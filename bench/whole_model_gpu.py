@@ -33,11 +33,13 @@ import re
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from disk_timeline import DiskSampler, whole_disks  # noqa: E402
 
 DSV3 = dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], hidden_size=7168,
             intermediate_size=18432, moe_intermediate_size=2048, num_attention_heads=128, num_key_value_heads=128,
@@ -140,42 +142,22 @@ def timed(cmd: list[str], log: Path, env: dict | None = None) -> float:
 
 class DiskReads:
     """Bytes read from the host's whole disks (/proc/diskstats), sampled every ``every`` seconds
-    on a thread: where in a run the disk was busy and where it idled."""
+    on a thread (:class:`disk_timeline.DiskSampler`): where in a run the disk was busy and where
+    it idled."""
 
     def __init__(self, every: float = 0.5):
-        self.samples: list[tuple[float, int]] = []
-        self._stop = threading.Event()
-        self._t0 = time.perf_counter()
-        self._thread = threading.Thread(target=self._run, args=(every,), daemon=True)
-        self._thread.start()
-
-    @staticmethod
-    def read_bytes() -> int:
-        total = 0
-        try:
-            for line in Path("/proc/diskstats").read_text().splitlines():
-                f = line.split()
-                if len(f) > 5 and Path(f"/sys/block/{f[2]}").exists() and not f[2].startswith(("loop", "ram")):
-                    total += int(f[5]) * 512
-        except OSError:
-            pass
-        return total
-
-    def _run(self, every: float) -> None:
-        while not self._stop.is_set():
-            self.samples.append((time.perf_counter() - self._t0, self.read_bytes()))
-            self._stop.wait(every)
+        self._sampler = DiskSampler(whole_disks(), every)
 
     def stop(self, bucket: float = 2.0) -> list[tuple[float, float]]:
         """[(bucket start s, GB/s read in it)]."""
-        self._stop.set()
-        self._thread.join()
+        raw = self._sampler.stop()
+        samples = [(t - raw[0][0], read) for t, read, *_ in raw]
         out, k = [], 0
-        base = self.samples[0][1] if self.samples else 0
-        while self.samples and k * bucket <= self.samples[-1][0]:
-            inside = [(t, b) for t, b in self.samples if k * bucket <= t < (k + 1) * bucket]
+        base = samples[0][1] if samples else 0
+        while samples and k * bucket <= samples[-1][0]:
+            inside = [(t, b) for t, b in samples if k * bucket <= t < (k + 1) * bucket]
             if inside:
-                prev = max((b for t, b in self.samples if t < k * bucket), default=base)
+                prev = max((b for t, b in samples if t < k * bucket), default=base)
                 out.append((k * bucket, (inside[-1][1] - prev) / 1e9 / bucket))
             k += 1
         return out

@@ -21,6 +21,11 @@ def test_stats_are_read_for_the_named_disk_only(tmp_path):
     assert dt.read_stats("vda1", str(stats)) == (8 * 512, 8 * 512, 0, 1)
     with pytest.raises(SystemExit, match="vdb: not in"):
         dt.read_stats("vdb", str(stats))
+    assert dt.read_stats(["vda", "vda1"], str(stats)) == (2056 * 512, 4104 * 512, 3, 901)  # summed
+    assert dt.read_stats([], str(stats)) == (0, 0, 0, 0)
+    with pytest.raises(SystemExit, match="vdb: not in"):
+        dt.read_stats(["vda", "vdb"], str(stats))
+    assert dt.whole_disks(str(tmp_path / "missing")) == []
 
 
 def test_rates_per_interval():
