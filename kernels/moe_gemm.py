@@ -377,7 +377,8 @@ def _moe_gemm_kernel(
             q_mask = (kq < 2 * tl.cdiv(K, 8))[:, None]
             x = _load_k(b_base + offs_bn64[None, :] * stride_bn + kq[:, None] * stride_bk,
                         None, q_mask, EVEN_K)  # [BK/4, BN] int16
-            a0, a1, a2, a3 = _quad_columns(a.to(DOT_DTYPE), BLOCK_M, BLOCK_K)
+            a_dot = a.to(DOT_DTYPE)
+            a0, a1, a2, a3 = _quad_columns(a_dot, BLOCK_M, BLOCK_K)
             if GROUP_TILE:  # the K tile lies in one group: one scale / zero point per column
                 grp = k0 // group_k
                 s = tl.load(b_scale_ptr + expert * stride_se + offs_bn64 * stride_sn + grp * stride_sk)  # [BN]
@@ -405,7 +406,7 @@ def _moe_gemm_kernel(
                 p = tl.dot(a2, _int4_codes(x, 2, DOT_DTYPE, ASM), p, input_precision=PREC)
                 p = tl.dot(a3, _int4_codes(x, 3, DOT_DTYPE, ASM), p, input_precision=PREC)
                 if HAS_ZP:  # (q - z) * s summed = s * (sum a (q - 8) - (z - 8) sum a)
-                    p = p - tl.sum(a.to(DOT_DTYPE).to(tl.float32), axis=1)[:, None] * (z - 8).to(tl.float32)[None, :]
+                    p = p - tl.sum(a_dot.to(tl.float32), axis=1)[:, None] * (z - 8).to(tl.float32)[None, :]
                 acc += p * s.to(tl.float32)[None, :]
             else:
                 if GROUP_TILE:
