@@ -285,7 +285,9 @@ def candidates(scheme: str, layer: Layer, T: int) -> list:
     operands (``swap_ab``: the weight tile the dot's register operand; at decode BLOCK_N 64 / 128
     and split-K, at many pairs per expert BLOCK_M 128 / 256 pairs against 64-256 weight rows),
     swept first. fp8-block also tries 6 and 8 stages at decode (its 128-wide K tiles carry few
-    bytes a stage) and, at many pairs per expert, 32-row tiles, 5 stages and group 16 / 64."""
+    bytes a stage), at <= 8 pairs per expert (memory-bound like decode: every weight tile read for
+    a few rows) 16-row tiles of BLOCK_N 32-256 at 4-8 stages, and at many pairs per expert 32-row
+    tiles, 5 stages and group 16 / 64."""
     from dataclasses import replace
 
     from moetool.kernels.moe_tiles import DECODE_T, MoeConfig, config_problem, default_config, rule_config
@@ -331,6 +333,8 @@ def candidates(scheme: str, layer: Layer, T: int) -> list:
             out += [MoeConfig(256, bn, bk, 8, 8, stages) for bn in (64, 128) for bk in (64, 128) for stages in (2, 3)]
     if scheme == "fp8-block" and T <= DECODE_T:
         out += [MoeConfig(16, bn, 128, 1, 4, stages) for bn in (32, 64) for stages in (6, 8)]
+    elif scheme == "fp8-block" and ppe <= 8:  # past decode, yet every weight tile read for a few rows
+        out += [MoeConfig(16, bn, 128, 1, 4, stages) for bn in (32, 64, 128, 256) for stages in (4, 5, 6, 8)]
     elif scheme == "fp8-block" and ppe > 48:
         out += [MoeConfig(bm, 128, 128, gm, 4, stages) for bm in (32, 64) for gm in (16, 32, 64) for stages in (3, 4, 5)]
     if T > DECODE_T and scheme not in ("fp8-block", "fp8-channel"):
