@@ -2,8 +2,9 @@
 process, and check the promise "the input is never modified; an output is complete or visibly
 unfinished".
 
-- ``moetool(*args)``: the installed entry point in a subprocess -> Run(code, out, err);
-  ``start(*args)`` the same, not waited for (to signal it).
+- ``moetool(*args)``: ``python -m moetool ARGS`` in a process of its own -> Run(code, out, err);
+  ``start(*args)`` the same, not waited for (to signal it). Both start it from the warm Python
+  of tests/warm_python.py (torch imported once) where they can.
 - ``digest(path)``: {relative name: sha256} of every file under a folder (the input's state).
 - ``assert_complete(out)``: manifest.json present, every listed file matches it, no temporary
   names (``*.incomplete``), no journal, nothing unlisted but the manifest itself.
@@ -17,6 +18,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import warm_python
 
 from moeutil import CliResult as Run  # noqa: F401  code, out, err and the one error line
 from moeutil import tree_hashes as digest  # noqa: F401  {relative name: sha256} of every file under a folder
@@ -38,15 +41,13 @@ def argv(*args) -> list[str]:
 
 
 def moetool(*args, timeout: float = 120, extra_env: dict[str, str] | None = None, cwd=None) -> Run:
-    p = subprocess.run(argv(*args), capture_output=True, text=True, timeout=timeout,
-                       env=env(**(extra_env or {})), cwd=cwd)
+    p = warm_python.run(argv(*args), timeout=timeout, env=env(**(extra_env or {})), cwd=cwd)
     return Run(p.returncode, p.stdout, p.stderr)
 
 
-def start(*args, extra_env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
+def start(*args, extra_env: dict[str, str] | None = None, cwd=None) -> subprocess.Popen:
     """moetool ARGS started in its own session (so a test can signal it, and its group)."""
-    return subprocess.Popen(argv(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env(**(extra_env or {})), start_new_session=True, **kw)
+    return warm_python.Popen(argv(*args), env=env(**(extra_env or {})), cwd=cwd, start_new_session=True)
 
 
 def temporary_names(root: Path) -> list[str]:

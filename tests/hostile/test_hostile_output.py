@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+import warm_python
 from hostile import argv, assert_complete, assert_unfinished, digest, env, moetool, temporary_names
 
 from moetool.convert.output import FolderLock
@@ -91,7 +92,7 @@ CRASHES = [
 def test_crash_at_each_writer_step_resumes_to_the_same_bytes(src, clean, tmp_path, command, point, k):
     before = digest(src)
     out = tmp_path / "out"
-    crashed = subprocess.run(faulty(point, k, *COMMANDS[command](src, out)), env=env(), capture_output=True, text=True)
+    crashed = warm_python.run(faulty(point, k, *COMMANDS[command](src, out)), env=env())
     assert crashed.returncode == 9, crashed.stderr  # the fault was reached
     assert_unfinished(out)
     r = moetool(*COMMANDS[command](src, out))
@@ -111,8 +112,7 @@ SIGNALS = [("quantize", signal.SIGINT), ("quantize", signal.SIGTERM), ("shard", 
 def test_signal_exits_with_its_status_and_resumes(src, clean, tmp_path, command, sig):
     before = digest(src)
     out, ready = tmp_path / "out", tmp_path / "ready"
-    proc = subprocess.Popen(faulty("pause", 1, *COMMANDS[command](src, out), ready=ready), env=env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = warm_python.Popen(faulty("pause", 1, *COMMANDS[command](src, out), ready=ready), env=env())
     deadline = time.monotonic() + 60
     while not ready.exists():
         assert proc.poll() is None, proc.communicate()
@@ -144,8 +144,7 @@ def test_a_signal_caught_by_a_worker_thread_still_stops_the_command_at_once(src,
     only, which, asleep waiting for that very worker, was not woken (CI saw shard sit 30 s).
     Here the committing worker thread takes the signal itself and waits for the interrupt."""
     out = tmp_path / "out"
-    r = subprocess.run(faulty("signal-in-thread", 1, *COMMANDS[command](src, out)), env=env(), capture_output=True,
-                       text=True, timeout=120)
+    r = warm_python.run(faulty("signal-in-thread", 1, *COMMANDS[command](src, out)), env=env(), timeout=120)
     assert r.returncode == 128 + signal.SIGTERM, r.stderr  # 8: the worker gave up waiting for the handler
     assert r.stderr.strip().splitlines()[-1].startswith("error: interrupted"), r.stderr
     assert_unfinished(out)
@@ -184,8 +183,7 @@ def test_folder_of_someone_elses_files_is_refused(src, other_checkpoint, tmp_pat
 
 def test_another_plans_unfinished_output_is_refused(src, tmp_path):
     out = tmp_path / "out"
-    crashed = subprocess.run(faulty("before-manifest", 1, *COMMANDS["quantize"](src, out)), env=env(),
-                             capture_output=True, text=True)
+    crashed = warm_python.run(faulty("before-manifest", 1, *COMMANDS["quantize"](src, out)), env=env())
     assert crashed.returncode == 9
     before = digest(out)
     r = moetool("quantize", src, out, "--int4", "--group-size", "64", "-q")
@@ -225,7 +223,7 @@ def test_two_runs_into_one_folder_leave_one_consistent_output(src, tmp_path):
     """Two real processes, other formats, started together: one writes the folder, the other
     is refused (being written, or already complete); the result is one format, all of it."""
     out = tmp_path / "out"
-    procs = [subprocess.Popen(argv(*args), env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [warm_python.Popen(argv(*args), env=env())
              for args in (("quantize", src, out, "--fp8-block", "-q"), ("quantize", src, out, "--fp8-channel", "-q"))]
     results = [(p.wait(timeout=120), p.stderr.read()) for p in procs]
     codes = sorted(code for code, _ in results)
@@ -291,8 +289,7 @@ def test_crash_between_the_manifest_and_its_clean_up_leaves_a_clean_complete_out
     """The manifest is in place, the journal and lock file not yet removed: the output is
     complete; a re-run says so and removes them."""
     out = tmp_path / "out"
-    crashed = subprocess.run(faulty("after-rename", "name:manifest.json", *COMMANDS["shard"](src, out)), env=env(),
-                             capture_output=True, text=True)
+    crashed = warm_python.run(faulty("after-rename", "name:manifest.json", *COMMANDS["shard"](src, out)), env=env())
     assert crashed.returncode == 9
     r = moetool(*COMMANDS["shard"](src, out))
     assert r.code == 2 and "already holds a complete output" in r.error_line
@@ -305,8 +302,7 @@ def test_force_stopped_while_deleting_the_old_output_is_never_complete(src, clea
     the folder is an unfinished output (refused without --force, finished with it)."""
     out = tmp_path / "out"
     assert moetool(*COMMANDS["shard"](src, out)).code == 0
-    crashed = subprocess.run(faulty("after-rename", 1, *COMMANDS["shard"](src, out), "--force"), env=env(),
-                             capture_output=True, text=True)
+    crashed = warm_python.run(faulty("after-rename", 1, *COMMANDS["shard"](src, out), "--force"), env=env())
     assert crashed.returncode == 9
     assert_unfinished(out)
     r = moetool(*COMMANDS["shard"](src, out))
@@ -334,8 +330,7 @@ def test_force_leaves_files_that_are_not_moetools(src, tmp_path):
 
 def test_force_over_another_plans_crash_leaves_no_temporary_name(src, tmp_path):
     out = tmp_path / "out"
-    crashed = subprocess.run(faulty("after-fsync", 3, "shard", src, out, "--ep", "4", "-q"), env=env(),
-                             capture_output=True, text=True)
+    crashed = warm_python.run(faulty("after-fsync", 3, "shard", src, out, "--ep", "4", "-q"), env=env())
     assert crashed.returncode == 9
     r = moetool(*COMMANDS["shard"](src, out), "--force")  # --ep 2
     assert r.code == 0, r.err
