@@ -462,6 +462,10 @@ def run_under_torchrun(fn: Callable, args: tuple = (), backend: str | None = Non
         raise MoetoolError(f"not started by torchrun: environment variable {e.args[0]} is not set") from None
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl" and local_rank >= torch.cuda.device_count():
+        raise MoetoolError(f"rank {rank}: LOCAL_RANK {local_rank} has no GPU on this node "
+                           f"({torch.cuda.device_count()} found): start at most that many processes per node "
+                           "(torchrun --nproc-per-node), or pass --backend gloo")
     with _die_with_parent(os.getppid()):
         device = _setup_rank(backend, local_rank)
         try:

@@ -110,7 +110,7 @@ def test_torchrun_launch(verify_chain, verify_shards):
         port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port), "-m",
            "moetool", "verify", str(sh), "--ref", str(model), "--ep", "2", "--tokens", str(TOKENS),
-           "--all2all", "all2all"]
+           "--all2all", "all2all", "--backend", "gloo"]  # gloo: a GPU host may have fewer GPUs than ranks
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "PASSED: 2/2 layers" in p.stdout and p.stdout.count("verify ") == 1  # rank 0 reports once

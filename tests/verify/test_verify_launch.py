@@ -81,6 +81,18 @@ def test_run_under_torchrun_needs_its_environment(monkeypatch):
         run_under_torchrun(vw.raise_on, (1,))
 
 
+def test_run_under_torchrun_refuses_a_local_rank_without_a_gpu(monkeypatch):
+    """Two processes a node on a one-GPU host under NCCL: one line naming the rank and the fix,
+    before CUDA's "invalid device ordinal" (seen on an H100 host)."""
+    for key, value in (("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                       ("MASTER_PORT", "1")):
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(MoetoolError, match=r"^rank 1: LOCAL_RANK 1 has no GPU on this node \(1 found\): .*"
+                                           r"--nproc-per-node\), or pass --backend gloo$"):
+        run_under_torchrun(vw.raise_on, (1,), backend="nccl")
+
+
 def test_run_under_torchrun_single_rank_layer(monkeypatch):
     """A one-rank world in this process (ep = 1): the layer equals the reference."""
     with socket.socket() as s:
