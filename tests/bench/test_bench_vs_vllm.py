@@ -17,6 +17,9 @@ import torch
 from moetool.kernels import moe_tiles as mt
 
 ROOT = Path(__file__).resolve().parents[2]
+#: where the shims and kernels run: the GPU where there is one (Triton then compiles for it;
+#: TRITON_INTERPRET is set only without CUDA, tests/conftest.py), else the interpreter on CPU
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _load(name):
@@ -86,11 +89,11 @@ def _align_expectation(topk_ids, block, num_experts, expert_map):
                                                     (3, 2, 8, 1, 16)])
 def test_align_shim_gives_what_vllm_documents(T, k, E_global, ep, block):
     layer = tune.Layer(E_global, ep, 64, 32, k)
-    ids, local, _ = tune.routing(T, layer, "cpu", seed=T)
+    ids, local, _ = tune.routing(T, layer, DEVICE, seed=T)
     emap = None
     if ep > 1:
-        emap = torch.full((E_global,), -1, dtype=torch.int32)
-        emap[:layer.E] = torch.arange(layer.E, dtype=torch.int32)
+        emap = torch.full((E_global,), -1, dtype=torch.int32, device=DEVICE)
+        emap[:layer.E] = torch.arange(layer.E, dtype=torch.int32, device=DEVICE)
     sorted_ids, expert_ids, num_post_pad = vs.vllm_align(ids, block, E_global, emap, True)
     size, per_expert = _align_expectation(ids, block, E_global, emap)
     numel = ids.numel()
@@ -111,15 +114,22 @@ def test_align_shim_gives_what_vllm_documents(T, k, E_global, ep, block):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_silu_and_sum_shims_match_torch(dtype):
     M, N, k, H = 7, 80, 3, 200
-    x = torch.randn(M, 2 * N).to(dtype)
-    out = torch.full((M, N), float("nan"), dtype=dtype)
+    x = torch.randn(M, 2 * N, device=DEVICE).to(dtype)
+    out = torch.full((M, N), float("nan"), dtype=dtype, device=DEVICE)
     vs.silu_and_mul_into(out, x)
     ref = torch.nn.functional.silu(x[:, :N].float()) * x[:, N:].float()
     assert torch.allclose(out.float(), ref, rtol=2e-3 if dtype == torch.float16 else 1e-6, atol=1e-3)
-    c = torch.randn(M, k, H).to(dtype)
-    summed = torch.full((M, H), float("nan"), dtype=dtype)
+    c = torch.randn(M, k, H, device=DEVICE).to(dtype)
+    summed = torch.full((M, H), float("nan"), dtype=dtype, device=DEVICE)
     vs.moe_sum_into(c, summed)
     assert torch.allclose(summed.float(), c.float().sum(1), rtol=2e-3 if dtype == torch.float16 else 1e-6, atol=1e-3)
+
+
+#: SQNR of ours against vLLM's kernels (dB). On a GPU the W8A8 schemes quantize activations to
+#: real e4m3 after sums taken in another order, and a flipped code costs a little: 43.4 and
+#: 44.4 dB measured on an H100 (fp16); the interpreter's are above 45
+MIN_AGREE_DB = {(device, scheme): 40.0 if device == "cuda" and scheme.startswith("fp8") else 45.0
+                for device in ("cpu", "cuda") for scheme in ("dense", "fp8-block", "fp8-channel", "int4-group")}
 
 
 @pytest.mark.slow
@@ -131,12 +141,12 @@ def test_real_vllm_kernels_agree_with_fused_experts(scheme):
     against fused_experts, with and without an expert map."""
     vllm = vs.load_vllm()
     for layer in (tune.Layer(8, 2, 256, 128, 2), tune.Layer(4, 1, 256, 128, 2)):
-        weights = tune.make_weights(scheme, layer.E, layer.H, layer.N, "cpu", dtype=torch.float16)
+        weights = tune.make_weights(scheme, layer.E, layer.H, layer.N, DEVICE, dtype=torch.float16)
         for T in (1, 5):
-            inputs = vs.problem(layer, T, "cpu", torch.float16)
+            inputs = vs.problem(layer, T, DEVICE, torch.float16)
             cfg = mt.select_config(scheme, layer.E, layer.N, layer.H, layer.k, T, torch.float16, True)
             ref, sq = vs.agree(vllm, scheme, layer, inputs, weights, {"ours": cfg})
-            assert ref.abs().max() > 0 and sq["ours"] > 45, (layer, T, sq)
+            assert ref.abs().max() > 0 and sq["ours"] > MIN_AGREE_DB[DEVICE, scheme], (layer, T, sq)
 
 
 def _row(layer, scheme, T, vllm_us, before_us, after_us):
