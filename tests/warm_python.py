@@ -3,7 +3,7 @@ processes of their own.
 
 A test that runs ``python -m moetool ...`` (or a script, or ``-c``) as a user would pays for a
 new interpreter importing torch each time: ~1.5 CPU-s a run on this project's 2-core machine,
-about 80 runs in the suite. Here one server process a pytest worker (``python warm_python.py``,
+about 50 runs in tests/hostile. Here one server process a pytest worker (``python warm_python.py``,
 started at the first run) imports torch, moetool and its commands once, then forks a child a
 run: a real process of its own (its pid, its session if asked, its signals, exit status and
 stdin / stdout / stderr pipes), running the same code from the same ``__main__`` entry as a
