@@ -57,7 +57,8 @@ def _patch_once_per_launch(interpreter) -> None:
     scope_type = getattr(interpreter, "_LangPatchScope", None)
     executor = getattr(interpreter, "GridExecutor", None)
     tl = getattr(interpreter, "tl", None)
-    if real is None or scope_type is None or executor is None or tl is None:
+    if real is None or scope_type is None or executor is None or tl is None \
+            or not isinstance(getattr(scope_type(), "_changes", None), list):
         return
     launches: list[set] = []  # per launch under way, innermost last: the language modules patched
     starting = [False]  # a launch is about to patch
