@@ -196,6 +196,7 @@ def test_byte_copy_resumes_torch_output(tiny, tmp_path, monkeypatch):
 
     with monkeypatch.context() as m:
         m.setattr(convert.OutputDir, "write_safetensors", stop_second)
+        m.setattr(convert, "usable_cores", lambda: 2)  # one file at a time (16 cores: 4 at once, none finished)
         with pytest.raises(OSError):
             repack(src, out, "stacked", progress=False, byte_copy=False)
     summary = repack(src, out, "stacked", progress=False)
