@@ -1,5 +1,6 @@
 """The benchmark scripts still run (tiny sizes, CPU): a newcomer's one command must not rot."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -35,7 +36,8 @@ def test_dispatch_bench_runs_on_gloo(tmp_path):
         row = result["max_over_ranks"][name]
         assert row["dispatch_bytes"] > 0 and row["ratio"] > 0
     assert result["max_over_ranks"]["all2all"]["ratio_exact"] > 0
-    assert "host time per call" in p.stdout  # the launch-cost loop runs the kernels (interpreted here)
+    if os.environ.get("TRITON_INTERPRET") == "1":  # a CUDA host's gloo ranks cannot run the kernels on CPU
+        assert "host time per call" in p.stdout  # the launch-cost loop runs the kernels (interpreted here)
     assert "all2all" in p.stdout and "ratio" in p.stdout
 
 
