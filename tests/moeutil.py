@@ -127,6 +127,22 @@ def rewrite_file(path: Path, mutate) -> None:
         index.write_text(json.dumps(data))
 
 
+def transformers_gpt_oss_reads_its_limit() -> bool:
+    """Whether the installed transformers' GptOssExperts clamps at its config's ``swiglu_limit``
+    (5.24 does; 5.17 holds 7.0 and 1.702 as constants, whatever the config says). The tiny
+    gpt-oss models clamp at small limits so that the clamp cuts; with a transformers of constants
+    they cannot be its reference. True without transformers (its tests skip on their own)."""
+    try:
+        import transformers
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+    except ImportError:
+        return True
+    cfg = transformers.GptOssConfig(hidden_size=8, intermediate_size=2, num_local_experts=2, swiglu_limit=3.0)
+    gate_up = torch.full((1, 4), 5.0)  # past 3, under 7: gate and up clamped to 3 only if the config is read
+    clamped = 3.0 * torch.sigmoid(torch.tensor(3.0 * 1.702)) * (3.0 + 1)
+    return torch.allclose(GptOssExperts(cfg)._apply_gate(gate_up), clamped.expand(1, 2))
+
+
 def edited_copy(src: Path, dst: Path, mutate=None, config=None) -> Path:
     """A copy of checkpoint ``src`` at ``dst`` with ``mutate(tensors)`` applied to the file holding
     its embeddings (``rewrite_file``) and ``config(dict)`` to its config.json."""
