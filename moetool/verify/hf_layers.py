@@ -224,6 +224,8 @@ class Skeleton:
         """Before any rank starts: every tensor transformers' modules need is in the checkpoint,
         with its shape (``moe_blocks=False``: not the MoE blocks, which the converted side runs
         with moetool's forward from tensors ``describe`` has checked)."""
+        if moe_blocks:
+            self._check_activation()
         skip = tuple(f"model.layers.{i}.{self.mlp_attr(self.layers[i])}." for i in self.moe_index) if not moe_blocks else ()
         for mem_name, t in self.model.state_dict(keep_vars=True).items():
             if mem_name.startswith(skip):
@@ -232,6 +234,24 @@ class Skeleton:
             if kind == "tensor" and tuple(self.ckpt.info(name).shape) != tuple(t.shape):
                 raise MoetoolError(f"{self.ckpt.root}: {name} has shape {list(self.ckpt.info(name).shape)}, "
                                    f"transformers' {mem_name} needs {list(t.shape)}")
+
+    def _check_activation(self) -> None:
+        """transformers' experts clamp as the config says. Some versions hold gpt-oss's
+        ``alpha`` and ``limit`` as constants (5.17: 1.702 and 7.0, whatever ``swiglu_limit``
+        says): such modules cannot be the reference of a checkpoint that sets other values."""
+        act = self.spec.activation
+        if act.kind != "clamped-swiglu":
+            return
+        for i in self.moe_index:
+            experts = getattr(getattr(self.layers[i], self.mlp_attr(self.layers[i])), "experts", None)
+            held = getattr(experts, "alpha", None), getattr(experts, "limit", None)
+            if None in held or (float(held[0]), float(held[1])) == (act.alpha, act.limit):
+                return
+            raise MoetoolError(
+                f"{self.ckpt.root}: transformers {transformers.__version__}'s {type(experts).__name__} computes "
+                f"the clamped SwiGLU with alpha {held[0]:g}, limit {held[1]:g} whatever config.json says (alpha "
+                f"{act.alpha:g}, limit {act.limit:g}): it cannot be this checkpoint's reference; install a "
+                "transformers that reads them (5.24 does)")
 
     def _fused_experts(self, moe, gate_up: bool, shape: tuple) -> torch.Tensor:
         """[E, 2N, H] / [E, H, N] (or input-first) from the checkpoint's experts, fp32, made on

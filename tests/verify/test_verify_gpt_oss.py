@@ -134,6 +134,31 @@ def test_router_and_reference_are_transformers(world):
             assert bool((g > layer.activation.limit).any())
 
 
+@transformers_reference  # where transformers reads the limit: its constant-holding versions refuse at once
+def test_a_transformers_whose_experts_ignore_the_limit_is_refused_as_reference(world, monkeypatch):
+    """transformers 5.17's GptOssExperts holds limit 7.0 whatever swiglu_limit says (0.25 here):
+    the reference check names that, instead of a FAIL blamed on the conversion."""
+    from moetool.errors import MoetoolError
+    from moetool.model.families import describe
+    from moetool.verify import hf_layers
+
+    real_init = hf_layers.Skeleton.__init__
+
+    def constant_limit(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        for i in self.moe_index:
+            getattr(self.layers[i], self.mlp_attr(self.layers[i])).experts.limit = 7.0
+
+    with open_checkpoint(world["model"].path) as ck:
+        spec = describe(ck.config, ck.tensors)
+        hf_layers.Skeleton(ck.config, ck, spec, ExpertReader(ck, spec)).check()  # as it is: accepted
+        monkeypatch.setattr(hf_layers.Skeleton, "__init__", constant_limit)
+        with pytest.raises(MoetoolError, match=r"GptOssExperts computes the clamped SwiGLU with alpha 1\.702, limit 7 "
+                                               r"whatever config\.json says \(alpha 1\.702, limit 0\.25\)"):
+            hf_layers.Skeleton(ck.config, ck, spec, ExpertReader(ck, spec)).check()
+        hf_layers.Skeleton(ck.config, ck, spec, ExpertReader(ck, spec)).check(moe_blocks=False)  # the converted side
+
+
 def _local(model):
     ck = open_checkpoint(model.path)
     reader = ExpertReader(ck)
