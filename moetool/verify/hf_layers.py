@@ -240,13 +240,12 @@ class Skeleton:
         ``alpha`` and ``limit`` as constants (5.17: 1.702 and 7.0, whatever ``swiglu_limit``
         says): such modules cannot be the reference of a checkpoint that sets other values."""
         act = self.spec.activation
-        if act.kind != "clamped-swiglu":
+        if act.kind != "clamped-swiglu" or not self.moe_index:
             return
-        for i in self.moe_index:
-            experts = getattr(getattr(self.layers[i], self.mlp_attr(self.layers[i])), "experts", None)
-            held = getattr(experts, "alpha", None), getattr(experts, "limit", None)
-            if None in held or (float(held[0]), float(held[1])) == (act.alpha, act.limit):
-                return
+        layer = self.layers[next(iter(self.moe_index))]  # every MoE layer's experts are one class
+        experts = getattr(getattr(layer, self.mlp_attr(layer)), "experts", None)
+        held = getattr(experts, "alpha", None), getattr(experts, "limit", None)
+        if None not in held and (float(held[0]), float(held[1])) != (act.alpha, act.limit):
             raise MoetoolError(
                 f"{self.ckpt.root}: transformers {transformers.__version__}'s {type(experts).__name__} computes "
                 f"the clamped SwiGLU with alpha {held[0]:g}, limit {held[1]:g} whatever config.json says (alpha "
