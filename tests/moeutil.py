@@ -10,6 +10,7 @@ tensor cannot pass a shape check by accident.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import shutil
@@ -127,6 +128,7 @@ def rewrite_file(path: Path, mutate) -> None:
         index.write_text(json.dumps(data))
 
 
+@functools.cache
 def transformers_gpt_oss_reads_its_limit() -> bool:
     """Whether the installed transformers' GptOssExperts clamps at its config's ``swiglu_limit``
     (5.24 does; 5.17 holds 7.0 and 1.702 as constants, whatever the config says). The tiny

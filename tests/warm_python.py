@@ -24,6 +24,7 @@ import json
 import os
 import select
 import selectors
+import shutil
 import socket
 import subprocess
 import sys
@@ -140,11 +141,7 @@ class _Server:
     def close(self) -> None:
         self.proc.stdin.close()  # the server exits; runs under way go on
         self.proc.wait()
-        for name in (self.path, self.folder):
-            try:
-                (os.unlink if name == self.path else os.rmdir)(name)
-            except OSError:
-                pass
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 _servers: dict[tuple, _Server] = {}

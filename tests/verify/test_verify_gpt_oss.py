@@ -35,9 +35,11 @@ from moetool.verify.router import route  # noqa: E402
 from moetool.verify.whole_model import WholeModelOptions, verify_whole_model_many  # noqa: E402
 
 GPT_OSS = dict(intermediate_size=32, swiglu_limit=0.25, sliding_window=4)
-#: the tests whose reference is transformers' own gpt-oss experts, at this limit
+#: whether transformers' own gpt-oss experts can be the reference at this limit
+TRANSFORMERS_REFERENCE = transformers_gpt_oss_reads_its_limit()
+#: the tests whose reference is transformers' own gpt-oss experts
 transformers_reference = pytest.mark.skipif(
-    not transformers_gpt_oss_reads_its_limit(),
+    not TRANSFORMERS_REFERENCE,
     reason="this transformers' GptOssExperts clamps at 7 whatever swiglu_limit says (5.17; 5.24 reads it)")
 FORMATS = {"dense": {}, "fp8-block": {}, "fp8-channel": {}, "int4-group": {"group_size": 32}, "nvfp4": {},
            "mxfp4": {}}
@@ -92,7 +94,7 @@ def world(tmp_path_factory):
     keys = [*honest, *faults]
     # the whole-model check's reference is transformers' own experts: refused where they ignore the limit
     whole = verify_whole_model_many([(sh, ref, WHOLE) for sh, ref, _ in jobs]) \
-        if transformers_gpt_oss_reads_its_limit() else [None] * len(keys)
+        if TRANSFORMERS_REFERENCE else [None] * len(keys)
     return {"model": model, "inputs": inputs, "moe": dict(zip(keys, moe)), "whole": dict(zip(keys, whole))}
 
 
