@@ -286,7 +286,7 @@ class Warming:
 
     def _read(self, take) -> None:
         try:
-            filler = CacheFiller()
+            filler = CacheFiller(exact=True)
         except OSError:
             return
         try:
@@ -309,6 +309,7 @@ class Warming:
                     self._left -= size
                 done = 0
                 try:
+                    filler.ask(Path(name), spans)
                     for offset, length in spans:
                         done += filler.fill(Path(name), offset, length)
                 except OSError:

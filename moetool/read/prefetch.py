@@ -58,29 +58,57 @@ def idle_io_priority() -> bool:
         return False
 
 
+#: bytes per ``POSIX_FADV_WILLNEED`` of :meth:`CacheFiller.ask`: Linux reads at most the
+#: device's read-ahead window per call (128 KiB by default), so larger asks would be cut short
+ASK_STEP = 128 << 10
+
+
 class CacheFiller:
     """Reads byte ranges of files into the page cache: ``sendfile`` to /dev/null,
     ``PREFETCH_STEP`` a call (the GIL released meanwhile), one descriptor per file kept open
-    until ``close`` (and with it the kernel's sequential read-ahead state)."""
+    until ``close`` (and with it the kernel's sequential read-ahead state).
+
+    ``exact``: the ranges are scattered (the pages a library's code touched), so the kernel's
+    read-ahead is switched off for these descriptors (``POSIX_FADV_RANDOM``): with it, each
+    range read sequentially grew its window up to the device's (8 MiB on the H100 hosts) past
+    the range's end. :meth:`ask` then queues a file's ranges at once."""
 
     #: descriptors kept open at most (all are closed when one more is needed)
     MAX_OPEN = 256
 
-    def __init__(self):
+    def __init__(self, exact: bool = False):
         """OSError where there is no ``sendfile`` (a hint then: nothing is read ahead)."""
         if getattr(os, "sendfile", None) is None:
             raise OSError(errno.ENOSYS, "no sendfile here")
         self._null = os.open(os.devnull, os.O_WRONLY)
         self._fds: dict[Path, int] = {}
+        self.exact = exact and hasattr(os, "posix_fadvise")
 
-    def fill(self, path: Path, offset: int, length: int, stop: threading.Event | None = None) -> int:
-        """Bytes read into the cache from ``offset`` (fewer at the end of the file or once
-        ``stop`` is set). OSError where the file cannot be read."""
+    def _fd(self, path: Path) -> int:
         fd = self._fds.get(path)
         if fd is None:
             if len(self._fds) >= self.MAX_OPEN:
                 self._close_files()
             fd = self._fds[path] = os.open(path, os.O_RDONLY)
+            if self.exact:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        return fd
+
+    def ask(self, path: Path, ranges: Iterable[tuple[int, int]]) -> None:
+        """Queue reads of ``ranges`` (offset, length) of ``path`` without waiting for them
+        (``POSIX_FADV_WILLNEED``): the disk gets them all at once, then :meth:`fill` waits
+        for each and reads what the asks did not. OSError where the file cannot be opened."""
+        if not hasattr(os, "posix_fadvise"):
+            return
+        fd = self._fd(path)
+        for offset, length in ranges:
+            for start in range(offset, offset + length, ASK_STEP):
+                os.posix_fadvise(fd, start, min(ASK_STEP, offset + length - start), os.POSIX_FADV_WILLNEED)
+
+    def fill(self, path: Path, offset: int, length: int, stop: threading.Event | None = None) -> int:
+        """Bytes read into the cache from ``offset`` (fewer at the end of the file or once
+        ``stop`` is set). OSError where the file cannot be read."""
+        fd = self._fd(path)
         done = 0
         while done < length and not (stop is not None and stop.is_set()):
             n = os.sendfile(self._null, fd, offset + done, min(PREFETCH_STEP, length - done))

@@ -340,3 +340,43 @@ def _file_system(path: Path) -> str:
             best, kind = fields[1], fields[2]
     return kind
 
+
+
+def test_the_warm_up_queues_exactly_a_librarys_ranges_with_read_ahead_off(tmp_path, monkeypatch):
+    """Each touched range is asked for at once (POSIX_FADV_WILLNEED, in pieces the kernel reads
+    whole), on a descriptor whose read-ahead is off (POSIX_FADV_RANDOM: sequential reads of a
+    range otherwise grow the window past its end), then read through: every byte counted."""
+    from moetool.read import prefetch
+
+    if not hasattr(os, "posix_fadvise"):
+        pytest.skip("no posix_fadvise here")
+    lib = tmp_path / "libx.so"
+    lib.write_bytes(os.urandom(3 << 20))
+    ranges = [(0, 4096), (1 << 20, prefetch.ASK_STEP * 2 + 4096)]
+    calls, real = [], os.posix_fadvise
+
+    def fadvise(fd, offset, length, advice):
+        calls.append((offset, length, advice))
+        return real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", fadvise)
+    warm = code_files.Warming({str(lib): ranges}, budget=1 << 30)
+    assert warm.wait(timeout=30) and warm.bytes_read == sum(n for _, n in ranges)
+    step = prefetch.ASK_STEP
+    assert calls == [(0, 0, os.POSIX_FADV_RANDOM), (0, 4096, os.POSIX_FADV_WILLNEED),
+                     (1 << 20, step, os.POSIX_FADV_WILLNEED), ((1 << 20) + step, step, os.POSIX_FADV_WILLNEED),
+                     ((1 << 20) + 2 * step, 4096, os.POSIX_FADV_WILLNEED)]
+
+
+def test_a_checkpoint_read_ahead_keeps_the_kernels_read_ahead(tmp_path, monkeypatch):
+    from moetool.read.prefetch import CacheFiller
+
+    f = tmp_path / "x.safetensors"
+    f.write_bytes(os.urandom(1 << 20))
+    advised = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda *a: advised.append(a), raising=False)
+    filler = CacheFiller()
+    try:
+        assert filler.fill(f, 0, 1 << 20) == 1 << 20 and not advised
+    finally:
+        filler.close()
