@@ -23,6 +23,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 H, N = 32, 24  # hidden, expert intermediate of the transformers-made models (2N = 48 != H)
+#: where tests that run on either put their tensors: the GPU where there is one (Triton compiles
+#: for it: tests/conftest.py sets TRITON_INTERPRET only without CUDA), else the CPU
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @dataclass

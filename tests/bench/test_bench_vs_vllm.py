@@ -15,11 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 from moetool.kernels import moe_tiles as mt
+from moeutil import DEVICE
 
 ROOT = Path(__file__).resolve().parents[2]
-#: where the shims and kernels run: the GPU where there is one (Triton then compiles for it;
-#: TRITON_INTERPRET is set only without CUDA, tests/conftest.py), else the interpreter on CPU
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _load(name):

@@ -8,15 +8,13 @@ import json
 
 import pytest
 import torch
-from moeutil import read_tensors
+from moeutil import DEVICE, read_tensors
 
 from moetool.errors import MoetoolError
 from moetool.formats import FORMATS, Nvfp4, common, detect_format, read_format_params
 from moetool.formats.mxfp4 import E2M1_VALUES, e2m1_decode, unpack_fp4
 from moetool.kernels import fp4_quant as k4
 
-#: the Triton kernel's device: CUDA when present, else the CPU under TRITON_INTERPRET (tests/conftest.py)
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FMT = Nvfp4()
 
 

@@ -11,7 +11,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from moeutil import DEVICE  # noqa: E402
 
 
 @pytest.fixture
