@@ -134,9 +134,10 @@ def rewrite_file(path: Path, mutate) -> None:
 @functools.cache
 def transformers_gpt_oss_reads_its_limit() -> bool:
     """Whether the installed transformers' GptOssExperts clamps at its config's ``swiglu_limit``
-    (5.24 does; 5.17 holds 7.0 and 1.702 as constants, whatever the config says). The tiny
-    gpt-oss models clamp at small limits so that the clamp cuts; with a transformers of constants
-    they cannot be its reference. True without transformers (its tests skip on their own)."""
+    (5.19 and later do; up to 5.18 it holds 7.0 and 1.702 as constants, whatever the config
+    says). The tiny gpt-oss models clamp at small limits so that the clamp cuts; with a
+    transformers of constants they cannot be its reference. True without transformers (its
+    tests skip on their own)."""
     try:
         import transformers
         from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts

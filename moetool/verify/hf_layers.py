@@ -236,8 +236,8 @@ class Skeleton:
                                    f"transformers' {mem_name} needs {list(t.shape)}")
 
     def _check_activation(self) -> None:
-        """transformers' experts clamp as the config says. Some versions hold gpt-oss's
-        ``alpha`` and ``limit`` as constants (5.17: 1.702 and 7.0, whatever ``swiglu_limit``
+        """transformers' experts clamp as the config says. Versions up to 5.18 hold gpt-oss's
+        ``alpha`` and ``limit`` as constants (1.702 and 7.0, whatever ``swiglu_limit``
         says): such modules cannot be the reference of a checkpoint that sets other values."""
         act = self.spec.activation
         if act.kind != "clamped-swiglu" or not self.moe_index:
@@ -250,7 +250,7 @@ class Skeleton:
                 f"{self.ckpt.root}: transformers {transformers.__version__}'s {type(experts).__name__} computes "
                 f"the clamped SwiGLU with alpha {held[0]:g}, limit {held[1]:g} whatever config.json says (alpha "
                 f"{act.alpha:g}, limit {act.limit:g}): it cannot be this checkpoint's reference; install a "
-                "transformers that reads them (5.24 does)")
+                "transformers that reads them (5.19 or later)")
 
     def _fused_experts(self, moe, gate_up: bool, shape: tuple) -> torch.Tensor:
         """[E, 2N, H] / [E, H, N] (or input-first) from the checkpoint's experts, fp32, made on

@@ -93,7 +93,7 @@ def test_gpt_oss_clamped_swiglu(hf_model, tmp_path):
 
 
 @pytest.mark.skipif(not transformers_gpt_oss_reads_its_limit(),
-                    reason="this transformers' GptOssExperts clamps at 7 whatever swiglu_limit says (5.17; 5.24 reads it)")
+                    reason="this transformers' GptOssExperts clamps at 7 whatever swiglu_limit says (up to 5.18; 5.19 and later read it)")
 def test_gpt_oss_activation_is_transformers_own():
     """ExpertActivation.apply against GptOssExperts._apply_gate (interleaved gate/up columns,
     as the module holds them) on values past the clamp, and against SiLU for the others."""
