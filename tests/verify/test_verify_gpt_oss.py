@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeutil import edited_copy, save_gpt_oss_mxfp4, save_hf_model, transformers_gpt_oss_reads_its_limit
+from moeutil import DEVICE, edited_copy, save_gpt_oss_mxfp4, save_hf_model, transformers_gpt_oss_reads_its_limit
 
 transformers = pytest.importorskip("transformers")
 
@@ -140,7 +140,7 @@ def test_router_and_reference_are_transformers(world):
 
 @transformers_reference  # where transformers reads the limit: its constant-holding versions refuse at once
 def test_a_transformers_whose_experts_ignore_the_limit_is_refused_as_reference(world, monkeypatch):
-    """transformers 5.17's GptOssExperts holds limit 7.0 whatever swiglu_limit says (0.25 here):
+    """transformers up to 5.18 has GptOssExperts hold limit 7.0 whatever swiglu_limit says (0.25 here):
     the reference check names that, instead of a FAIL blamed on the conversion."""
     from moetool.errors import MoetoolError
     from moetool.model.families import describe
@@ -213,7 +213,7 @@ def test_triton_experts_run_gpt_oss(world):
     changed on the Triton side alone moves the output (the check can fail). On a GPU both run
     there, the float32 dots in TF32 (10-bit mantissas)."""
     ck, _, layer, local = _local(world["model"])
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(DEVICE)
     with ck:
         gen = torch.Generator().manual_seed(7)
         x = torch.randn(24, 32, generator=gen)
