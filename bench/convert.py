@@ -17,7 +17,9 @@ copy bytes without torch) and `start-up+torch` adds `import torch` and the quant
 (what quantize pays); the `after start-up` columns subtract the step's own start-up (the plain
 one where `start-up+torch` was not measured), which shows the conversion itself against cp
 when the input is small enough for the page cache to make cp faster than importing torch.
-``--old DIR...`` runs every moetool step again with the moetool of each older checkout DIR, as
+``--cold`` drops the whole page cache before each run (root only: as a fresh machine);
+``--cold-input`` only the checkpoint's pages (the tools' code stays in memory, as on a machine
+that ran python before). ``--old DIR...`` runs every moetool step again with the moetool of each older checkout DIR, as
 STEP@DIR in the same table: a before/after in one run, against the same cp.
 """
 from __future__ import annotations
@@ -168,6 +170,42 @@ def wait_idle(limit_s: float, busy_fraction: float = 0.05) -> float:
         if (busy_cpu_seconds() - before) / 0.5 / cores < busy_fraction:
             break
     return time.perf_counter() - t0
+
+
+def cached_share(files: list[Path], samples: int = 64) -> float | None:
+    """The share of ``samples`` pages a file, spread over each of ``files``, in the page cache
+    (read with ``RWF_NOWAIT``, which fails rather than wait for the disk); None where that
+    cannot be asked (no RWF_NOWAIT, or only empty files)."""
+    nowait = getattr(os, "RWF_NOWAIT", None)
+    sampled = cached = 0
+    buf = bytearray(4096)
+    for f in files if nowait is not None else ():
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            for i in range(samples if size else 0):
+                sampled += 1
+                try:
+                    cached += os.preadv(fd, [buf], size * i // samples // 4096 * 4096, nowait) > 0
+                except OSError:  # EAGAIN: not in memory
+                    pass
+        finally:
+            os.close(fd)
+    return cached / sampled if sampled else None
+
+
+def evict(files: list[Path]) -> float | None:
+    """Drop ``files``' pages from the page cache (``POSIX_FADV_DONTNEED`` after a sync: no root
+    needed, and the rest of the cache, the tools' code with it, stays); returns
+    :func:`cached_share` after."""
+    subprocess.run(["sync"])
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return cached_share(files)
 
 
 def timed(cmd: list[str], env: dict | None = None, cwd: Path | None = None) -> tuple[float, int, float]:
@@ -615,11 +653,16 @@ def main() -> None:
                     help="first measure the disk's and the CPU's floors and the ways of copying a file")
     ap.add_argument("--cold", action="store_true",
                     help="drop the page cache before each step (root only): reads come from the disk")
+    ap.add_argument("--cold-input", action="store_true",
+                    help="drop only the input's pages (and a kept fp8 output's) before each step: the checkpoint "
+                         "comes from the disk, the tools' code from memory, as on a machine that ran python before")
     ap.add_argument("--ep", type=int, default=8, help="ranks of the shard step")
     ap.add_argument("--old", type=Path, nargs="*", default=[],
                     help="other checkouts (a git archive of a commit, say) whose moetool runs each moetool step "
                          "too, interleaved with this one's, as STEP@FOLDER (the same cp, the same run)")
     args = ap.parse_args()
+    if args.cold and args.cold_input:
+        ap.error("--cold drops the whole page cache; --cold-input only the input's: give one")
     args.workdir = args.workdir.resolve()  # --old steps run in their checkout's folder
 
     src = args.workdir / "src"
@@ -691,6 +734,10 @@ def main() -> None:
                 subprocess.run(["sync"])
                 if args.cold:
                     Path("/proc/sys/vm/drop_caches").write_text("3\n")
+                elif args.cold_input:
+                    left = evict([f for d in (src, *keep) if d.is_dir() for f in d.glob("*.safetensors")])
+                    if left is not None and left > 0.05:
+                        print(f"  ({left:.0%} of the sampled input pages stayed cached)", file=sys.stderr)
                 wait_idle(args.idle_wait)
                 seconds, peak, foreign = timed(cmd, env=env, cwd=old)
                 if args.trace and name.split("@")[0] not in ("cp", "cat", "cp-fp8", "cat-fp8") and trace_file.exists():

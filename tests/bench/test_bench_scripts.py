@@ -16,13 +16,35 @@ def test_convert_bench_runs_and_reports_every_step(tmp_path):
     p = subprocess.run([sys.executable, str(ROOT / "bench" / "convert.py"), "--workdir", str(tmp_path), "--size-gib",
                         "0.004", "--shard-gib", "0.002", "--hidden", "128", "--intermediate", "128", "--repeat", "1",
                         "--only", "cp,start-up,fp8-block,int4-group,shard,repack", "--json",
-                        "--idle-wait", "0", "--retries", "0"],
+                        "--idle-wait", "0", "--retries", "0", "--cold-input"],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     rows = {r["step"]: r for r in json.loads(p.stdout)["rows"]}
     assert set(rows) == {"cp", "start-up", "fp8-block", "int4-group", "shard", "repack"}
     assert all(r["seconds"] > 0 and r["peak_rss_mb"] > 0 for r in rows.values())
     assert rows["fp8-block"]["after_startup_s"] is not None and rows["cp"]["after_startup_s"] is None
+
+
+def test_cold_input_evicts_the_files_and_says_what_stayed(tmp_path):
+    """--cold-input drops just the checkpoint's pages (no root needed): a file written and read
+    is cached before and not after; --cold with it is refused."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import convert
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(os.urandom(4 << 20))
+    f.read_bytes()
+    before = convert.cached_share([f])
+    if before is None:
+        pytest.skip("no RWF_NOWAIT here: cached pages cannot be counted")
+    if before < 0.9:
+        pytest.skip(f"the page cache kept only {before:.0%} of a file just read")
+    assert convert.evict([f]) == 0.0
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "convert.py"), "--cold", "--cold-input"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "give one" in p.stderr
 
 
 def test_dispatch_bench_runs_on_gloo(tmp_path):
