@@ -25,7 +25,9 @@ STEP@DIR in the same table: a before/after in one run, against the same cp.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import mmap
 import os
 import shutil
 import statistics
@@ -172,26 +174,40 @@ def wait_idle(limit_s: float, busy_fraction: float = 0.05) -> float:
     return time.perf_counter() - t0
 
 
-def cached_share(files: list[Path], samples: int = 64) -> float | None:
-    """The share of ``samples`` pages a file, spread over each of ``files``, in the page cache
-    (read with ``RWF_NOWAIT``, which fails rather than wait for the disk); None where that
-    cannot be asked (no RWF_NOWAIT, or only empty files)."""
-    nowait = getattr(os, "RWF_NOWAIT", None)
-    sampled = cached = 0
-    buf = bytearray(4096)
-    for f in files if nowait is not None else ():
+def cached_share(files: list[Path]) -> float | None:
+    """The share of ``files``' pages in the page cache (``mincore`` on a mapping: it asks
+    without reading, where a read with ``RWF_NOWAIT`` starts the kernel's read-ahead of what it
+    misses); None where that cannot be asked (not Linux, only empty files)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    except (OSError, AttributeError):
+        return None
+    page = os.sysconf("SC_PAGE_SIZE")
+    pages = cached = 0
+    for f in files:
+        size = f.stat().st_size
+        if not size:
+            continue
         fd = os.open(f, os.O_RDONLY)
         try:
-            size = os.fstat(fd).st_size
-            for i in range(samples if size else 0):
-                sampled += 1
-                try:
-                    cached += os.preadv(fd, [buf], size * i // samples // 4096 * 4096, nowait) > 0
-                except OSError:  # EAGAIN: not in memory
-                    pass
+            addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if addr in (None, ctypes.c_void_p(-1).value):
+                return None
+            try:
+                vec = ctypes.create_string_buffer((size + page - 1) // page)
+                if libc.mincore(addr, size, vec) != 0:
+                    return None
+                pages += len(vec.raw)
+                cached += sum(b & 1 for b in vec.raw)
+            finally:
+                libc.munmap(addr, size)
         finally:
             os.close(fd)
-    return cached / sampled if sampled else None
+    return cached / pages if pages else None
 
 
 def evict(files: list[Path]) -> float | None:

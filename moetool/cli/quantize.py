@@ -89,8 +89,9 @@ def _prefetch_source(args: list[str]) -> None:
         return
     for arg in args[args.index("quantize") + 1:]:
         if not arg.startswith("-") and os.path.isdir(arg) and any(Path(arg).glob("*.safetensors")):
-            warm = code_files.warming()  # the imports' code first: bulk reads would starve its small reads
-            prefetch(Path(arg), idle=True, after=None if warm is None else warm.wait)
+            # the imports' code first (bulk reads would starve its small reads); in a child
+            # process, whose reads wait for no GIL that `import torch` holds
+            prefetch(Path(arg), idle=True, after=code_files.warming(), in_child=True)
             return
 
 

@@ -12,7 +12,12 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import json
 import os
+import select
+import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Callable, Iterable
@@ -22,8 +27,9 @@ from typing import Callable, Iterable
 PREFETCH_SHARE = 0.5
 #: bytes per call: one GIL hand-over per call while another thread imports torch
 PREFETCH_STEP = 64 << 20
+_PR_SET_PDEATHSIG = 1
 #: folders already being read ahead by this process (a second ask for one is answered by the first)
-_started: dict[Path, threading.Thread | None] = {}
+_started: dict[Path, object] = {}
 _lock = threading.Lock()
 
 
@@ -127,6 +133,26 @@ class CacheFiller:
         os.close(self._null)
 
 
+def fill_ranges(ranges: Iterable[tuple[Path, int, int]], budget: int, stop: threading.Event | None = None) -> None:
+    """Read each (file, offset, length) in order into the page cache until ``budget`` bytes are
+    read (or ``stop`` is set); a file that cannot be read is skipped."""
+    left = budget
+    try:
+        filler = CacheFiller()
+    except OSError:
+        return
+    try:
+        for path, offset, length in ranges:
+            if left <= 0 or (stop is not None and stop.is_set()):
+                return
+            try:
+                left -= filler.fill(Path(path), offset, min(length, left), stop)
+            except OSError:
+                continue
+    finally:
+        filler.close()
+
+
 def read_ahead_ranges(ranges: Iterable[tuple[Path, int, int]], budget: int,
                       stop: threading.Event | None = None, idle: bool = False,
                       after: Callable[[], object] | None = None) -> threading.Thread | None:
@@ -143,40 +169,87 @@ def read_ahead_ranges(ranges: Iterable[tuple[Path, int, int]], budget: int,
             after()
         if idle:
             idle_io_priority()
-        left = budget
-        try:
-            filler = CacheFiller()
-        except OSError:
-            return
-        try:
-            for path, offset, length in ranges:
-                if left <= 0 or (stop is not None and stop.is_set()):
-                    return
-                try:
-                    left -= filler.fill(path, offset, min(length, left), stop)
-                except OSError:
-                    continue
-        finally:
-            filler.close()
+        fill_ranges(ranges, budget, stop)
 
     thread = threading.Thread(target=run, name="moetool-prefetch", daemon=True)
     thread.start()
     return thread
 
 
-def prefetch(root: Path, idle: bool = False, after: Callable[[], object] | None = None) -> threading.Thread | None:
+class ChildReadAhead:
+    """:func:`fill_ranges` in a child interpreter (``python -I -S``: no site, none of this
+    process's environment), so that its reads never wait for this process's GIL. On a thread
+    here each ``sendfile`` had to take the GIL back from ``import torch``, which holds it for up
+    to 0.3-0.4 s at a time (loading a library, compiling a module where no bytecode is kept).
+    The child dies with the thread that started it (``PR_SET_PDEATHSIG``: a Ctrl-C'd or finished
+    command leaves no read-ahead behind), and first waits for ``after_pid`` to end (the code
+    warm-up's child: its ``pidfd``). Like the thread it replaces: ``join``, ``is_alive``."""
+
+    def __init__(self, ranges: list[tuple[Path, int, int]], budget: int, idle: bool, after_pid: int | None):
+        """OSError where the child cannot be started, or ``after_pid`` cannot be waited for here
+        (no ``pidfd_open``: Linux 5.3 and later)."""
+        after_fd = os.pidfd_open(after_pid) if after_pid is not None else None  # AttributeError: not Linux
+        root = str(Path(__file__).resolve().parents[2])  # the folder that holds the moetool package
+        spec = {"parent": os.getpid(), "after_fd": after_fd, "idle": idle, "budget": budget,
+                "ranges": [(str(f), o, n) for f, o, n in ranges]}
+        code = "import sys; sys.path.insert(0, sys.argv[1]); from moetool.read import prefetch; prefetch._child_main()"
+        try:
+            self._proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", code, root], stdin=subprocess.PIPE,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True,
+                                          pass_fds=() if after_fd is None else (after_fd,))
+        finally:
+            if after_fd is not None:
+                os.close(after_fd)
+        with self._proc.stdin:
+            self._proc.stdin.write(json.dumps(spec).encode())
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self._proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def is_alive(self) -> bool:
+        return self._proc.poll() is None
+
+
+def _child_main() -> None:
+    """:class:`ChildReadAhead`'s child: its spec (JSON) on stdin."""
+    spec = json.loads(sys.stdin.buffer.read())
+    try:
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux
+        pass
+    if os.getppid() != spec["parent"]:  # the parent ended before the death signal was set
+        return
+    if spec["after_fd"] is not None:
+        select.select([spec["after_fd"]], [], [])  # readable once that process has ended
+    if spec["idle"]:
+        idle_io_priority()
+    fill_ranges([(Path(f), o, n) for f, o, n in spec["ranges"]], spec["budget"])
+
+
+def prefetch(root: Path, idle: bool = False, after=None, in_child: bool = False):
     """The ``*.safetensors`` files of the folder ``root`` into the page cache, in name order
     (the order conversions read them), up to ``PREFETCH_SHARE`` of the memory available: a
     command that imports torch before its first read (quantize) then finds its input in
     memory, and a byte copy's small reads stop waiting on the disk one after another. A folder
-    already asked for in this process is not read again (the first ask's thread is returned:
+    already asked for in this process is not read again (the first ask's reader is returned:
     quantize's command and then its library both ask, and read a cold input twice over).
 
     ``idle``: read at the idle I/O priority, behind every other read and write of the machine:
     quantize asks so while torch imports, whose page faults then go first (a cold ``import
     torch`` took 6.9 s alone on an H100 host and 9-14 s beside the read-ahead of its input),
     and the conversion's own reads and writes go before the read-ahead after it. ``after``:
-    called on the thread before it reads (the code warm-up's end: :mod:`moetool.read.code_files`)."""
+    what the reads wait for (the code warm-up's child, :mod:`moetool.read.code_files`: its
+    ``wait()`` and ``pid``). ``in_child``: read in a :class:`ChildReadAhead` (for a command
+    about to import torch; ask from the main thread: the child ends with the thread that
+    asked), else on a thread, as where the child cannot start. Returns the reader (a thread or
+    a :class:`ChildReadAhead`: ``join``, ``is_alive``), or None where there is nothing to read."""
     if not Path(root).is_dir():
         return None
     key = Path(root).resolve()
@@ -187,5 +260,14 @@ def prefetch(root: Path, idle: bool = False, after: Callable[[], object] | None 
             except OSError:
                 ranges = []
             budget = int(available_memory() * PREFETCH_SHARE)
-            _started[key] = read_ahead_ranges(ranges, budget, idle=idle, after=after) if ranges else None
+            reader = None
+            if ranges and in_child and getattr(os, "sendfile", None) is not None:
+                try:
+                    ended = after is None or after.wait(0)
+                    reader = ChildReadAhead(ranges, budget, idle, None if ended else after.pid)
+                except (OSError, AttributeError, ValueError):  # no pidfd_open, a pid gone, no child
+                    reader = None
+            if reader is None and ranges:
+                reader = read_ahead_ranges(ranges, budget, idle=idle, after=None if after is None else after.wait)
+            _started[key] = reader
         return _started[key]

@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -305,10 +306,11 @@ def test_prefetch_reads_the_source_named_after_quantize(tiny, tmp_path, monkeypa
     assert not thread.is_alive()
     assert prefetch(tmp_path / "missing") is None
     asked = []
-    monkeypatch.setattr(cli_quantize, "prefetch", lambda path, idle=False, after=None: asked.append((path, idle, after)))
+    monkeypatch.setattr(cli_quantize, "prefetch", lambda path, idle=False, after=None, in_child=False:
+                        asked.append((path, idle, after, in_child)))
     cli_quantize._prefetch_source(["quantize", "--format", "fp8-block", str(src), str(tmp_path / "out")])
     cli_quantize._prefetch_source(["shard", str(src), str(tmp_path / "out")])
-    assert asked == [(src, True, None)]  # behind the import's reads
+    assert asked == [(src, True, None, True)]  # behind the import's reads, in a child process
 
     class Warm:  # a code warm-up under way: the source's reads start at its end
         def wait(self, timeout=None):
@@ -319,7 +321,110 @@ def test_prefetch_reads_the_source_named_after_quantize(tiny, tmp_path, monkeypa
     warm = Warm()
     monkeypatch.setattr(code_files, "_warming", warm)
     cli_quantize._prefetch_source(["quantize", str(src), str(tmp_path / "out")])
-    assert asked[1] == (src, True, warm.wait)
+    assert asked[1] == (src, True, warm, True)
+
+
+def _files(folder: Path, sizes=(3 << 20, 1 << 20)) -> list[Path]:
+    folder.mkdir(exist_ok=True)
+    files = [folder / f"model-{i}.safetensors" for i in range(len(sizes))]
+    for f, size in zip(files, sizes):
+        f.write_bytes(os.urandom(size))
+    return files
+
+
+def _page_cache():
+    """bench/convert.py's ``evict`` and ``cached_share`` (mincore: asks without reading)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    try:
+        import convert
+    finally:
+        sys.path.pop(0)
+    return convert
+
+
+class _Sleeper:
+    """A process to wait for, as the code warm-up's child: ``pid`` and ``wait``."""
+
+    def __init__(self, seconds: float):
+        self.proc = subprocess.Popen(["sleep", str(seconds)])
+        self.pid = self.proc.pid
+
+    def wait(self, timeout=None) -> bool:
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="pidfd_open: Linux 5.3 and later")
+def test_child_read_ahead_waits_for_the_warm_up_then_fills_the_cache(tmp_path, monkeypatch):
+    """quantize's read-ahead runs in a child process (no GIL of the importing parent to wait
+    for): nothing is read while the code warm-up runs, every page once it has ended."""
+    from moetool.read import prefetch as pf
+
+    cache = _page_cache()
+    files = _files(tmp_path / "src")
+    if cache.evict(files) != 0.0:
+        pytest.skip("this file system keeps the pages (or mincore is missing)")
+    monkeypatch.setattr(pf, "_started", {})
+    warm = _Sleeper(1.0)
+    reader = pf.prefetch(tmp_path / "src", idle=True, after=warm, in_child=True)
+    assert isinstance(reader, pf.ChildReadAhead) and pf.prefetch(tmp_path / "src") is reader  # once per folder
+    time.sleep(0.4)
+    assert reader.is_alive() and warm.proc.poll() is None and cache.cached_share(files) == 0.0
+    reader.join(20)
+    assert not reader.is_alive() and warm.proc.poll() == 0 and cache.cached_share(files) == 1.0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG")
+def test_child_read_ahead_dies_with_the_command(tmp_path):
+    """A command that ends (Ctrl-C, a refusal, SIGKILL) takes its read-ahead child along: one
+    waiting on a warm-up that never ends is gone soon after its parent (which lives long enough
+    for the child to be waiting by then, past its check that the parent is still there)."""
+    _files(tmp_path / "src")
+    warm = _Sleeper(120)
+    code = ("import os, sys; from pathlib import Path; from moetool.read import prefetch as pf\n"
+            "class W:\n    pid = int(sys.argv[2])\n    def wait(self, timeout=None): return False\n"
+            "r = pf.prefetch(Path(sys.argv[1]), after=W(), in_child=True)\n"
+            "print(type(r).__name__, r.pid, flush=True); import time; time.sleep(1.5); os._exit(0)")
+    try:
+        out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "src"), str(warm.pid)],
+                             capture_output=True, text=True, timeout=60)
+        kind, pid = out.stdout.split()
+        assert kind == "ChildReadAhead", out.stderr
+        for _ in range(100):
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                break
+            if state == "Z":
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail(f"the read-ahead child {pid} outlived its command (state {state})")
+    finally:
+        warm.proc.kill()
+        warm.proc.wait()
+
+
+def test_read_ahead_stays_on_a_thread_where_no_child_can_wait(tmp_path, monkeypatch):
+    """Without pidfd_open (not Linux, an old kernel) the read-ahead is the thread it was."""
+    import threading
+
+    from moetool.read import prefetch as pf
+
+    def no_pidfd(pid):
+        raise OSError(38, "Function not implemented")
+
+    _files(tmp_path / "src")
+    monkeypatch.setattr(pf, "_started", {})
+    monkeypatch.setattr(pf.os, "pidfd_open", no_pidfd, raising=False)
+    warm = _Sleeper(0.2)
+    reader = pf.prefetch(tmp_path / "src", after=warm, in_child=True)
+    assert isinstance(reader, threading.Thread)
+    reader.join(20)
+    assert not reader.is_alive() and warm.proc.poll() == 0
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or os.uname().machine != "x86_64", reason="ioprio_get")
