@@ -177,7 +177,8 @@ def wait_idle(limit_s: float, busy_fraction: float = 0.05) -> float:
 def cached_share(files: list[Path]) -> float | None:
     """The share of ``files``' pages in the page cache (``mincore`` on a mapping: it asks
     without reading, where a read with ``RWF_NOWAIT`` starts the kernel's read-ahead of what it
-    misses); None where that cannot be asked (not Linux, only empty files)."""
+    misses); None where that cannot be asked (not Linux, only empty files). Linux answers
+    "all cached" for a file this user can neither write nor owns: ask of the bench's own."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.mmap.restype = ctypes.c_void_p
@@ -215,6 +216,8 @@ def evict(files: list[Path]) -> float | None:
     needed, and the rest of the cache, the tools' code with it, stays); returns
     :func:`cached_share` after."""
     subprocess.run(["sync"])
+    if not hasattr(os, "posix_fadvise"):  # not Linux
+        return None
     for f in files:
         fd = os.open(f, os.O_RDONLY)
         try:
@@ -753,7 +756,7 @@ def main() -> None:
                 elif args.cold_input:
                     left = evict([f for d in (src, *keep) if d.is_dir() for f in d.glob("*.safetensors")])
                     if left is not None and left > 0.05:
-                        print(f"  ({left:.0%} of the sampled input pages stayed cached)", file=sys.stderr)
+                        print(f"  ({left:.0%} of the input's pages stayed cached)", file=sys.stderr)
                 wait_idle(args.idle_wait)
                 seconds, peak, foreign = timed(cmd, env=env, cwd=old)
                 if args.trace and name.split("@")[0] not in ("cp", "cat", "cp-fp8", "cat-fp8") and trace_file.exists():

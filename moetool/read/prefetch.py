@@ -1,5 +1,5 @@
-"""Read parts of a checkpoint into the page cache on a thread while this process does
-something else (imports torch: 4-5 s on a GPU host, time the disk would otherwise idle), so
+"""Read parts of a checkpoint into the page cache, on a thread or in a child process, while
+this process does something else (imports torch: 4-5 s on a GPU host, time the disk would otherwise idle), so
 the reads that follow find the bytes in memory.
 
 The bytes go from the file to /dev/null inside the kernel (``sendfile``, 64 MiB a call, the
@@ -20,7 +20,10 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
+
+if TYPE_CHECKING:
+    from moetool.read.code_files import ChildWarming
 
 
 #: share of the memory available (MemAvailable) a folder's prefetch may fill
@@ -177,13 +180,14 @@ def read_ahead_ranges(ranges: Iterable[tuple[Path, int, int]], budget: int,
 
 
 class ChildReadAhead:
-    """:func:`fill_ranges` in a child interpreter (``python -I -S``: no site, none of this
-    process's environment), so that its reads never wait for this process's GIL. On a thread
+    """:func:`fill_ranges` in a child interpreter (``python -I -S``: no site packages, no
+    ``PYTHON*`` variables), so that its reads never wait for this process's GIL. On a thread
     here each ``sendfile`` had to take the GIL back from ``import torch``, which holds it for up
     to 0.3-0.4 s at a time (loading a library, compiling a module where no bytecode is kept).
-    The child dies with the thread that started it (``PR_SET_PDEATHSIG``: a Ctrl-C'd or finished
-    command leaves no read-ahead behind), and first waits for ``after_pid`` to end (the code
-    warm-up's child: its ``pidfd``). Like the thread it replaces: ``join``, ``is_alive``."""
+    The child dies with the thread that started it (``PR_SET_PDEATHSIG``, Linux only: a Ctrl-C'd
+    or finished command leaves no read-ahead behind), and first waits for ``after_pid`` to end
+    (the code warm-up's child, through its ``pidfd``: this process has not reaped it, so the pid
+    is still that child's). Like the thread it replaces: ``join``, ``is_alive``."""
 
     def __init__(self, ranges: list[tuple[Path, int, int]], budget: int, idle: bool, after_pid: int | None):
         """OSError where the child cannot be started, or ``after_pid`` cannot be waited for here
@@ -200,8 +204,13 @@ class ChildReadAhead:
         finally:
             if after_fd is not None:
                 os.close(after_fd)
-        with self._proc.stdin:
-            self._proc.stdin.write(json.dumps(spec).encode())
+        try:
+            with self._proc.stdin:
+                self._proc.stdin.write(json.dumps(spec).encode())
+        except OSError:  # the child ended at once (a broken interpreter): no reader left behind
+            self._proc.kill()
+            self._proc.wait()
+            raise
 
     @property
     def pid(self) -> int:
@@ -227,13 +236,15 @@ def _child_main() -> None:
     if os.getppid() != spec["parent"]:  # the parent ended before the death signal was set
         return
     if spec["after_fd"] is not None:
-        select.select([spec["after_fd"]], [], [])  # readable once that process has ended
+        ended = select.poll()  # (select() refuses descriptors past 1023)
+        ended.register(spec["after_fd"], select.POLLIN)
+        ended.poll()  # readable once that process has ended
     if spec["idle"]:
         idle_io_priority()
     fill_ranges([(Path(f), o, n) for f, o, n in spec["ranges"]], spec["budget"])
 
 
-def prefetch(root: Path, idle: bool = False, after=None, in_child: bool = False):
+def prefetch(root: Path, idle: bool = False, after: ChildWarming | None = None, in_child: bool = False):
     """The ``*.safetensors`` files of the folder ``root`` into the page cache, in name order
     (the order conversions read them), up to ``PREFETCH_SHARE`` of the memory available: a
     command that imports torch before its first read (quantize) then finds its input in
@@ -246,8 +257,8 @@ def prefetch(root: Path, idle: bool = False, after=None, in_child: bool = False)
     torch`` took 6.9 s alone on an H100 host and 9-14 s beside the read-ahead of its input),
     and the conversion's own reads and writes go before the read-ahead after it. ``after``:
     what the reads wait for (the code warm-up's child, :mod:`moetool.read.code_files`: its
-    ``wait()`` and ``pid``). ``in_child``: read in a :class:`ChildReadAhead` (for a command
-    about to import torch; ask from the main thread: the child ends with the thread that
+    ``wait()`` and ``pid``). ``in_child``: read in a :class:`ChildReadAhead` (Linux; for a
+    command about to import torch; ask from the main thread: the child ends with the thread that
     asked), else on a thread, as where the child cannot start. Returns the reader (a thread or
     a :class:`ChildReadAhead`: ``join``, ``is_alive``), or None where there is nothing to read."""
     if not Path(root).is_dir():
@@ -261,8 +272,10 @@ def prefetch(root: Path, idle: bool = False, after=None, in_child: bool = False)
                 ranges = []
             budget = int(available_memory() * PREFETCH_SHARE)
             reader = None
-            if ranges and in_child and getattr(os, "sendfile", None) is not None:
+            if ranges and in_child and sys.platform.startswith("linux"):  # a death signal, a pidfd
                 try:
+                    # ended and reaped, or still the child we started: only we reap it (quantize
+                    # has no other thread waiting on the warm-up), so its pid is not reused meanwhile
                     ended = after is None or after.wait(0)
                     reader = ChildReadAhead(ranges, budget, idle, None if ended else after.pid)
                 except (OSError, AttributeError, ValueError):  # no pidfd_open, a pid gone, no child

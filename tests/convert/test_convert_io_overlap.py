@@ -342,6 +342,25 @@ def _page_cache():
     return convert
 
 
+def _wait_until_polling(pid: int, seconds: float = 30.0) -> None:
+    """Until process ``pid`` sleeps in poll() (its /proc wchan), where a read-ahead child waits
+    for the warm-up: past its start and its check of the parent. Where the kernel does not say
+    (wchan "0"), a fixed 1.5 s."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            wchan = Path(f"/proc/{pid}/wchan").read_text()
+        except OSError:
+            wchan = "0"
+        if wchan in ("", "0"):
+            time.sleep(1.5)
+            return
+        if "poll" in wchan:
+            return
+        time.sleep(0.02)
+    pytest.fail(f"process {pid} never waited in poll()")
+
+
 class _Sleeper:
     """A process to wait for, as the code warm-up's child: ``pid`` and ``wait``."""
 
@@ -368,31 +387,38 @@ def test_child_read_ahead_waits_for_the_warm_up_then_fills_the_cache(tmp_path, m
     if cache.evict(files) != 0.0:
         pytest.skip("this file system keeps the pages (or mincore is missing)")
     monkeypatch.setattr(pf, "_started", {})
-    warm = _Sleeper(1.0)
-    reader = pf.prefetch(tmp_path / "src", idle=True, after=warm, in_child=True)
-    assert isinstance(reader, pf.ChildReadAhead) and pf.prefetch(tmp_path / "src") is reader  # once per folder
-    time.sleep(0.4)
-    assert reader.is_alive() and warm.proc.poll() is None and cache.cached_share(files) == 0.0
-    reader.join(20)
-    assert not reader.is_alive() and warm.proc.poll() == 0 and cache.cached_share(files) == 1.0
+    warm = _Sleeper(60)
+    try:
+        reader = pf.prefetch(tmp_path / "src", idle=True, after=warm, in_child=True)
+        assert isinstance(reader, pf.ChildReadAhead) and pf.prefetch(tmp_path / "src") is reader  # once per folder
+        _wait_until_polling(reader.pid)
+        time.sleep(0.2)
+        assert reader.is_alive() and cache.cached_share(files) == 0.0
+    finally:
+        warm.proc.kill()
+        warm.proc.wait()
+    reader.join(30)
+    assert not reader.is_alive() and cache.cached_share(files) == 1.0
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG")
 def test_child_read_ahead_dies_with_the_command(tmp_path):
     """A command that ends (Ctrl-C, a refusal, SIGKILL) takes its read-ahead child along: one
-    waiting on a warm-up that never ends is gone soon after its parent (which lives long enough
-    for the child to be waiting by then, past its check that the parent is still there)."""
+    waiting on a warm-up that never ends is gone soon after its parent."""
     _files(tmp_path / "src")
     warm = _Sleeper(120)
     code = ("import os, sys; from pathlib import Path; from moetool.read import prefetch as pf\n"
             "class W:\n    pid = int(sys.argv[2])\n    def wait(self, timeout=None): return False\n"
             "r = pf.prefetch(Path(sys.argv[1]), after=W(), in_child=True)\n"
-            "print(type(r).__name__, r.pid, flush=True); import time; time.sleep(1.5); os._exit(0)")
+            "print(type(r).__name__, r.pid, flush=True); sys.stdin.read(); os._exit(0)")
     try:
-        out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "src"), str(warm.pid)],
-                             capture_output=True, text=True, timeout=60)
-        kind, pid = out.stdout.split()
-        assert kind == "ChildReadAhead", out.stderr
+        command = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "src"), str(warm.pid)],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        kind, pid = command.stdout.readline().split()
+        assert kind == "ChildReadAhead"
+        _wait_until_polling(int(pid))  # past its check that the parent is there: only the death signal is left
+        command.stdin.close()  # the command ends
+        assert command.wait(30) == 0
         for _ in range(100):
             try:
                 state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -420,11 +446,17 @@ def test_read_ahead_stays_on_a_thread_where_no_child_can_wait(tmp_path, monkeypa
     _files(tmp_path / "src")
     monkeypatch.setattr(pf, "_started", {})
     monkeypatch.setattr(pf.os, "pidfd_open", no_pidfd, raising=False)
-    warm = _Sleeper(0.2)
-    reader = pf.prefetch(tmp_path / "src", after=warm, in_child=True)
-    assert isinstance(reader, threading.Thread)
-    reader.join(20)
-    assert not reader.is_alive() and warm.proc.poll() == 0
+    warm = _Sleeper(60)
+    try:
+        reader = pf.prefetch(tmp_path / "src", after=warm, in_child=True)
+        assert isinstance(reader, threading.Thread)
+        time.sleep(0.2)
+        assert reader.is_alive()  # waiting for the warm-up, on the thread
+    finally:
+        warm.proc.kill()
+        warm.proc.wait()
+    reader.join(30)
+    assert not reader.is_alive()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or os.uname().machine != "x86_64", reason="ioprio_get")
