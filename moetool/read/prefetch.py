@@ -1,6 +1,6 @@
 """Read parts of a checkpoint into the page cache, on a thread or in a child process, while
-this process does something else (imports torch: 4-5 s on a GPU host, time the disk would otherwise idle), so
-the reads that follow find the bytes in memory.
+this process does something else (imports torch: 4-5 s on a GPU host, time the disk would
+otherwise idle), so the reads that follow find the bytes in memory.
 
 The bytes go from the file to /dev/null inside the kernel (``sendfile``, 64 MiB a call, the
 GIL released meanwhile): no process memory fills, and cached bytes are swept at ~30 GB/s.
@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 PREFETCH_SHARE = 0.5
 #: bytes per call: one GIL hand-over per call while another thread imports torch
 PREFETCH_STEP = 64 << 20
+#: prctl option: the signal a process gets when the thread that started it ends
 _PR_SET_PDEATHSIG = 1
 #: folders already being read ahead by this process (a second ask for one is answered by the first)
 _started: dict[Path, object] = {}
@@ -182,8 +183,9 @@ def read_ahead_ranges(ranges: Iterable[tuple[Path, int, int]], budget: int,
 class ChildReadAhead:
     """:func:`fill_ranges` in a child interpreter (``python -I -S``: no site packages, no
     ``PYTHON*`` variables), so that its reads never wait for this process's GIL. On a thread
-    here each ``sendfile`` had to take the GIL back from ``import torch``, which holds it for up
-    to 0.3-0.4 s at a time (loading a library, compiling a module where no bytecode is kept).
+    here each ``sendfile`` had to take the GIL back from ``import torch``, which held it for up
+    to 0.3-0.4 s at a time on this project's 2-core machine (loading a library, compiling a
+    module where no bytecode is kept).
     The child dies with the thread that started it (``PR_SET_PDEATHSIG``, Linux only: a Ctrl-C'd
     or finished command leaves no read-ahead behind), and first waits for ``after_pid`` to end
     (the code warm-up's child, through its ``pidfd``: this process has not reaped it, so the pid
