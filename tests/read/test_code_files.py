@@ -39,10 +39,59 @@ def test_record_lists_touched_ranges_of_libraries_and_imported_modules_never_che
     size = os.path.getsize(lib)
     assert spans and 0 < sum(n for _, n in spans) < size  # the pages touched, not the whole library
     assert all(o % 4096 == 0 and o + n <= size + 4096 for o, n in spans)
-    assert listed[code_files.__file__] is None and listed[torch.__file__] is None  # modules whole
+    for module in (code_files, torch):  # modules whole: the files their imports read
+        assert all(listed[f] is None for f in code_files.import_reads(module.__file__, module.__cached__))
     assert str(ckpt) not in listed and not any(f.endswith(".safetensors") for f in listed)
     assert all(os.path.isabs(f) and os.path.isfile(f) for f in listed)
     assert not list(code_list.parent.glob("*.tmp"))
+
+
+#: the opens an audit hook notes while a test imports (its first item a marker: on); an audit
+#: hook cannot be removed, so one is added per process and stays quiet otherwise
+_READS: list[str] = []
+_HOOKED: list[bool] = []
+
+
+def _note_opens(event: str, args: tuple) -> None:
+    if _READS and event == "open" and isinstance(args[0], str) and "importable" in args[0]:
+        _READS.append(args[0])
+
+
+@pytest.mark.parametrize("bytecode", ["timestamp", "stale", "none", "checked-hash", "unchecked-hash", "foreign"])
+def test_the_list_names_what_an_import_reads(tmp_path, bytecode, monkeypatch):
+    """A module's source and bytecode are listed as the import system reads them (an audit hook
+    on its opens is the judge): bytecode valid for the source alone (the source is only
+    stat'ed), else the source, and both where both are read (a stale cache, one checked against
+    the source's hash)."""
+    import importlib.util
+    import py_compile
+
+    if not _HOOKED:
+        sys.addaudithook(_note_opens)
+        _HOOKED.append(True)
+    source = tmp_path / f"importable_{bytecode.replace('-', '_')}.py"
+    source.write_text("VALUE = 1\n")
+    cached = Path(importlib.util.cache_from_source(str(source)))
+    modes = {"checked-hash": py_compile.PycInvalidationMode.CHECKED_HASH,
+             "unchecked-hash": py_compile.PycInvalidationMode.UNCHECKED_HASH}
+    if bytecode != "none":
+        py_compile.compile(str(source), str(cached), doraise=True,
+                           invalidation_mode=modes.get(bytecode, py_compile.PycInvalidationMode.TIMESTAMP))
+    if bytecode == "stale":
+        source.write_text("VALUE = 22\n")  # another size: the cache no longer matches
+    if bytecode == "foreign":
+        cached.write_bytes(b"\0\0\0\0" + cached.read_bytes()[4:])  # another Python's magic number
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)  # the import must leave the files as they are
+    spec = importlib.util.spec_from_file_location(source.stem, source)
+    module = importlib.util.module_from_spec(spec)
+    _READS[:] = ["(recording)"]
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        read, _READS[:] = _READS[1:], []
+    assert module.VALUE == (22 if bytecode == "stale" else 1)
+    opened = {f for f in read if os.path.isfile(f)}  # an open is noted before it is tried: a cache missing
+    assert sorted(code_files.import_reads(module.__file__, module.__cached__)) == sorted(opened), read
 
 
 def test_record_never_asks_a_lazy_module_for_what_it_lacks(code_list, tmp_path, monkeypatch):
