@@ -187,7 +187,10 @@ def current_files() -> dict[str, list[tuple[int, int]] | None]:
             continue
         # from the module's own namespace: a lazy module's __getattr__ (transformers',
         # scipy's) imports what it is asked for, 2.4-6.8 s of a rank's end on an H100 host
-        for name in import_reads(module.__dict__.get("__file__"), module.__dict__.get("__cached__")):
+        file, cached = module.__dict__.get("__file__"), module.__dict__.get("__cached__")
+        if file in _opened or cached in _opened:
+            continue  # imported since watch(): what it opened is listed below, as it was opened
+        for name in import_reads(file, cached):
             files.setdefault(name, None)
     for name in list(_opened):
         if name.endswith("/") or (not name.endswith(_DATA_SUFFIXES) and _small_file(name)):

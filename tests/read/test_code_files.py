@@ -272,6 +272,8 @@ from moetool.read import code_files
 tmp = Path(sys.argv[1])
 code_files.watch()
 import xml.dom.minidom  # noqa: F401 - a module this process had not imported
+sys.path.insert(0, str(tmp))
+import watched_module  # noqa: F401 - its bytecode is valid
 (tmp / "config.json").read_text()
 (tmp / "written.txt").write_text("out")  # written: not code to warm
 with open(tmp / "model.safetensors", "rb") as f:  # checkpoint data, read
@@ -284,9 +286,16 @@ code_files.record()
 
 
 def test_watch_notes_what_a_process_opens_for_reading_and_lists_never_data_or_its_own_reads(code_list, tmp_path):
+    import importlib.util
+    import py_compile
+
     for name in ("config.json", "model.safetensors", "warmed.py"):
         (tmp_path / name).write_text("{}")
     (tmp_path / "folder").mkdir()
+    source = tmp_path / "watched_module.py"
+    source.write_text("VALUE = 1\n")
+    cached = Path(importlib.util.cache_from_source(str(source)))
+    py_compile.compile(str(source), str(cached), doraise=True)
     r = subprocess.run([sys.executable, "-c", WATCHED, str(tmp_path)], capture_output=True, text=True, timeout=120,
                        env=dict(os.environ, **{code_files.ENV: str(code_list)}))
     assert r.returncode == 0, r.stderr
@@ -295,6 +304,8 @@ def test_watch_notes_what_a_process_opens_for_reading_and_lists_never_data_or_it
 
     assert str(tmp_path / "config.json") in listed and f"{tmp_path / 'folder'}/" in listed
     assert any(f.startswith(os.path.dirname(xml.dom.__file__)) and "minidom" in f for f in listed)
+    # a module with valid bytecode, imported after watch(): its bytecode alone (the source only stat'ed)
+    assert [f for f in listed if "watched_module" in f] == [str(cached)]
     assert not any(Path(f.rstrip("/")).name in ("written.txt", "model.safetensors", "warmed.py") for f in listed)
 
 
