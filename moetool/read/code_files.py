@@ -25,6 +25,7 @@ skipped quietly; the imports then read what they need themselves. Torch-free.
 """
 from __future__ import annotations
 
+import _imp
 import hashlib
 import importlib.util
 import os
@@ -63,6 +64,8 @@ _lock = threading.Lock()
 #: what this process opened for reading (files) and listed (folders, with a trailing "/")
 #: through Python since :func:`watch`, in order
 _opened: dict[str, None] = {}
+#: set on a thread while it makes the record (its reads of bytecode headers are not the run's)
+_recording = threading.local()
 _watching = False
 
 
@@ -78,8 +81,8 @@ def watch() -> None:
 
     def hook(event: str, args: tuple) -> None:
         try:
-            if threading.current_thread().name.startswith(_READER_THREADS):
-                return  # moetool's own readers (this warm-up, read-aheads): not what the run needs
+            if threading.current_thread().name.startswith(_READER_THREADS) or getattr(_recording, "on", False):
+                return  # moetool's own reads (this warm-up, read-aheads, the record): not what the run needs
             if event == "open":
                 path, flags = args[0], args[2]
                 if isinstance(flags, int) and flags & os.O_ACCMODE != os.O_RDONLY:
@@ -188,10 +191,17 @@ def current_files() -> dict[str, list[tuple[int, int]] | None]:
         # from the module's own namespace: a lazy module's __getattr__ (transformers',
         # scipy's) imports what it is asked for, 2.4-6.8 s of a rank's end on an H100 host
         file, cached = module.__dict__.get("__file__"), module.__dict__.get("__cached__")
-        if file in _opened or cached in _opened:
-            continue  # imported since watch(): what it opened is listed below, as it was opened
-        for name in import_reads(file, cached):
-            files.setdefault(name, None)
+        if isinstance(cached, str) and cached in _opened:
+            # imported since watch() (every import of a source file tries its cache first):
+            # what it opened is listed below, as it was opened. Not asked of __file__: a
+            # warning or traceback line reads a source again, long after its import
+            continue
+        _recording.on = True
+        try:
+            for name in import_reads(file, cached):
+                files.setdefault(name, None)
+        finally:
+            _recording.on = False
     for name in list(_opened):
         if name.endswith("/") or (not name.endswith(_DATA_SUFFIXES) and _small_file(name)):
             files.setdefault(name, None)
@@ -223,8 +233,11 @@ def _bytecode_is_valid(source: str, cached: str) -> bool:
     if len(header) < 16 or header[:4] != importlib.util.MAGIC_NUMBER:
         return False
     flags = int.from_bytes(header[4:8], "little")
-    if flags & 0b1:  # hash-based: unchecked is taken as it is, checked hashes the source
-        return not flags & 0b10
+    if flags & ~0b11:  # reserved bits: importlib refuses the cache
+        return False
+    if flags & 0b1:  # hash-based: checked ones hash the source, unchecked ones as --check-hash-based-pycs says
+        mode = _imp.check_hash_based_pycs
+        return mode == "never" or (mode != "always" and not flags & 0b10)
     return (int.from_bytes(header[8:12], "little") == int(st.st_mtime) & 0xFFFFFFFF
             and int.from_bytes(header[12:16], "little") == st.st_size & 0xFFFFFFFF)
 

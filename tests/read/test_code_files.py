@@ -40,7 +40,8 @@ def test_record_lists_touched_ranges_of_libraries_and_imported_modules_never_che
     assert spans and 0 < sum(n for _, n in spans) < size  # the pages touched, not the whole library
     assert all(o % 4096 == 0 and o + n <= size + 4096 for o, n in spans)
     for module in (code_files, torch):  # modules whole: the files their imports read
-        assert all(listed[f] is None for f in code_files.import_reads(module.__file__, module.__cached__))
+        reads = code_files.import_reads(module.__file__, module.__cached__)
+        assert reads and all(listed[f] is None for f in reads)
     assert str(ckpt) not in listed and not any(f.endswith(".safetensors") for f in listed)
     assert all(os.path.isabs(f) and os.path.isfile(f) for f in listed)
     assert not list(code_list.parent.glob("*.tmp"))
@@ -57,12 +58,14 @@ def _note_opens(event: str, args: tuple) -> None:
         _READS.append(args[0])
 
 
-@pytest.mark.parametrize("bytecode", ["timestamp", "stale", "none", "checked-hash", "unchecked-hash", "foreign"])
+@pytest.mark.parametrize("bytecode", ["timestamp", "stale", "touched", "none", "checked-hash", "unchecked-hash",
+                                      "unchecked-hash-always", "checked-hash-never", "foreign"])
 def test_the_list_names_what_an_import_reads(tmp_path, bytecode, monkeypatch):
     """A module's source and bytecode are listed as the import system reads them (an audit hook
     on its opens is the judge): bytecode valid for the source alone (the source is only
     stat'ed), else the source, and both where both are read (a stale cache, one checked against
-    the source's hash)."""
+    the source's hash, or any hash under --check-hash-based-pycs always)."""
+    import _imp
     import importlib.util
     import py_compile
 
@@ -72,13 +75,20 @@ def test_the_list_names_what_an_import_reads(tmp_path, bytecode, monkeypatch):
     source = tmp_path / f"importable_{bytecode.replace('-', '_')}.py"
     source.write_text("VALUE = 1\n")
     cached = Path(importlib.util.cache_from_source(str(source)))
+    mode = bytecode.replace("-always", "").replace("-never", "")
     modes = {"checked-hash": py_compile.PycInvalidationMode.CHECKED_HASH,
              "unchecked-hash": py_compile.PycInvalidationMode.UNCHECKED_HASH}
     if bytecode != "none":
         py_compile.compile(str(source), str(cached), doraise=True,
-                           invalidation_mode=modes.get(bytecode, py_compile.PycInvalidationMode.TIMESTAMP))
+                           invalidation_mode=modes.get(mode, py_compile.PycInvalidationMode.TIMESTAMP))
     if bytecode == "stale":
         source.write_text("VALUE = 22\n")  # another size: the cache no longer matches
+    if bytecode == "touched":
+        st = source.stat()
+        os.utime(source, (st.st_atime, st.st_mtime + 5))  # the same size, another mtime
+    for check in ("always", "never"):
+        if bytecode.endswith(check):
+            monkeypatch.setattr(_imp, "check_hash_based_pycs", check)  # as --check-hash-based-pycs does
     if bytecode == "foreign":
         cached.write_bytes(b"\0\0\0\0" + cached.read_bytes()[4:])  # another Python's magic number
     monkeypatch.setattr(sys, "dont_write_bytecode", True)  # the import must leave the files as they are
@@ -270,9 +280,11 @@ import json, os, sys
 from pathlib import Path
 from moetool.read import code_files
 tmp = Path(sys.argv[1])
-code_files.watch()
-import xml.dom.minidom  # noqa: F401 - a module this process had not imported
 sys.path.insert(0, str(tmp))
+import early_module  # imported before watch(), from its valid bytecode
+code_files.watch()
+Path(early_module.__file__).read_text()  # its source read again later (as a warning's line is)
+import xml.dom.minidom  # noqa: F401 - a module this process had not imported
 import watched_module  # noqa: F401 - its bytecode is valid
 (tmp / "config.json").read_text()
 (tmp / "written.txt").write_text("out")  # written: not code to warm
@@ -292,10 +304,13 @@ def test_watch_notes_what_a_process_opens_for_reading_and_lists_never_data_or_it
     for name in ("config.json", "model.safetensors", "warmed.py"):
         (tmp_path / name).write_text("{}")
     (tmp_path / "folder").mkdir()
-    source = tmp_path / "watched_module.py"
-    source.write_text("VALUE = 1\n")
-    cached = Path(importlib.util.cache_from_source(str(source)))
-    py_compile.compile(str(source), str(cached), doraise=True)
+    for name in ("early_module", "watched_module"):
+        source = tmp_path / f"{name}.py"
+        source.write_text("VALUE = 1\n")
+        cached = Path(importlib.util.cache_from_source(str(source)))
+        py_compile.compile(str(source), str(cached), doraise=True,
+                           invalidation_mode=py_compile.PycInvalidationMode.TIMESTAMP)  # whatever SOURCE_DATE_EPOCH says
+    early = Path(importlib.util.cache_from_source(str(tmp_path / "early_module.py")))
     r = subprocess.run([sys.executable, "-c", WATCHED, str(tmp_path)], capture_output=True, text=True, timeout=120,
                        env=dict(os.environ, **{code_files.ENV: str(code_list)}))
     assert r.returncode == 0, r.stderr
@@ -306,6 +321,7 @@ def test_watch_notes_what_a_process_opens_for_reading_and_lists_never_data_or_it
     assert any(f.startswith(os.path.dirname(xml.dom.__file__)) and "minidom" in f for f in listed)
     # a module with valid bytecode, imported after watch(): its bytecode alone (the source only stat'ed)
     assert [f for f in listed if "watched_module" in f] == [str(cached)]
+    assert str(early) in listed  # still what its import read, though its source was opened since
     assert not any(Path(f.rstrip("/")).name in ("written.txt", "model.safetensors", "warmed.py") for f in listed)
 
 
