@@ -37,7 +37,7 @@ import threading
 import types
 from pathlib import Path
 
-from moetool.read.prefetch import CacheFiller, available_memory
+from moetool.read.prefetch import CacheFiller, available_memory, torch_free_child
 
 ENV = "MOETOOL_CODE_LIST"
 #: entries a list keeps at most (a run of verify --whole-model imports ~5000 files)
@@ -185,6 +185,20 @@ def current_files() -> dict[str, list[tuple[int, int]] | None]:
     whole file where pagemap says nothing), then the files its imports read, in import order,
     whole (:func:`import_reads`)."""
     files = touched_ranges()
+    _recording.on = True
+    try:
+        _add_import_reads(files)
+    finally:
+        _recording.on = False
+    for name in list(_opened):
+        if name.endswith("/") or (not name.endswith(_DATA_SUFFIXES) and _small_file(name)):
+            files.setdefault(name, None)
+    return files
+
+
+def _add_import_reads(files: dict) -> None:
+    """Into ``files``, what the imports of this process's modules read, but for those imported
+    since :func:`watch` (its audit hook noted their opens)."""
     for module in list(sys.modules.values()):
         if not isinstance(module, types.ModuleType):
             continue
@@ -196,16 +210,8 @@ def current_files() -> dict[str, list[tuple[int, int]] | None]:
             # what it opened is listed below, as it was opened. Not asked of __file__: a
             # warning or traceback line reads a source again, long after its import
             continue
-        _recording.on = True
-        try:
-            for name in import_reads(file, cached):
-                files.setdefault(name, None)
-        finally:
-            _recording.on = False
-    for name in list(_opened):
-        if name.endswith("/") or (not name.endswith(_DATA_SUFFIXES) and _small_file(name)):
+        for name in import_reads(file, cached):
             files.setdefault(name, None)
-    return files
 
 
 def import_reads(file, cached) -> list[str]:
@@ -373,20 +379,17 @@ class Warming:
 
 
 class ChildWarming:
-    """:class:`Warming` run by a child interpreter (``python -I -S``: no site, none of this
-    process's environment): its threads then hold no GIL of this process, whose imports hold
+    """:class:`Warming` run by a :func:`moetool.read.prefetch.torch_free_child`: its threads then hold no GIL of this process, whose imports hold
     it most of the time (a Python thread reading 10,000 small files here waited for the GIL
     after every call, and read at 0.2-0.3 GB/s). Its own session: a Ctrl-C at the terminal
     leaves it to end its reads; its output goes nowhere."""
 
     def __init__(self, path: Path, budget: int):
-        root = str(Path(__file__).resolve().parents[2])  # the folder that holds the moetool package
         # niced: on a small machine with the files already in memory its CPU would only slow the command
-        code = ("import os, sys; os.nice(10); sys.path.insert(0, sys.argv[1]); from moetool.read import code_files; "
-                "code_files.Warming(code_files.read_list(code_files.Path(sys.argv[2])), int(sys.argv[3])).wait()")
-        self._proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", code, root, str(path), str(budget)],
-                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)
+        code = ("import os; os.nice(10); from moetool.read import code_files; "
+                "code_files.Warming(code_files.read_list(code_files.Path(sys.argv[1])), int(sys.argv[2])).wait()")
+        self._proc = torch_free_child(code, str(path), str(budget), stdin=subprocess.DEVNULL,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
     @property
     def pid(self) -> int:

@@ -180,9 +180,19 @@ def read_ahead_ranges(ranges: Iterable[tuple[Path, int, int]], budget: int,
     return thread
 
 
+def torch_free_child(code: str, *args: str, **popen) -> subprocess.Popen:
+    """A child interpreter running ``code`` (``python -I -S``: no site packages, no ``PYTHON*``
+    variables, so nothing heavy is imported), with the folder that holds this moetool first on
+    its ``sys.path``; ``args`` are its ``sys.argv[1:]``, ``popen`` goes to ``subprocess.Popen``.
+    OSError where it cannot start."""
+    root = str(Path(__file__).resolve().parents[2])
+    return subprocess.Popen([sys.executable, "-I", "-S", "-c", "import sys; sys.path.insert(0, sys.argv.pop(1)); " + code,
+                             root, *args], close_fds=True, **popen)
+
+
 class ChildReadAhead:
-    """:func:`fill_ranges` in a child interpreter (``python -I -S``: no site packages, no
-    ``PYTHON*`` variables), so that its reads never wait for this process's GIL. On a thread
+    """:func:`fill_ranges` in a :func:`torch_free_child`, so that its reads never wait for this
+    process's GIL. On a thread
     here each ``sendfile`` had to take the GIL back from ``import torch``, which held it for up
     to 0.3-0.4 s at a time on this project's 2-core machine (loading a library, compiling a
     module where no bytecode is kept).
@@ -195,13 +205,11 @@ class ChildReadAhead:
         """OSError where the child cannot be started, or ``after_pid`` cannot be waited for here
         (no ``pidfd_open``: Linux 5.3 and later)."""
         after_fd = os.pidfd_open(after_pid) if after_pid is not None else None  # AttributeError: not Linux
-        root = str(Path(__file__).resolve().parents[2])  # the folder that holds the moetool package
         spec = {"parent": os.getpid(), "after_fd": after_fd, "idle": idle, "budget": budget,
                 "ranges": [(str(f), o, n) for f, o, n in ranges]}
-        code = "import sys; sys.path.insert(0, sys.argv[1]); from moetool.read import prefetch; prefetch._child_main()"
         try:
-            self._proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", code, root], stdin=subprocess.PIPE,
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True,
+            self._proc = torch_free_child("from moetool.read import prefetch; prefetch._child_main()",
+                                          stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                           pass_fds=() if after_fd is None else (after_fd,))
         finally:
             if after_fd is not None:
