@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import json
 import shutil
 import struct
@@ -26,6 +27,14 @@ H, N = 32, 24  # hidden, expert intermediate of the transformers-made models (2N
 #: where tests that run on either put their tensors: the GPU where there is one (Triton compiles
 #: for it: tests/conftest.py sets TRITON_INTERPRET only without CUDA), else the CPU
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def bench_module(name: str):
+    """bench/NAME.py loaded as a module (``bench_NAME``), for tests of a benchmark's pieces."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", Path(__file__).resolve().parents[1] / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @dataclass

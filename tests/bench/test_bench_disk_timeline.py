@@ -1,15 +1,13 @@
 """bench/disk_timeline.py: the rates from /proc/diskstats-shaped counters, and a real run."""
-import importlib.util
 import shlex
 import sys
 from pathlib import Path
 
 import pytest
+from moeutil import bench_module
 
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("bench_disk_timeline", ROOT / "bench" / "disk_timeline.py")
-dt = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(dt)
+dt = bench_module("disk_timeline")
 
 
 def test_stats_are_read_for_the_named_disk_only(tmp_path):

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from moeutil import bench_module
 
 pytestmark = pytest.mark.slow  # each runs a script and its process worlds
 
@@ -28,11 +29,7 @@ def test_convert_bench_runs_and_reports_every_step(tmp_path):
 def test_cold_input_evicts_the_files_and_says_what_stayed(tmp_path):
     """--cold-input drops just the checkpoint's pages (no root needed): a file written and read
     is cached before and not after; --cold with it is refused."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import convert
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
+    convert = bench_module("convert")
     f = tmp_path / "model.safetensors"
     f.write_bytes(os.urandom(4 << 20))
     f.read_bytes()

@@ -5,7 +5,6 @@ the table it writes. With vLLM's module extracted in .bench/vllm_src (``python b
 interpreter, on the same inputs as fused_experts, and must agree.
 """
 import hashlib
-import importlib.util
 import json
 import subprocess
 import sys
@@ -15,19 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 from moetool.kernels import moe_tiles as mt
-from moeutil import DEVICE
+from moeutil import DEVICE, bench_module
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-vs = _load("vs_vllm")
+vs = bench_module("vs_vllm")
 tune = vs.tune
 
 

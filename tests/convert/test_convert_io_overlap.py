@@ -28,7 +28,7 @@ from moetool.model.families import describe
 from moetool.read.checkpoint import open_checkpoint
 from moetool.read.prefetch import prefetch
 from moetool.read.manifest import MANIFEST_NAME, verify_manifest
-from moeutil import tree_hashes
+from moeutil import bench_module, tree_hashes
 
 
 @pytest.fixture(scope="module")
@@ -332,16 +332,6 @@ def _files(folder: Path, sizes=(3 << 20, 1 << 20)) -> list[Path]:
     return files
 
 
-def _page_cache():
-    """bench/convert.py's ``evict`` and ``cached_share`` (mincore: asks without reading)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-    try:
-        import convert
-    finally:
-        sys.path.pop(0)
-    return convert
-
-
 def _wait_until_polling(pid: int, seconds: float = 30.0) -> None:
     """Until process ``pid`` sleeps in poll() (its /proc wchan), where a read-ahead child waits
     for the warm-up: past its start and its check of the parent. Where the kernel does not say
@@ -382,7 +372,7 @@ def test_child_read_ahead_waits_for_the_warm_up_then_fills_the_cache(tmp_path, m
     for): nothing is read while the code warm-up runs, every page once it has ended."""
     from moetool.read import prefetch as pf
 
-    cache = _page_cache()
+    cache = bench_module("convert")  # evict, cached_share (mincore: asks without reading)
     files = _files(tmp_path / "src")
     if cache.evict(files) != 0.0:
         pytest.skip("this file system keeps the pages (or mincore is missing)")
