@@ -16,6 +16,7 @@ import importlib.util
 import json
 import shutil
 import struct
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,33 @@ def bench_module(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+# ------------------------------------------------------------------------------ /proc
+
+
+def proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, ppid) of a process, None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields[0], int(fields[1])
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie is dead: it waits for a reaper that may never come in a container)."""
+    st = proc_stat(pid)
+    return st is not None and st[0] not in ("Z", "X")
+
+
+def wait_gone(pids: list[int], within: float) -> list[int]:
+    """The pids still alive after ``within`` seconds (empty as soon as all are gone)."""
+    end = time.monotonic() + within
+    while any(alive(p) for p in pids) and time.monotonic() < end:
+        time.sleep(0.02)
+    return [p for p in pids if alive(p)]
 
 
 @dataclass

@@ -28,7 +28,7 @@ from moetool.model.families import describe
 from moetool.read.checkpoint import open_checkpoint
 from moetool.read.prefetch import prefetch
 from moetool.read.manifest import MANIFEST_NAME, verify_manifest
-from moeutil import bench_module, tree_hashes
+from moeutil import bench_module, tree_hashes, wait_gone
 
 
 @pytest.fixture(scope="module")
@@ -409,16 +409,7 @@ def test_child_read_ahead_dies_with_the_command(tmp_path):
         _wait_until_polling(int(pid))  # past its check that the parent is there: only the death signal is left
         command.stdin.close()  # the command ends
         assert command.wait(30) == 0
-        for _ in range(100):
-            try:
-                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                break
-            if state == "Z":
-                break
-            time.sleep(0.05)
-        else:
-            pytest.fail(f"the read-ahead child {pid} outlived its command (state {state})")
+        assert wait_gone([int(pid)], 5.0) == [], f"the read-ahead child {pid} outlived its command by 5 s"
     finally:
         warm.proc.kill()
         warm.proc.wait()

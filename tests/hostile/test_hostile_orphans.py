@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from hostile import Run, env, moetool, start
+from moeutil import alive, proc_stat, wait_gone
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads /proc")
 
@@ -43,22 +44,6 @@ def ckpt(tiny, tmp_path_factory) -> tuple[Path, Path]:
 # ------------------------------------------------------------------------------ /proc helpers
 
 
-def _stat(pid: int) -> tuple[str, int] | None:
-    """(state, ppid) of a process, None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return fields[0], int(fields[1])
-
-
-def _alive(pid: int) -> bool:
-    """Running (a zombie is dead: it waits for a reaper that may never come in a container)."""
-    st = _stat(pid)
-    return st is not None and st[0] not in ("Z", "X")
-
-
 def _cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -81,7 +66,7 @@ def _ranks(parent: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for name in os.listdir("/proc"):
         if name.isdigit():
-            st = _stat(int(name))
+            st = proc_stat(int(name))
             if st is not None:
                 children.setdefault(st[1], []).append(int(name))
     below, todo = [], list(children.get(parent, []))
@@ -118,14 +103,6 @@ def _wait_ranks(p: subprocess.Popen, shards: Path | None, n: int = 2, within: fl
     raise AssertionError(f"no {n} ranks under pid {p.pid} after {within:g} s")
 
 
-def _wait_gone(pids: list[int], within: float) -> list[int]:
-    """The pids still alive after ``within`` seconds (empty as soon as all are gone)."""
-    end = time.monotonic() + within
-    while any(_alive(p) for p in pids) and time.monotonic() < end:
-        time.sleep(0.02)
-    return [p for p in pids if _alive(p)]
-
-
 @pytest.fixture
 def reap():
     """reap(pid, ...): processes of this test that are SIGKILLed at its end if still there, so a
@@ -133,7 +110,7 @@ def reap():
     pids: list[int] = []
     yield pids.append
     for pid in pids:
-        if _alive(pid) and (_comm(pid).startswith("moetool-rank") or "moetool" in _cmdline(pid)):
+        if alive(pid) and (_comm(pid).startswith("moetool-rank") or "moetool" in _cmdline(pid)):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -164,7 +141,7 @@ def test_sigkill_of_verify_takes_its_ranks_along(ckpt, reap):
     p, ranks = _start_verify(ckpt, reap, shards_open=True)
     p.kill()
     p.wait()
-    assert _wait_gone(ranks, GONE_S) == [], f"ranks outlived the SIGKILLed parent by {GONE_S:g} s"
+    assert wait_gone(ranks, GONE_S) == [], f"ranks outlived the SIGKILLed parent by {GONE_S:g} s"
     _finish(p)
 
 
@@ -175,7 +152,7 @@ def test_sigkill_while_ranks_start_takes_them_along(ckpt, reap):
     p, ranks = _start_verify(ckpt, reap, shards_open=False)
     p.kill()
     p.wait()
-    assert _wait_gone(ranks, GONE_STARTING_S) == [], "ranks outlived the SIGKILLed parent"
+    assert wait_gone(ranks, GONE_STARTING_S) == [], "ranks outlived the SIGKILLed parent"
     _finish(p)
 
 
@@ -185,7 +162,7 @@ def test_sigterm_stops_the_ranks_and_says_interrupted(ckpt, reap):
     p, ranks = _start_verify(ckpt, reap, shards_open=True)
     t0 = time.monotonic()
     p.send_signal(signal.SIGTERM)
-    assert _wait_gone(ranks, GONE_S) == [], f"ranks still running {GONE_S:g} s after SIGTERM"
+    assert wait_gone(ranks, GONE_S) == [], f"ranks still running {GONE_S:g} s after SIGTERM"
     run = _finish(p)
     assert run.code == 128 + signal.SIGTERM, run.err
     assert run.error_line == "interrupted", run.err  # verify writes no output folder to resume
@@ -228,7 +205,7 @@ def test_torchrun_worker_dies_with_its_agent(reap):
         assert agent.stdout.readline() == "in the run\n"
         agent.kill()
         agent.wait()
-        assert _wait_gone([worker], GONE_S) == [], f"the worker outlived its agent by {GONE_S:g} s"
+        assert wait_gone([worker], GONE_S) == [], f"the worker outlived its agent by {GONE_S:g} s"
     finally:
         agent.stdout.close()
 
