@@ -44,10 +44,11 @@ def _preload_every_world_s_modules() -> None:
     start asked for (``fork_server.start``: a world's, or an in-process verify or demo
     command's): a later world of another kind had each of its ranks import transformers'
     modeling code again (~1 CPU-s a rank). Here the server imports what any world of the
-    suite imports, whichever starts it."""
+    suite imports, whichever starts it, and ``rank_steps``: its ranks run the EP steps' torch
+    references unless a world asks for the interpreted kernels (tests/rank_steps.py)."""
     from moetool.verify import driver, fork_server, whole_model
 
-    modules = tuple(dict.fromkeys(("verify_workers", *driver.RANK_MODULES, *whole_model.RANK_MODULES)))
+    modules = tuple(dict.fromkeys(("verify_workers", "rank_steps", *driver.RANK_MODULES, *whole_model.RANK_MODULES)))
     real = fork_server.start
     fork_server.start = lambda preload=(): real(modules)
 

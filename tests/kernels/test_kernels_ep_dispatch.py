@@ -83,6 +83,14 @@ def test_empty_inputs(device):
     pos = ed.pack_rows(x, ids, torch.zeros(0, 2, device=device), tok, order, counts, out, torch.float32,
                        (None, 32, 40, 16), 128)
     assert pos.shape == (2, 0)
+    for rank in range(2):  # a rank whose dp group has no tokens still hosts experts
+        got = ed.local_slots(ids, tok, table.rank.to(device), table.slot.to(device), table.count.to(device), rank, 2)
+        want = ed.local_slots_ref(ids.cpu(), tok.cpu(), table.rank, table.slot, table.count, rank, 2)
+        assert got[0].shape == (0, 2) and all(torch.equal(g.cpu(), w) for g, w in zip(got, want))
+    from moetool.kernels import ep_combine as ec
+
+    rows = torch.randn(3, 8, device=device)
+    assert ec.combine_rows(rows, torch.zeros(0, 2, dtype=torch.int64, device=device)).shape == (0, 8)
 
 
 def test_bad_arguments_are_named(device):

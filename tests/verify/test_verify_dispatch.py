@@ -98,6 +98,12 @@ WORLDS = {
 
 #: checks of verify_workers.CHECKS each world runs after its cases
 WORLD_CHECKS = {"ep2": ("transports", "shm_full")}
+#: how each world runs the dispatch and combine steps (tests/rank_steps.py): the ep 2 world
+#: runs the Triton kernels (interpreted) through every dispatcher, format and fault; the larger
+#: worlds test what the ranks do around them with the kernels' references (tests/kernels holds
+#: each kernel bit-exact to its reference with more ranks, replicas, bf16 rows, empty groups),
+#: at a third of their CPU time (the interpreter was ~85 % of it)
+EP_STEPS = {"ep2": "kernels", "ep4": "references", "ep3": "references"}
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +112,8 @@ def world_runs():
     (each spawn_world waits for its ranks in a thread of its own), so one world's start-up
     and collective waits overlap another's work."""
     with ThreadPoolExecutor(len(WORLDS)) as pool:
-        futures = {name: pool.submit(spawn_world, vw.run_world, world, args=(cases, WORLD_CHECKS.get(name, ())),
-                                     timeout_s=300)
+        futures = {name: pool.submit(spawn_world, vw.run_world, world, timeout_s=300,
+                                     args=(cases, WORLD_CHECKS.get(name, ()), EP_STEPS[name]))
                    for name, (world, cases) in WORLDS.items()}
         return {name: f.result() for name, f in futures.items()}
 

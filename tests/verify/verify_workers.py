@@ -267,9 +267,14 @@ def transports(rank: int, world: int) -> list[str]:
 CHECKS = {"transports": transports, "shm_full": shm_full}
 
 
-def run_world(rank: int, world: int, cases: list[dict], checks: tuple[str, ...] = ()) -> dict:
+def run_world(rank: int, world: int, cases: list[dict], checks: tuple[str, ...] = (),
+              ep_steps: str = "kernels") -> dict:
     """``run_cases`` then each named check of CHECKS, in one world (one start-up for all):
-    {"cases": run_cases' list, check name: its result}."""
+    {"cases": run_cases' list, check name: its result}. ``ep_steps``: the dispatch and combine
+    steps' Triton kernels (interpreted on CPU) or their pure-torch ``references`` (tests/rank_steps.py)."""
+    import rank_steps
+
+    rank_steps.use(ep_steps)
     out = {"cases": run_cases(rank, world, cases)}
     for name in checks:
         out[name] = CHECKS[name](rank, world)
