@@ -18,10 +18,15 @@ _PICK = KernelOrRef.pick  # this module is the only one that replaces it
 
 def use(steps: str) -> None:
     """``kernels``: as moetool picks (the kernels on CUDA or interpreted); ``references``: the
-    pure-torch references always."""
+    pure-torch references for CPU tensors, as a CPU user's run takes them (CUDA tensors keep
+    the compiled kernels: the GPU worlds check those)."""
     if steps not in ("kernels", "references"):
         raise ValueError(f"steps {steps!r}: expected kernels or references")
-    KernelOrRef.pick = _PICK if steps == "kernels" else (lambda self, like: self.ref)
+    KernelOrRef.pick = _PICK if steps == "kernels" else _cuda_kernels_cpu_references
+
+
+def _cuda_kernels_cpu_references(self: KernelOrRef, like):
+    return self.kernel if like.is_cuda else self.ref
 
 
 use("references")
