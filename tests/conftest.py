@@ -26,17 +26,28 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # read and write the user's cache folder: off, but in the tests of it, which name their own list
 os.environ["MOETOOL_CODE_LIST"] = "off"
 
-# Triton reads TRITON_INTERPRET when it is first imported, and collecting tests/bench imports it
-# (moetool.kernels) before tests/kernels/conftest.py can set it under a plain `pytest`; set it
-# here, in the first conftest loaded, as that one does.
-import torch  # noqa: E402
+@pytest.hookimpl(trylast=True)  # after pytest-xdist's, which registers "dsession" in its controller
+def pytest_configure(config):
+    """Set up a process that runs tests: a pytest-xdist worker, or a run without it. The
+    controller only hands the tests out: importing torch and transformers there took ~5 s of
+    the 2-core machine before the workers even started."""
+    if not config.pluginmanager.has_plugin("dsession"):
+        _set_up_test_process()
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import interpreter_speed  # noqa: E402
+def _set_up_test_process() -> None:
+    # Triton reads TRITON_INTERPRET when it is first imported, and collecting tests/bench imports
+    # it (moetool.kernels) before tests/kernels/conftest.py can set it under a plain `pytest`;
+    # set it here, before any test module is collected, as that one does
+    import torch
 
-interpreter_speed.install()
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+    import interpreter_speed
+
+    interpreter_speed.install()
+    _preload_every_world_s_modules()
 
 
 def _preload_every_world_s_modules() -> None:
@@ -52,10 +63,6 @@ def _preload_every_world_s_modules() -> None:
     real = fork_server.start
     fork_server.start = lambda preload=(): real(modules)
 
-
-_preload_every_world_s_modules()
-
-from moeutil import run_cli, save_hf_model  # noqa: E402
 
 #: the files that keep a worker longest (spawned ranks, Triton-interpreted matrices, fsync'd
 #: outputs: 10 to 40 s each on 2 cores), longest first. pytest-xdist hands out one file at a
@@ -93,6 +100,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def cli(capsys):
     """cli("inspect", path, "--json") -> CliResult(code, out, err), through moetool.cli.main."""
+    from moeutil import run_cli
+
     return lambda *args: run_cli(capsys, *args)
 
 
@@ -101,6 +110,8 @@ def hf_model(tmp_path_factory):
     """hf_model(family, layout="original" | "v5", **config overrides) -> HFModel saved by
     transformers in that layout (made once per session and arguments)."""
     pytest.importorskip("transformers")
+    from moeutil import save_hf_model
+
     cache: dict = {}
     root = tmp_path_factory.mktemp("hf")
 
