@@ -1,7 +1,7 @@
 """Tests only: which implementation of the EP dispatch and combine steps the suite's ranks run.
 
 The suite sets TRITON_INTERPRET=1, under which ``transports.KernelOrRef`` picks the Triton
-kernels for CPU tensors too. Interpreted, they were ~40 % of the CPU time of the worlds that
+kernels for CPU tensors too. Interpreted, they were ~37 % of the CPU time of the worlds that
 check what the ranks do around them (whole-model, streaming, end-to-end: 2-core machine), while
 a CPU user's run takes the pure-torch references and a GPU's the compiled kernels. So the fork
 server of a test process (tests/conftest.py preloads this module) makes its ranks pick the
