@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.dirname(__file__))  # spawned ranks import verify_wor
 import verify_workers as vw  # noqa: E402
 
 from moetool.errors import MoetoolError  # noqa: E402
+from moetool.verify import fork_server  # noqa: E402
 from moetool.verify.launch import run_under_torchrun, spawn_world  # noqa: E402
 from moetool.verify.reference import reference_moe_forward  # noqa: E402
 
@@ -67,6 +68,15 @@ def test_a_rank_that_hangs_hits_the_timeout(failures):
     msg, elapsed = failures["hangs"]
     assert msg is not None and "timed out after 6 s" in msg and "ranks still running: [0, 1]" in msg, msg
     assert elapsed < BOUND_S
+
+
+@pytest.mark.skipif(not fork_server.forks(), reason="ranks are spawned here, not forked from a server")
+def test_the_suites_ranks_fork_with_the_test_modules_preloaded():
+    """tests/conftest.py's fork server imports tests/rank_steps.py, so the ranks of every world
+    the suite starts run the EP steps' torch references on CPU tensors (the interpreted kernels
+    only where a world asks). Python's server ignored this process's sys.path up to 3.12.7
+    (CPython gh-117378): the module was skipped as an ImportError, and only the worlds that imported it themselves had it."""
+    assert spawn_world(vw.preloaded, 2, timeout_s=60) == [{"rank_steps": True, "route_tokens": "reference"}] * 2
 
 
 def test_unknown_backend_is_refused_before_spawning():

@@ -196,6 +196,18 @@ def run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
     return results
 
 
+def preloaded(rank: int, world: int) -> dict:
+    """What this rank found imported before it ran (the fork server's preloads, tests/conftest.py)
+    and which implementation of the EP steps it picks for CPU tensors."""
+    import sys
+
+    from moetool.verify.transports import ROUTE_TOKENS
+
+    cpu = torch.zeros(1)
+    return {"rank_steps": "rank_steps" in sys.modules,
+            "route_tokens": "reference" if ROUTE_TOKENS.pick(cpu) is ROUTE_TOKENS.ref else "kernel"}
+
+
 def raise_on(rank: int, world: int, bad_rank: int) -> int:
     """Every rank enters a collective; ``bad_rank`` raises first."""
     if rank == bad_rank:
