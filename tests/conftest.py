@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -62,28 +61,7 @@ def _preload_every_world_s_modules() -> None:
 
     modules = tuple(dict.fromkeys(("verify_workers", "rank_steps", *driver.RANK_MODULES, *whole_model.RANK_MODULES)))
     real = fork_server.start
-    # the server is a fresh interpreter, and forkserver.main ignored the sys.path it is handed
-    # up to Python 3.12.7 / 3.13.0 (CPython gh-117378; 3.10 and 3.11 keep it): without tests/ on
-    # its PYTHONPATH it skipped both test modules silently (an ImportError), so the ranks outside
-    # test_verify_dispatch ran the interpreted kernels. For its start only: the ranks take this
-    # process's environment (launch._rank_main)
-    tests = Path(__file__).parent
-    server_path = os.pathsep.join((str(tests), str(tests / "verify")))
-    lock = threading.Lock()  # worlds start from several threads (test_verify_dispatch)
-
-    def start(preload=()):
-        with lock:
-            before = os.environ.get("PYTHONPATH")
-            os.environ["PYTHONPATH"] = server_path + (os.pathsep + before if before else "")
-            try:
-                return real(modules)
-            finally:
-                if before is None:
-                    del os.environ["PYTHONPATH"]
-                else:
-                    os.environ["PYTHONPATH"] = before
-
-    fork_server.start = start
+    fork_server.start = lambda preload=(): real(modules)
 
 
 #: the files that keep a worker longest (spawned ranks, Triton-interpreted matrices, fsync'd

@@ -46,9 +46,33 @@ def start(preload: Sequence[str] = ()) -> bool:
     if not forks():
         return False
     mp_forkserver.set_forkserver_preload(list(dict.fromkeys((WATCH, LAUNCH, *preload))))
-    with _sigint_ignored():
+    with _sigint_ignored(), _this_sys_path():
         mp_forkserver.ensure_running()
     return True
+
+
+#: held while this process's PYTHONPATH is the server's (starts may come from several threads)
+_env_lock = threading.Lock()
+
+
+@contextmanager
+def _this_sys_path() -> Iterator[None]:
+    """PYTHONPATH holding this process's ``sys.path`` while the server starts: multiprocessing
+    hands the server that path, but its ``forkserver.main`` ignored it up to Python 3.12.7 /
+    3.13.0 (CPython gh-117378; 3.10 and 3.11 keep it), so a preload importable only through an
+    entry added at run time (a script's ``sys.path.insert``, pytest's) was skipped as an
+    ImportError and every rank imported it itself. The ranks take this process's environment
+    back (``launch._rank_main``); entries twice on the server's path are harmless (site drops them)."""
+    with _env_lock:
+        before = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # "": the working folder, the server's too
+        try:
+            yield
+        finally:
+            if before is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = before
 
 
 @contextmanager

@@ -71,11 +71,31 @@ def test_a_rank_that_hangs_hits_the_timeout(failures):
 
 
 @pytest.mark.skipif(not fork_server.forks(), reason="ranks are spawned here, not forked from a server")
+def test_a_preload_found_through_a_path_added_at_run_time_is_preloaded(tmp_path):
+    """The server gets this process's sys.path, entries a script inserted included (Python's
+    forkserver ignored it up to 3.12.7, CPython gh-117378: such a preload was skipped)."""
+    (tmp_path / "runtime_path_probe.py").write_text("")
+    code = ("import sys\n"
+            f"sys.path[:0] = [{str(tmp_path)!r}, {str(Path(__file__).parent)!r}]\n"
+            "if __name__ == '__main__':\n"
+            "    import verify_workers as vw\n"
+            "    from moetool.verify import fork_server, launch\n"
+            "    fork_server.start(('runtime_path_probe',))\n"
+            "    print(launch.spawn_world(vw.imported, 2, args=(['runtime_path_probe'],), timeout_s=60))\n")
+    script = tmp_path / "start.py"
+    script.write_text(code)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", fork_server.START_ENV)}
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env,
+                       cwd=tmp_path.parent)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[['runtime_path_probe'], ['runtime_path_probe']]", r.stdout + r.stderr
+
+
+@pytest.mark.skipif(not fork_server.forks(), reason="ranks are spawned here, not forked from a server")
 def test_the_suites_ranks_fork_with_the_test_modules_preloaded():
     """tests/conftest.py's fork server imports tests/rank_steps.py, so the ranks of every world
     the suite starts run the EP steps' torch references on CPU tensors (the interpreted kernels
-    only where a world asks). Python's server ignored this process's sys.path up to 3.12.7
-    (CPython gh-117378): the module was skipped as an ImportError, and only the worlds that imported it themselves had it."""
+    only where a world asks)."""
     assert spawn_world(vw.preloaded, 2, timeout_s=60) == [{"rank_steps": True, "route_tokens": "reference"}] * 2
 
 

@@ -208,6 +208,13 @@ def preloaded(rank: int, world: int) -> dict:
             "route_tokens": "reference" if ROUTE_TOKENS.pick(cpu) is ROUTE_TOKENS.ref else "kernel"}
 
 
+def imported(rank: int, world: int, names: list[str]) -> list[str]:
+    """Which of ``names`` this rank found imported before it ran (the fork server's preloads)."""
+    import sys
+
+    return [n for n in names if n in sys.modules]
+
+
 def raise_on(rank: int, world: int, bad_rank: int) -> int:
     """Every rank enters a collective; ``bad_rank`` raises first."""
     if rank == bad_rank:
