@@ -15,11 +15,9 @@ facts as JSON): on an H100 host its 4-10 s of import overlap the copy instead of
 """
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import os
-import signal
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,9 +29,8 @@ from moetool.convert.torch_executor import ErrorStats, Planner, Source
 from moetool.errors import MoetoolError
 from moetool.model.families import ModelSpec, describe
 from moetool.read.checkpoint import Checkpoint, open_checkpoint
+from moetool.read.prefetch import end_with_parent
 from moetool.read.safetensors import DTYPE_NAMES, tensor_bytes
-
-_PR_SET_PDEATHSIG = 1
 
 
 def format_profile(ckpt: Checkpoint, spec: ModelSpec) -> dict:
@@ -93,10 +90,7 @@ def shard_facts(source: str, **options) -> dict | None:
 def main() -> None:
     """The child process: ends with its parent (a byte copy stopped by SIGKILL leaves no
     importing process behind); its facts as one JSON line, or exit status 1 and the error."""
-    try:
-        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):  # not Linux
-        pass
+    end_with_parent()
     try:
         facts = shard_facts(**json.loads(sys.argv[1]))
     except Exception as e:  # the torch path will raise it again, in the parent, as its error

@@ -236,13 +236,19 @@ class ChildReadAhead:
         return self._proc.poll() is None
 
 
-def _child_main() -> None:
-    """:class:`ChildReadAhead`'s child: its spec (JSON) on stdin."""
-    spec = json.loads(sys.stdin.buffer.read())
+def end_with_parent() -> None:
+    """Linux: this process gets SIGKILL when the thread that started it ends
+    (``PR_SET_PDEATHSIG``); elsewhere nothing. For torch-free helper children."""
     try:
         ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):  # not Linux
         pass
+
+
+def _child_main() -> None:
+    """:class:`ChildReadAhead`'s child: its spec (JSON) on stdin."""
+    spec = json.loads(sys.stdin.buffer.read())
+    end_with_parent()
     if os.getppid() != spec["parent"]:  # the parent ended before the death signal was set
         return
     if spec["after_fd"] is not None:
