@@ -22,6 +22,8 @@ from typing import Iterator, Sequence
 #: server (a way around it, should a system's fork server misbehave)
 START_ENV = "MOETOOL_RANK_START"
 
+#: imported first by every server: it ends with the process that started it (its main thread)
+TIE = "moetool.verify.server_tie"
 #: the module that starts the ranks (imported by every server)
 LAUNCH = "moetool.verify.launch"
 #: imported first by every server: it notes the files its imports open, for the code warm-up
@@ -41,38 +43,49 @@ def forks() -> bool:
 
 
 def start(preload: Sequence[str] = ()) -> bool:
-    """Start the server now, importing ``WATCH``, ``LAUNCH`` and ``preload``, unless one runs already (or
-    ranks are spawned: False). It imports while this process goes on; the first rank waits for it."""
+    """Start the server now, importing ``TIE``, ``WATCH``, ``LAUNCH`` and ``preload``, unless one runs
+    already (or ranks are spawned: False). It imports while this process goes on; the first rank
+    waits for it."""
     if not forks():
         return False
-    mp_forkserver.set_forkserver_preload(list(dict.fromkeys((WATCH, LAUNCH, *preload))))
-    with _sigint_ignored(), _this_sys_path():
+    mp_forkserver.set_forkserver_preload(list(dict.fromkeys((TIE, WATCH, LAUNCH, *preload))))
+    with _sigint_ignored(), _server_env():
         mp_forkserver.ensure_running()
     return True
 
 
-#: held while this process's PYTHONPATH is the server's (starts may come from several threads)
+#: held while this process's environment is the server's (starts may come from several threads)
 _env_lock = threading.Lock()
+#: environment variable read by ``TIE`` in the server: the pid of the process whose main thread started it
+PARENT_ENV = "MOETOOL_FORK_SERVER_PARENT"
 
 
 @contextmanager
-def _this_sys_path() -> Iterator[None]:
-    """PYTHONPATH holding this process's ``sys.path`` while the server starts: multiprocessing
-    hands the server that path, but its ``forkserver.main`` ignored it up to Python 3.12.7 /
-    3.13.0 (CPython gh-117378; 3.10 and 3.11 keep it), so a preload importable only through an
-    entry added at run time (a script's ``sys.path.insert``, pytest's) was skipped as an
-    ImportError and every rank imported it itself. The ranks take this process's environment
-    back (``launch._rank_main``); entries twice on the server's path are harmless (site drops them)."""
+def _server_env() -> Iterator[None]:
+    """The server's environment while it starts: ``PARENT_ENV`` naming this process where the
+    start comes from its main thread (``TIE`` then has the server end with it), and PYTHONPATH
+    holding this process's ``sys.path``. multiprocessing hands the server that path, but its
+    ``forkserver.main`` ignored it up to Python 3.12.7 / 3.13.0 (CPython gh-117378; 3.10 and
+    3.11 keep it), so a preload importable only through an entry added at run time (a script's
+    ``sys.path.insert``, pytest's) was skipped as an ImportError and every rank imported it
+    itself. The ranks take this process's environment back (``launch._rank_main``); entries
+    twice on the server's path are harmless (site drops them)."""
+    main = threading.current_thread() is threading.main_thread()
     with _env_lock:
-        before = os.environ.get("PYTHONPATH")
+        before = {name: os.environ.get(name) for name in ("PYTHONPATH", PARENT_ENV)}
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # "": the working folder, the server's too
+        if main:
+            os.environ[PARENT_ENV] = str(os.getpid())
+        else:
+            os.environ.pop(PARENT_ENV, None)
         try:
             yield
         finally:
-            if before is None:
-                del os.environ["PYTHONPATH"]
-            else:
-                os.environ["PYTHONPATH"] = before
+            for name, value in before.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
 
 @contextmanager

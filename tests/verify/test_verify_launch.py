@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -89,6 +90,77 @@ def test_a_preload_found_through_a_path_added_at_run_time_is_preloaded(tmp_path)
                        cwd=tmp_path.parent)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[['runtime_path_probe'], ['runtime_path_probe']]", r.stdout + r.stderr
+
+
+def _gone(pid: int) -> bool:
+    """Whether ``pid`` has ended (no process, or a zombie no one has reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+#: started by a test's script: the fork server, from the main thread or from one that has ended;
+#: its last preload notes that the server got there, then waits for the test's word to go on
+START_A_SLOW_SERVER = """
+import os, sys, threading, time
+folder, thread = sys.argv[1:]
+sys.path.insert(0, folder)
+import multiprocessing.forkserver as mp_forkserver
+from moetool.verify import fork_server
+start = lambda: fork_server.start(("slow_preload",))
+if thread == "main":
+    start()
+else:
+    t = threading.Thread(target=start)
+    t.start()
+    t.join()
+    while not os.path.exists(os.path.join(folder, "reached")):  # past TIE, WATCH and LAUNCH
+        time.sleep(0.05)
+print(mp_forkserver._forkserver._forkserver_pid, flush=True)
+"""
+
+
+@pytest.mark.skipif(not fork_server.forks(), reason="ranks are spawned here, not forked from a server")
+@pytest.mark.parametrize("thread", ["main", "ended"])
+def test_a_server_still_importing_ends_with_the_process_that_started_it(tmp_path, thread):
+    """A fork server started from the main thread ends with that process, even in the middle of
+    its imports: it used to import on for seconds, holding the command's stderr. One started
+    from a thread that has ended serves on while its process lives (the death signal follows
+    the thread, so such a start asks none)."""
+    (tmp_path / "slow_preload.py").write_text(
+        "import os, time\n"
+        f"os.chdir({str(tmp_path)!r})\n"
+        "open('reached', 'w').close()\n"
+        "for _ in range(3000):  # a minute at most\n"
+        "    if os.path.exists('go'):\n"
+        "        open('went on', 'w').close()\n"
+        "        break\n"
+        "    time.sleep(0.02)\n")
+    env = {k: v for k, v in os.environ.items() if k != fork_server.START_ENV}
+    # (the server holds the script's stdout: read its line, then wait for the script alone)
+    p = subprocess.Popen([sys.executable, "-c", START_A_SLOW_SERVER, str(tmp_path), thread], stdout=subprocess.PIPE,
+                         text=True, env=env)
+    with p.stdout:
+        line = p.stdout.readline()
+    assert p.wait(timeout=120) == 0 and line.strip().isdigit(), line
+    server = int(line)
+    try:
+        if thread == "main":
+            deadline = time.monotonic() + 30
+            while not _gone(server) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert _gone(server) and not (tmp_path / "reached").exists()
+        else:  # its process has ended: the server goes on
+            (tmp_path / "go").touch()
+            deadline = time.monotonic() + 30
+            while not (tmp_path / "went on").exists() and not _gone(server) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert (tmp_path / "went on").exists()
+    finally:
+        if not _gone(server):
+            os.kill(server, signal.SIGKILL)
 
 
 @pytest.mark.skipif(not fork_server.forks(), reason="ranks are spawned here, not forked from a server")
@@ -258,7 +330,8 @@ def test_verify_starts_the_ranks_fork_server_before_it_imports_torch(tmp_path):
         r = subprocess.run([sys.executable, "-c", SPY_SERVER_START, *argv], capture_output=True, text=True,
                            timeout=120, env=env)
         out = json.loads(r.stdout.strip().splitlines()[-1])
-        assert out["seen"][:1] == [{"torch": False, "preload": [fork_server.WATCH, fork_server.LAUNCH, *modules]}], (flags, out)
+        assert out["seen"][:1] == [{"torch": False, "preload": [fork_server.TIE, fork_server.WATCH, fork_server.LAUNCH,
+                                                                *modules]}], (flags, out)
         assert out["code"] != 0
 
 
