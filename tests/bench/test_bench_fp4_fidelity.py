@@ -1,10 +1,10 @@
 """bench/fp4_fidelity.py still runs (tiny sizes, CPU, without llm-compressor: its rows skipped)."""
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import warm_python
 
 from moetool.formats import TOLERANCES
 
@@ -14,10 +14,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_fp4_fidelity_bench_reports_moetool_rows(tmp_path):
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "fp4_fidelity.py"), "--workdir", str(tmp_path),
-                        "--hidden", "128", "--intermediate", "64", "--experts", "2", "--layers", "1",
-                        "--llmc-python", str(tmp_path / "no-such-python"), "--json"],
-                       capture_output=True, text=True, timeout=300)
+    p = warm_python.run([sys.executable, str(ROOT / "bench" / "fp4_fidelity.py"), "--workdir", str(tmp_path),
+                         "--hidden", "128", "--intermediate", "64", "--experts", "2", "--layers", "1",
+                         "--llmc-python", str(tmp_path / "no-such-python"), "--json"], timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "llm-compressor not installed" in p.stderr
     rows = json.loads(p.stdout)["rows"]

@@ -1,10 +1,10 @@
 """bench/int4_fidelity.py, moetool's part (no llm-compressor here): tiny shapes, CPU."""
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import warm_python
 
 pytestmark = pytest.mark.slow  # runs the script in its own process
 
@@ -13,9 +13,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_int4_fidelity_bench_reports_moetool_rows(tiny):
     src = tiny("mixtral")
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "int4_fidelity.py"), "--shapes", "64x256,128x128",
-                        "--dists", "gauss,t3", "--checkpoint", str(src), "--experts", "2", "--repeat", "1",
-                        "--no-llmc", "--json", "-"], capture_output=True, text=True, timeout=300)
+    p = warm_python.run([sys.executable, str(ROOT / "bench" / "int4_fidelity.py"), "--shapes", "64x256,128x128",
+                         "--dists", "gauss,t3", "--checkpoint", str(src), "--experts", "2", "--repeat", "1",
+                         "--no-llmc", "--json", "-"], timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     result = json.loads(p.stdout)
     assert result["tensors"] == 2 * 2 + 2 * 3  # distributions x shapes + experts x (gate, up, down)

@@ -1,11 +1,11 @@
 """The benchmark scripts still run (tiny sizes, CPU): a newcomer's one command must not rot."""
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import warm_python
 from moeutil import bench_module
 
 pytestmark = pytest.mark.slow  # each runs a script and its process worlds
@@ -14,11 +14,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_convert_bench_runs_and_reports_every_step(tmp_path):
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "convert.py"), "--workdir", str(tmp_path), "--size-gib",
-                        "0.004", "--shard-gib", "0.002", "--hidden", "128", "--intermediate", "128", "--repeat", "1",
-                        "--only", "cp,start-up,fp8-block,int4-group,shard,repack", "--json",
-                        "--idle-wait", "0", "--retries", "0", "--cold-input"],
-                       capture_output=True, text=True, timeout=300)
+    p = warm_python.run([sys.executable, str(ROOT / "bench" / "convert.py"), "--workdir", str(tmp_path), "--size-gib",
+                         "0.004", "--shard-gib", "0.002", "--hidden", "128", "--intermediate", "128", "--repeat", "1",
+                         "--only", "cp,start-up,fp8-block,int4-group,shard,repack", "--json",
+                         "--idle-wait", "0", "--retries", "0", "--cold-input"], timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     rows = {r["step"]: r for r in json.loads(p.stdout)["rows"]}
     assert set(rows) == {"cp", "start-up", "fp8-block", "int4-group", "shard", "repack"}
@@ -42,16 +41,14 @@ def test_cold_input_evicts_the_files_and_says_what_stayed(tmp_path):
     if after == 1.0:
         pytest.skip("this file system keeps its pages (tmpfs: the pages are the file)")
     assert after == 0.0
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "convert.py"), "--cold", "--cold-input"],
-                       capture_output=True, text=True, timeout=60)
+    p = warm_python.run([sys.executable, str(ROOT / "bench" / "convert.py"), "--cold", "--cold-input"], timeout=60)
     assert p.returncode == 2 and "give one" in p.stderr
 
 
 def test_dispatch_bench_runs_on_gloo(tmp_path):
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "dispatch_gpu.py"), "--backend", "gloo", "--ep", "2",
-                        "--dp", "2", "--tokens", "8", "--hidden", "128", "--experts", "4", "--top-k", "2",
-                        "--warmup", "0", "--iters", "1", "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=300)
+    p = warm_python.run([sys.executable, str(ROOT / "bench" / "dispatch_gpu.py"), "--backend", "gloo", "--ep", "2",
+                         "--dp", "2", "--tokens", "8", "--hidden", "128", "--experts", "4", "--top-k", "2",
+                         "--warmup", "0", "--iters", "1", "--out", str(tmp_path)], timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     result = json.loads((tmp_path / "dispatch_gpu.json").read_text())
     for name in ("all2all", "allgather"):
@@ -65,12 +62,11 @@ def test_dispatch_bench_runs_on_gloo(tmp_path):
 
 def test_verify_bench_runs_on_gloo(tmp_path):
     out = tmp_path / "verify_gpu.json"
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "verify_gpu.py"), "--backend", "gloo", "--ep", "2", "--dp",
-                        "1", "--experts", "8", "--hidden", "128", "--intermediate", "128", "--top-k", "2", "--tokens",
-                        "16", "--warmup", "0", "--repeat", "1", "--backends", "all2all:torch,allgather:torch",
-                        "--workdir",
-                        str(tmp_path / "w"), "--json", str(out)],
-                       capture_output=True, text=True, timeout=300)
+    p = warm_python.run([sys.executable, str(ROOT / "bench" / "verify_gpu.py"), "--backend", "gloo", "--ep", "2",
+                         "--dp", "1", "--experts", "8", "--hidden", "128", "--intermediate", "128", "--top-k", "2",
+                         "--tokens", "16", "--warmup", "0", "--repeat", "1", "--backends",
+                         "all2all:torch,allgather:torch", "--workdir", str(tmp_path / "w"), "--json", str(out)],
+                        timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     result = json.loads(out.read_text())
     assert [v["options"]["dispatch"] for v in result["verify"]] == ["all2all", "allgather"]

@@ -6,12 +6,12 @@ interpreter, on the same inputs as fused_experts, and must agree.
 """
 import hashlib
 import json
-import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 import pytest
+import warm_python
 import torch
 from moetool.kernels import moe_tiles as mt
 from moeutil import DEVICE, bench_module
@@ -171,8 +171,8 @@ def test_tuner_candidates_are_valid_and_hold_the_old_and_rule_choices():
 
 
 def test_tuner_lists_its_cells_without_a_gpu():
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "tune.py"), "--list", "--layers", "mixtral",
-                        "--schemes", "dense", "--tokens", "1", "128"], capture_output=True, text=True, timeout=300)
+    p = warm_python.run([sys.executable, str(ROOT / "bench" / "tune.py"), "--list", "--layers", "mixtral",
+                         "--schemes", "dense", "--tokens", "1", "128"], timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "mixtral   dense      T=    1" in p.stdout and "T=  128" in p.stdout and "total" in p.stdout
 
