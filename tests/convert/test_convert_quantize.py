@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import warm_python
 
 from moetool.read.checkpoint import open_checkpoint
 from moetool.convert.torch_executor import model_dtype
@@ -539,8 +539,7 @@ def test_interrupt_and_resume(tiny, cli, tmp_path):
     assert cli("quantize", src, ref, *args).code == 0
 
     out = tmp_path / "out"
-    p = subprocess.run([sys.executable, "-c", KILLER, "quantize", str(src), str(out), *args],
-                       capture_output=True, text=True, timeout=300)
+    p = warm_python.run([sys.executable, "-c", KILLER, "quantize", str(src), str(out), *args], timeout=300)
     assert p.returncode == -signal.SIGKILL, p.stderr
     first = out / "model-00001-of-00002.safetensors"
     assert first.is_file() and (out / JOURNAL_NAME).is_file()

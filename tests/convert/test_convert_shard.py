@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import warm_python
 
 from moetool.convert.merge import merge
 from moetool.convert.shard import shard
@@ -259,8 +259,7 @@ def test_shard_is_resumable(sources, cli, tmp_path):
         "from moetool.cli import main\n"
         "main(sys.argv[1:])\n"
     )
-    p = subprocess.run([sys.executable, "-c", killer, "shard", str(src), str(out), "--ep", "2", "--quiet"],
-                       capture_output=True, text=True, timeout=300)
+    p = warm_python.run([sys.executable, "-c", killer, "shard", str(src), str(out), "--ep", "2", "--quiet"], timeout=300)
     assert p.returncode == -signal.SIGKILL, p.stderr
     assert not (out / MANIFEST_NAME).exists() and (out / JOURNAL_NAME).exists()
     finished = json.loads((out / JOURNAL_NAME).read_text())["files"]
