@@ -16,16 +16,15 @@ from moetool.verify.report import raise_if_failed
 
 
 def parse_layers(text: str | None) -> tuple[int, ...] | None:
-    """"1,3,5-7" -> (1, 3, 5, 6, 7)."""
+    """"1,3,5-7" -> (1, 3, 5, 6, 7). A range runs upwards (7-5 is refused, not read as none)."""
     if not text:
         return None
     out: list[int] = []
-    try:
-        for part in text.split(","):
-            lo, _, hi = part.strip().partition("-")
-            out += list(range(int(lo), int(hi) + 1)) if hi else [int(lo)]
-    except ValueError:
-        raise MoetoolError(f"--layers {text!r}: expected a list like 1,3,5-7") from None
+    for part in text.split(","):
+        bounds = part.strip().split("-")
+        if len(bounds) > 2 or not all(b.strip().isdigit() for b in bounds) or int(bounds[0]) > int(bounds[-1]):
+            raise MoetoolError(f"--layers {text!r}: expected a list like 1,3,5-7 (layer numbers, ranges upwards)")
+        out += range(int(bounds[0]), int(bounds[-1]) + 1)
     return tuple(dict.fromkeys(out))
 
 

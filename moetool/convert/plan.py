@@ -30,8 +30,6 @@ from moetool.read.safetensors import SAFETENSORS_METADATA, TensorSpec, safetenso
 #: as transformers stores the family (``experts.gate_up_proj`` / ``down_proj``: gpt-oss's layout)
 Layout = Literal["per-expert", "stacked", "fused"]
 MergeLayout = Layout
-#: the files of an EP rank folder holding the non-expert tensors (the same in every rank)
-COMMON_STEM = "model-common"
 ROLES = ("gate", "up", "down")
 OTHER_FILE_SUFFIXES = (".json", ".txt", ".model", ".tiktoken", ".jinja")
 SKIP_FILES = {"config.json", "model.safetensors.index.json", MANIFEST_NAME, JOURNAL_NAME}

@@ -8,15 +8,15 @@ import hashlib
 import json
 from pathlib import Path
 
-from moetool.convert.plan import (COMMON_STEM, OTHER_FILE_SUFFIXES, ROLES, SKIP_FILES, ExpertLinear, Fused, Group,
-                                  Layout, Plan, PlannedFile, SpecsOf, Stacked)
+from moetool.convert.plan import (OTHER_FILE_SUFFIXES, ROLES, SKIP_FILES, ExpertLinear, Fused, Group, Layout, Plan,
+                                  PlannedFile, SpecsOf, Stacked)
 from moetool.errors import MoetoolError
 from moetool.model.families import ModelSpec, MoELayerSpec
 from moetool.model.placement import add_redundant, make_placement, placement_to_json, read_expert_load
 from moetool.model.spec import ExpertPlacement
 from moetool.read.checkpoint import Checkpoint
 from moetool.read.checkpoint import expert_tensor_names
-from moetool.read.manifest import rank_dir
+from moetool.read.manifest import COMMON_STEM, rank_dir
 from moetool.read.safetensors import TensorInfo, TensorSpec
 
 
@@ -88,12 +88,13 @@ PLAN_VERSION = 2
 
 
 def plan_id(ckpt: Checkpoint, **options) -> str:
-    """Fingerprint of inputs (names, sizes, mtimes), options and ``PLAN_VERSION``: a journal
-    from another plan is ignored."""
+    """Fingerprint of inputs (names, sizes, mtimes, and the config: an edited dtype changes
+    what is written), options and ``PLAN_VERSION``: a journal from another plan is ignored."""
     h = hashlib.sha256(f"plan {PLAN_VERSION};".encode())
     for f in ckpt.files:
         st = (ckpt.root / f).stat()
         h.update(f"{f}:{st.st_size}:{st.st_mtime_ns};".encode())
+    h.update(json.dumps(ckpt.config, sort_keys=True, default=str).encode())
     h.update(json.dumps(options, sort_keys=True, default=str).encode())
     return h.hexdigest()[:16]
 

@@ -111,5 +111,33 @@ def placement_to_json(p: ExpertPlacement) -> dict:
 
 
 def placement_from_json(d: dict, num_experts: int, num_ranks: int) -> ExpertPlacement:
-    reps = {int(e): [tuple(x) for x in places] for e, places in d["replicas"].items()}
+    """The placement ``placement_to_json`` wrote. Raises MoetoolError saying what is wrong where
+    it is not one: every expert placed at least once, each copy a (rank, slot) pair of a rank
+    that exists, and each rank's slots 0, 1, ... holding one expert each."""
+    replicas = d.get("replicas") if isinstance(d, dict) else None
+    if not isinstance(replicas, dict):
+        raise MoetoolError("no \"replicas\" object")
+    reps: dict[int, list[tuple[int, int]]] = {}
+    for e, places in replicas.items():
+        if not (isinstance(e, str) and e.isdigit() and int(e) < num_experts):
+            raise MoetoolError(f"expert {e!r} is not one of the layer's {num_experts}")
+        if not isinstance(places, list) or not places or not all(
+                isinstance(x, list) and len(x) == 2 and all(type(v) is int and v >= 0 for v in x) for x in places):
+            raise MoetoolError(f"expert {e}: its copies must be [rank, slot] pairs, got {places!r}")
+        reps[int(e)] = [tuple(x) for x in places]
+    missing = sorted(set(range(num_experts)) - set(reps))
+    if missing:
+        raise MoetoolError(f"expert {missing[0]} is on no rank")
+    taken: dict[tuple[int, int], int] = {}
+    for e, places in sorted(reps.items()):
+        for rank, slot in places:
+            if rank >= num_ranks:
+                raise MoetoolError(f"expert {e} is placed on rank {rank}, of {num_ranks}")
+            if (rank, slot) in taken:
+                raise MoetoolError(f"rank {rank} slot {slot} holds both expert {taken[rank, slot]} and {e}")
+            taken[rank, slot] = e
+    for rank in range(num_ranks):
+        slots = sorted(s for r, s in taken if r == rank)
+        if slots != list(range(len(slots))):
+            raise MoetoolError(f"rank {rank}'s slots are {slots}, not 0 to {len(slots) - 1}")
     return ExpertPlacement(num_experts, num_ranks, reps)

@@ -15,6 +15,10 @@ from moetool.errors import MoetoolError
 MANIFEST_NAME = "manifest.json"
 
 
+#: the files of an EP rank folder holding the non-expert tensors: the same bytes in every rank
+COMMON_STEM = "model-common"
+
+
 JOURNAL_NAME = ".moetool-journal.json"
 
 
@@ -51,11 +55,8 @@ def verify_manifest(root: Path, names: Iterable[str] | None = None, workers: int
     path = Path(root) / MANIFEST_NAME
     if not path.is_file():
         raise MoetoolError(f"{root}: no {MANIFEST_NAME} (output unfinished or not made by moetool)")
-    try:
-        manifest = json.loads(path.read_text())
-        files = manifest["files"]
-    except (json.JSONDecodeError, KeyError, UnicodeDecodeError):
-        raise MoetoolError(f"{path}: invalid manifest") from None
+    manifest = read_manifest(path)
+    files = manifest["files"]
     names = list(names if names is not None else files)
     for name in names:
         rec = files.get(name)
@@ -74,6 +75,25 @@ def verify_manifest(root: Path, names: Iterable[str] | None = None, workers: int
         if digest != files[name]["sha256"]:
             raise MoetoolError(f"{Path(root) / name}: sha256 does not match {MANIFEST_NAME} (file modified or corrupt)")
     return manifest
+
+
+def read_manifest(path: Path) -> dict:
+    """The manifest at ``path``: a JSON object whose ``files`` map each name to its ``size``
+    (bytes) and ``sha256`` (hex). Raises MoetoolError naming the file and what is wrong."""
+    try:
+        manifest = json.loads(Path(path).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise MoetoolError(f"{path}: not a valid manifest (not JSON: {e})") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise MoetoolError(f"{path}: not a valid manifest (no \"files\" object)")
+    for name, rec in manifest["files"].items():
+        size, digest = (rec.get("size"), rec.get("sha256")) if isinstance(rec, dict) else (None, None)
+        if type(size) is not int or size < 0 or not isinstance(digest, str) or not _SHA256.fullmatch(digest):
+            raise MoetoolError(f"{path}: not a valid manifest (entry {name!r} needs a size in bytes and a sha256)")
+    return manifest
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def _hash_files(paths: list[Path], sizes: list[int], workers: int, before: Callable[[int], None] | None = None) -> list:

@@ -9,7 +9,11 @@ from moetool.errors import MoetoolError
 from moetool.model.families import describe
 from moetool.model.placement import placement_from_json
 from moetool.read.checkpoint import Checkpoint, open_checkpoint
-from moetool.read.manifest import MANIFEST_NAME, rank_dir, verify_manifest
+from moetool.read.manifest import COMMON_STEM, MANIFEST_NAME, rank_dir, read_manifest, verify_manifest
+
+
+#: what each entry of a shard manifest's "layers" gives, besides the placement
+LAYER_FIELDS = ("layer", "num_experts", "hidden", "intermediate")
 
 
 class EPShards:
@@ -18,19 +22,73 @@ class EPShards:
     def __init__(self, root: Path, *, check: bool = True):
         self.root = Path(root)
         _refuse_rank_folder(self.root)
+        path = self.root / MANIFEST_NAME
         if check:
             self.manifest = verify_manifest(self.root)
         else:
-            path = self.root / MANIFEST_NAME
             if not path.is_file():
                 raise MoetoolError(f"{self.root}: no {MANIFEST_NAME} (not a finished moetool shard output)")
-            self.manifest = json.loads(path.read_text())
-        if self.manifest.get("kind") != "ep-shards":
-            raise MoetoolError(f"{self.root}: {MANIFEST_NAME} is not from moetool shard (kind {self.manifest.get('kind')!r})")
-        self.ep = int(self.manifest["ep"])
-        self.layout = self.manifest["layout"]
-        self.placements = {int(l["layer"]): placement_from_json(l, int(l["num_experts"]), self.ep)
-                           for l in self.manifest["layers"]}
+            self.manifest = read_manifest(path)
+        m = self.manifest
+        if m.get("kind") != "ep-shards":
+            raise MoetoolError(f"{self.root}: {MANIFEST_NAME} is not from moetool shard (kind {m.get('kind')!r})")
+        self.ep = m.get("ep")
+        if type(self.ep) is not int or self.ep < 1:
+            raise MoetoolError(f"{path}: \"ep\" is {self.ep!r}, not a number of ranks")
+        if m.get("ranks") != [rank_dir(r, self.ep) for r in range(self.ep)]:
+            raise MoetoolError(f"{path}: \"ranks\" does not name the {self.ep} rank folders")
+        self.layout = m.get("layout")
+        if not isinstance(self.layout, str) or not isinstance(m.get("format"), str):
+            raise MoetoolError(f"{path}: no \"layout\" or \"format\" name")
+        if not isinstance(m.get("layers"), list) or not m["layers"]:
+            raise MoetoolError(f"{path}: no \"layers\" list")
+        self.placements = {}
+        for entry in m["layers"]:
+            dims = [entry.get(k) if isinstance(entry, dict) else None for k in LAYER_FIELDS]
+            if not all(type(v) is int and v >= 0 for v in dims):
+                raise MoetoolError(f"{path}: a layer entry needs {', '.join(LAYER_FIELDS)} as numbers, got "
+                                   f"{dict(zip(LAYER_FIELDS, dims))}")
+            try:
+                self.placements[dims[0]] = placement_from_json(entry, dims[1], self.ep)
+            except MoetoolError as e:
+                raise MoetoolError(f"{path}: layer {dims[0]}: {e}") from None
+
+    def check_ranks_agree(self) -> None:
+        """Every rank holds the same non-expert tensors and model config: its ``model-common``
+        files the same as rank 0's (names and sha256 in the manifest; each rank then checks its
+        bytes against it), its config.json the same but for its ``moetool_ep`` entry. A check
+        compares the outputs of one rank per group, but every rank runs its own copy of the
+        router, shared experts, attention and head: a copy that differs would go unseen."""
+        first = self._common(0)
+        config = self._config_without_rank(0)
+        for rank in range(1, self.ep):
+            mine = self._common(rank)
+            for name in sorted(set(first) | set(mine)):
+                if first.get(name) != mine.get(name):
+                    where = f"{self.root}/{rank_dir(rank, self.ep)}/{name}"
+                    what = "is missing" if name not in mine else "is not in rank 0" if name not in first else \
+                        "differs from rank 0's copy (sha256 in the manifest)"
+                    raise MoetoolError(f"{where}: {what}: every rank must hold the same non-expert tensors")
+            if self._config_without_rank(rank) != config:
+                raise MoetoolError(f"{self.root}/{rank_dir(rank, self.ep)}/config.json: differs from rank 0's "
+                                   "in more than its moetool_ep entry")
+
+    def _common(self, rank: int) -> dict[str, str]:
+        """{file name in the rank folder: sha256} of a rank's ``model-common`` files."""
+        d = rank_dir(rank, self.ep) + "/"
+        return {n[len(d):]: rec["sha256"] for n, rec in self.manifest["files"].items()
+                if n.startswith(d + COMMON_STEM)}
+
+    def _config_without_rank(self, rank: int) -> dict:
+        path = self.root / rank_dir(rank, self.ep) / "config.json"
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise MoetoolError(f"{path}: cannot be read as JSON ({e})") from None
+        if not isinstance(config, dict):
+            raise MoetoolError(f"{path}: not a JSON object")
+        config.pop("moetool_ep", None)
+        return config
 
     def rank_files(self, rank: int) -> list[str]:
         d = rank_dir(rank, self.ep) + "/"

@@ -267,7 +267,13 @@ def resolve_backend(opts: VerifyOptions) -> str:
     return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= opts.ep else "gloo"
 
 
+def check_timeout(timeout_s: float) -> None:
+    if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
+        raise MoetoolError(f"--timeout {timeout_s}: must be a positive number of seconds")
+
+
 def check_options(opts: VerifyOptions, shards: EPShards) -> None:
+    check_timeout(opts.timeout_s)
     if opts.ep != shards.ep:
         raise MoetoolError(f"--ep {opts.ep}: the shards in {shards.root} were made for ep {shards.ep}")
     if opts.dp < 1 or opts.ep % opts.dp:
@@ -289,8 +295,15 @@ def check_options(opts: VerifyOptions, shards: EPShards) -> None:
 
 
 def check_files_present(shards: EPShards) -> None:
-    """Cheap pre-flight before any process starts: every file in the manifest exists with its
-    size (each rank then checks the sha256 of its own files)."""
+    """Cheap pre-flight before any process starts: the shards' format is one moetool reads,
+    every rank holds the same non-expert tensors and config (``EPShards.check_ranks_agree``),
+    and every file in the manifest exists with its size (each rank then checks the sha256 of
+    its own files)."""
+    fmt = shards.manifest["format"]
+    if fmt not in FORMATS:
+        raise MoetoolError(f"{shards.root}/manifest.json: format {fmt!r} is not one moetool reads "
+                           f"(known: {', '.join(FORMATS)})")
+    shards.check_ranks_agree()
     for name, rec in shards.manifest["files"].items():
         p = shards.root / name
         if not p.is_file():

@@ -48,7 +48,8 @@ from moetool.read.order import EMBED_STAGE, LAST_STAGE, read_verify_inputs_ahead
 from moetool.read.shards import EPShards
 from moetool.verify import fork_server
 from moetool.verify.driver import THRESHOLDS as MOE_THRESHOLDS
-from moetool.verify.driver import check_files_present, check_reference, process_started, resolve_backend
+from moetool.verify.driver import (check_files_present, check_reference, check_timeout, process_started,
+                                   resolve_backend)
 from moetool.verify.hf_layers import Skeleton, capture, causal_lm_class, hf_config, require_transformers
 from moetool.verify.launch import spawn_world
 from moetool.verify.numerics import NUMERICS, model_numerics
@@ -682,6 +683,7 @@ def _first(out):
 
 
 def check_options(opts: WholeModelOptions, shards: EPShards) -> None:
+    check_timeout(opts.timeout_s)
     if opts.ep != shards.ep:
         raise MoetoolError(f"--ep {opts.ep}: the shards in {shards.root} were made for ep {shards.ep}")
     if opts.dp < 1 or opts.ep % opts.dp:

@@ -544,6 +544,101 @@ def _(c):
             f"but the shards in {c.shards} hold mixtral, 8 experts")
 
 
+# -- F: a shard output's manifest that is not one, and ranks that disagree (new): before any
+# rank starts. Each damaged file is signed again in the manifest, as a converter that wrote it
+# so would have signed it, so that only the check named can find it.
+
+
+def resign(root: Path, *names: str) -> None:
+    """The manifest of ``root`` with the size and sha256 of ``names`` as they are now."""
+    from moetool.read.manifest import sha256_file
+
+    m = json.loads((root / "manifest.json").read_text())
+    for n in names:
+        m["files"][n] = {**m["files"][n], "size": (root / n).stat().st_size, "sha256": sha256_file(root / n)}
+    (root / "manifest.json").write_text(json.dumps(m))
+
+
+def _manifest_row(c: Ctx, edit: Callable[[dict], object]) -> tuple[list, list[Path], Path]:
+    shards = c.copy("shards")
+    m = json.loads((shards / "manifest.json").read_text())
+    edited = edit(m)
+    (shards / "manifest.json").write_text(edited if isinstance(edited, str) else json.dumps(m))
+    return ["verify", shards, "--ref", c.model, "--ep", "4"], [shards, c.model], shards / "manifest.json"
+
+
+@row("verify-manifest-not-json")
+def _(c):
+    args, inputs, path = _manifest_row(c, lambda m: "{not json")
+    return args, inputs, f"{path}: not a valid manifest (not JSON: "
+
+
+@row("verify-manifest-ep-a-word")
+def _(c):
+    args, inputs, path = _manifest_row(c, lambda m: m.update(ep="four"))
+    return args, inputs, f"{path}: \"ep\" is 'four', not a number of ranks"
+
+
+@row("verify-manifest-unknown-format")
+def _(c):
+    args, inputs, path = _manifest_row(c, lambda m: m.update(format="fp9"))
+    return args, inputs, f"{path}: format 'fp9' is not one moetool reads (known: dense, fp8-block"
+
+
+@row("verify-manifest-expert-on-a-rank-beyond-ep")
+def _(c):
+    args, inputs, path = _manifest_row(c, lambda m: m["layers"][1]["replicas"].update({"3": [[7, 0]]}))
+    return args, inputs, f"{path}: layer 1: expert 3 is placed on rank 7, of 4"
+
+
+@row("verify-manifest-file-without-size")
+def _(c):
+    name = f"{RANK1}/config.json"
+    args, inputs, path = _manifest_row(c, lambda m: m["files"][name].pop("size"))
+    return args, inputs, f"{path}: not a valid manifest (entry '{name}' needs a size in bytes and a sha256)"
+
+
+@row("verify-a-rank-whose-non-expert-tensors-differ")
+def _(c):
+    shards = c.copy("shards")
+    name = next(p.relative_to(shards).as_posix() for p in sorted((shards / RANK1).glob("model-common*")))
+    header, data = read_raw(shards / name)
+    first = tensors_by_offset(header)[0]
+    at = header[first]["data_offsets"][0]
+    write_raw(shards / name, header, data[:at] + bytes([data[at] ^ 0x40]) + data[at + 1:])  # one bit of a value
+    resign(shards, name)
+    return (["verify", shards, "--ref", c.model, "--ep", "4"], [shards, c.model],
+            f"{shards / name}: differs from rank 0's copy (sha256 in the manifest): every rank must hold the same "
+            "non-expert tensors")
+
+
+@row("verify-a-rank-whose-config-differs")
+def _(c):
+    shards = c.copy("shards")
+    edit_config(shards / RANK1, rms_norm_eps=1e-3)
+    resign(shards, f"{RANK1}/config.json")
+    return (["verify", shards, "--ref", c.model, "--ep", "4"], [shards, c.model],
+            f"{shards / RANK1}/config.json: differs from rank 0's in more than its moetool_ep entry")
+
+
+@row("verify-timeout-zero")
+def _(c):
+    return (["verify", c.shards, "--ref", c.model, "--ep", "4", "--timeout", "0"], [c.shards, c.model],
+            "--timeout 0.0: must be a positive number of seconds")
+
+
+@row("verify-whole-model-timeout-nan")
+def _(c):
+    return (["verify", c.shards, "--ref", c.model, "--ep", "4", "--whole-model", "--timeout", "nan"],
+            [c.shards, c.model], "--timeout nan: must be a positive number of seconds")
+
+
+@row("verify-layers-backwards")
+def _(c):
+    return (["verify", c.shards, "--ref", c.model, "--ep", "4", "--layers", "1-0"], [c.shards, c.model],
+            "--layers '1-0': expected a list like 1,3,5-7 (layer numbers, ranges upwards)")
+
+
 # ------------------------------------------------------------------------------ the tests
 
 
