@@ -1,6 +1,8 @@
 """Library API of ``moetool shard --merge``: rebuild the unsharded checkpoint from EP shards."""
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 from moetool.convert.conversion import non_expert_groups
@@ -9,7 +11,6 @@ from moetool.convert.plan import ROLES, ExpertLinear, Fused, MergeLayout, Plan, 
 from moetool.convert.planning import assign_files, other_files
 from moetool.convert.torch_executor import ErrorStats, Planner, Source, run_plan
 from moetool.errors import MoetoolError
-from moetool.read.manifest import rank_dir
 from moetool.read.shards import EPShards
 
 
@@ -76,8 +77,11 @@ def merge(shards_dir, out, *, layout: MergeLayout | None = None, max_shard_size:
                     manifest_extra={"kind": "checkpoint", "format": man["format"], "layout": out_layout})
         if dry_run:
             return plan
+        # the whole manifest (every file's sha256) and the options: a journal of a merge of other
+        # shards, or into other files, is not resumed
+        key = json.dumps({"manifest": man, "layout": out_layout, "max": max_shard_size}, sort_keys=True)
         outdir = OutputDir(Path(out), inputs=[shards.root], force=force,
-                           plan_id=f"merge:{man['files'][rank_dir(0, shards.ep) + '/config.json']['sha256'][:16]}")
+                           plan_id=f"merge:{hashlib.sha256(key.encode()).hexdigest()[:16]}")
         bytes_in = sum(v["size"] for v in man["files"].values())
         return run_plan(plan, sources, outdir, bytes_in=bytes_in, progress=progress)
     finally:

@@ -22,6 +22,7 @@ from moetool.convert.plan import Layout, Plan, Summary
 from moetool.convert.planning import plan_id, plan_placements
 from moetool.lazy import import_module
 from moetool.model.families import describe
+from moetool.model.placement import placement_to_json
 from moetool.read.checkpoint import open_checkpoint
 
 #: the torch path, imported only when a shard is not a byte copy of its input (a byte copy runs
@@ -44,8 +45,10 @@ def shard(source, out, ep: int, *, placement: str = "linear", redundant: int = 0
     try:
         spec = describe(ckpt.config, ckpt.tensors)  # a rank folder or a shard root: refused by open_checkpoint
         placements = plan_placements(spec, ep, placement, redundant, expert_load)
-        pid = plan_id(ckpt, ep=ep, placement=placement, redundant=redundant, layout=layout, load=str(expert_load),
-                      max=max_shard_size)
+        # the placements themselves, not the load file's name: edited, it may place the replicas
+        # elsewhere, and a resumed run would keep the rank files of the old placement
+        pid = plan_id(ckpt, ep=ep, placement=placement, redundant=redundant, layout=layout, max=max_shard_size,
+                      placements={i: placement_to_json(p) for i, p in placements.items()})
         if byte_copy and not dry_run:
             done = shard_by_copy(ckpt, spec, out, ep, placements, layout=layout, placement_name=placement,
                                  redundant=redundant, max_shard_size=max_shard_size, force=force,

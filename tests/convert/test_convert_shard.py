@@ -547,6 +547,51 @@ def test_small_rank_files_merge_back(sources, cli, tmp_path):
     assert tensor_files(merged) == tensor_files(sources["int4"])
 
 
+def _stopped_before_its_manifest(*args) -> None:
+    """``moetool ARGS`` killed just before it writes its manifest (tests/hostile/faults.py):
+    every file written and in the journal, no manifest."""
+    faults = Path(__file__).parents[1] / "hostile" / "faults.py"
+    p = warm_python.run([sys.executable, str(faults), "before-manifest", "1", "--", *map(str, args), "--quiet"],
+                        timeout=300)
+    assert p.returncode == 9, p.stderr
+
+
+def test_an_edited_expert_load_is_not_resumed_into_the_old_placement(sources, cli, tmp_path):
+    """The journal's fingerprint holds the placements the load file gives, not its name: the
+    same file edited so that the replica goes to another expert must not resume the rank
+    files of the old placement (they were kept, and the manifest named the new one); an edit
+    that places every copy where it was resumes."""
+    src, out, load = sources["bf16"], tmp_path / "out", tmp_path / "load.json"
+    args = ["shard", src, out, "--ep", "2", "--redundant-experts", "1", "--expert-load", load]
+    hot = lambda e: json.dumps({"layers": {str(i): [100 if x == e else 1 for x in range(8)] for i in (1, 2)}})
+    load.write_text(hot(2))
+    _stopped_before_its_manifest(*args)
+    load.write_text(hot(5))
+    r = cli(*args, "--quiet")
+    assert r.code == 2 and "holds the unfinished output of another moetool run" in r.error_line, r.err
+    load.write_text(hot(2).replace("100", "90"))  # the same placement
+    r = cli(*args, "--quiet")
+    assert r.code == 0 and "0 file(s) written, 8 resumed" in r.out, r.out + r.err
+
+
+@pytest.mark.parametrize("change", ["other-shards", "max-shard-size"])
+def test_a_merge_resumes_only_its_own_shards_and_options(sources, tiny, cli, tmp_path, change):
+    """A merge's fingerprint is the shards' whole manifest and its options: re-sharding
+    another model (same config) into the same folder, or another --max-shard-size, must not
+    resume the merged files of the first run."""
+    shards, merged = tmp_path / "shards", tmp_path / "merged"
+    assert cli("shard", sources["bf16"], shards, "--ep", "2", "--quiet").code == 0
+    _stopped_before_its_manifest("shard", "--merge", shards, merged)
+    extra = []
+    if change == "other-shards":
+        other = tiny("deepseek_v3", seed=1)  # the same config, other weights
+        assert cli("shard", other, shards, "--ep", "2", "--force", "--quiet").code == 0
+    else:
+        extra = ["--max-shard-size", "300KB"]
+    r = cli("shard", "--merge", shards, merged, *extra, "--quiet")
+    assert r.code == 2 and "holds the unfinished output of another moetool run" in r.error_line, r.err
+
+
 def test_force_with_another_ep_leaves_no_stale_ranks(sources, cli, tmp_path):
     out = tmp_path / "shards"
     assert cli("shard", sources["bf16"], out, "--ep", "4", "--quiet").code == 0
