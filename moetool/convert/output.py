@@ -226,6 +226,11 @@ class OutputDir:
         """Where ``name`` is written until it is complete (its folder created). A leftover of
         an earlier run there is removed, never written through: it may be a hard link to a
         finished file."""
+        if self._inside(name) is None:  # a link on the way could lead anywhere, the input included
+            link = next(p for p in [self.root / Path(*Path(name).parts[:i]) for i in range(1, len(Path(name).parts))]
+                        if p.is_symlink())
+            raise MoetoolError(f"{link}: is a link (to {os.readlink(link)}); moetool writes only into real folders "
+                               "(remove it, or choose another output folder)")
         final = self.root / name
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.with_name(final.name + INCOMPLETE)
@@ -438,11 +443,21 @@ def _version() -> str:
 
 
 def _refuse_nesting(out: Path, inp: Path) -> None:
+    """The output is neither the input nor inside it, nor the other way round: by path, and by
+    the folders themselves (device and inode), which a bind mount shows under another path."""
     out_r, in_r = out.resolve(), inp.resolve()
-    if out_r == in_r or in_r in out_r.parents:
+    if out_r == in_r or in_r in out_r.parents or any(_same_folder(p, in_r) for p in (out_r, *out_r.parents)):
         raise MoetoolError(f"output {out} is inside the input {inp}; the input folder is never written")
-    if out_r in in_r.parents:
+    if out_r in in_r.parents or any(_same_folder(p, out_r) for p in in_r.parents):
         raise MoetoolError(f"input {inp} is inside the output {out}; choose an output folder elsewhere")
+
+
+def _same_folder(a: Path, b: Path) -> bool:
+    try:
+        sa, sb = a.stat(), b.stat()
+    except OSError:  # not there (yet)
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
 
 
 def write_indexes(plan: Plan, out: OutputDir) -> None:

@@ -328,6 +328,39 @@ def test_force_leaves_files_that_are_not_moetools(src, tmp_path):
     assert (out / "download.bin.incomplete").exists()
 
 
+def test_a_link_inside_the_output_to_the_input_is_not_written_through(src, cli, tmp_path):
+    """An output whose rank folder is a symbolic link to the input: --force must not write
+    the rank's files through it (it overwrote the input with rank 0's files)."""
+    inp, out = tmp_path / "in", tmp_path / "out"
+    shutil.copytree(src, inp)
+    before = digest(inp)
+    out.mkdir()
+    (out / "rank-00000-of-00002").symlink_to(inp)
+    r = cli(*COMMANDS["shard"](inp, out), "--force")
+    assert r.code == 2 and r.error_line == (f"{out}/rank-00000-of-00002: is a link (to {inp}); moetool writes only "
+                                            "into real folders (remove it, or choose another output folder)"), r.err
+    assert digest(inp) == before
+    assert_unfinished(out)
+
+
+def test_the_input_under_another_path_is_not_the_output(src, cli, tmp_path):
+    """The input folder bind-mounted as the output folder (another path, the same folder):
+    refused like the input itself, --force or not."""
+    inp, out = tmp_path / "in", tmp_path / "out"
+    shutil.copytree(src, inp)
+    out.mkdir()
+    if subprocess.run(["mount", "--bind", str(inp), str(out)], capture_output=True).returncode != 0:
+        pytest.skip("no bind mount here (needs root)")
+    try:
+        before = digest(inp)
+        for force in ([], ["--force"]):
+            r = cli(*COMMANDS["quantize"](inp, out), *force)
+            assert r.code == 2 and r.error_line == f"output {out} is inside the input {inp}; the input folder is never written"
+        assert digest(inp) == before
+    finally:
+        subprocess.run(["umount", str(out)], check=True)
+
+
 def test_force_over_another_plans_crash_leaves_no_temporary_name(src, tmp_path):
     out = tmp_path / "out"
     crashed = warm_python.run(faulty("after-fsync", 3, "shard", src, out, "--ep", "4", "-q"), env=env())
