@@ -364,6 +364,8 @@ def compressed_tensors_group(config: dict) -> tuple[dict, str | None]:
     """A compressed-tensors ``quantization_config`` -> (its one group's ``weights`` arguments,
     its storage ``format``). Several groups, or a group given as a preset name, raise."""
     groups = config.get("config_groups") or {}
+    if not isinstance(groups, dict):
+        raise MoetoolError("unsupported compressed-tensors quantization_config: config_groups is not a JSON object")
     if len(groups) != 1:
         raise MoetoolError(
             f"unsupported compressed-tensors quantization_config with {len(groups)} "

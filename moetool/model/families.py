@@ -83,8 +83,9 @@ class ConfigReader:
         """The raw value (for keys only compared, never computed with)."""
         return self.data.get(key, default)
 
-    def int(self, key: str, default=_MISSING, *, minimum: int = 1) -> int:
-        """A JSON integer >= ``minimum``; ``default`` when absent or null (missing: refused)."""
+    def int(self, key: str, default=_MISSING, *, minimum: int = 1, maximum: int | None = None) -> int:
+        """A JSON integer >= ``minimum`` (and <= ``maximum``); ``default`` when absent or null
+        (missing: refused)."""
         v = self.data.get(key)
         if v is None:
             if default is _MISSING:
@@ -94,6 +95,8 @@ class ConfigReader:
             raise self._bad(key, "an integer", v)
         if v < minimum:
             raise self._bad(key, f"an integer of at least {minimum}", v)
+        if maximum is not None and v > maximum:
+            raise self._bad(key, f"an integer of at most {maximum}", v)
         return v
 
     def first_int(self, keys: tuple[str, ...], what: str) -> int:
@@ -151,21 +154,26 @@ def _gpt_oss_act(config: ConfigReader) -> ExpertActivation:
                             limit=config.number("swiglu_limit", 7.0))
 
 
+#: more decoder layers than any model has: a config above it is refused before a list of that
+#: many layers is built (10**9 took the machine's memory)
+MAX_LAYERS = 100_000
+
+
 def _every_layer_with_sparse_step(config: ConfigReader) -> list[int]:
-    n = config.int("num_hidden_layers")
+    n = config.int("num_hidden_layers", maximum=MAX_LAYERS)
     step = config.int("decoder_sparse_step", 1, minimum=0) or 1
     mlp_only = set(config.int_list("mlp_only_layers") or [])
     return [i for i in range(n) if i not in mlp_only and (i + 1) % step == 0]
 
 
 def _all_layers(config: ConfigReader) -> list[int]:
-    return list(range(config.int("num_hidden_layers")))
+    return list(range(config.int("num_hidden_layers", maximum=MAX_LAYERS)))
 
 
 def _deepseek_layers(config: ConfigReader) -> list[int]:
     first = config.int("first_k_dense_replace", 0, minimum=0)
     freq = config.int("moe_layer_freq", 1, minimum=0) or 1
-    return [i for i in range(first, config.int("num_hidden_layers")) if i % freq == 0]
+    return [i for i in range(first, config.int("num_hidden_layers", maximum=MAX_LAYERS)) if i % freq == 0]
 
 
 def _llama4_layers(config: ConfigReader) -> list[int]:
@@ -173,7 +181,7 @@ def _llama4_layers(config: ConfigReader) -> list[int]:
     if layers is not None:
         return list(layers)
     step = config.int("interleave_moe_layer_step", 1, minimum=0) or 1
-    return [i for i in range(config.int("num_hidden_layers")) if (i + 1) % step == 0]
+    return [i for i in range(config.int("num_hidden_layers", maximum=MAX_LAYERS)) if (i + 1) % step == 0]
 
 
 def _softmax_router(config: ConfigReader) -> RouterSpec:
@@ -528,9 +536,13 @@ def _detect_storage(family: Family, prefix: str, names: set[str], tensors: dict,
     g, u, d = (f"{prefix}.experts.{{e}}.{lin}" for lin in family.expert_linears)
     st = ExpertStorage("per-expert", gate=g, up=u, down=d, has_bias=f"{g.format(e=0)}.bias" in names)
     for e in range(E):
-        for base, rows in zip(st.per_expert_bases(e), (N, N, H)):
+        for base, rows, cols in zip(st.per_expert_bases(e), (N, N, H), (H, H, N)):
             if not _has_linear(names, base):
                 raise MoetoolError(f"{prefix}: expert {e} tensor {base}.weight not found ({E} experts expected)")
+            weight = tensors.get(f"{base}.weight")  # a plain or fp8 weight holds the linear's own shape
+            if weight is not None and list(weight.shape) != [rows, cols]:
+                raise MoetoolError(f"{base}.weight: shape {list(weight.shape)}, but config.json gives [{rows}, {cols}] "
+                                   "(hidden size and expert intermediate size)")
             bias = f"{base}.bias"
             if (bias in names) != st.has_bias:
                 raise MoetoolError(f"{prefix}: expert {e} tensor {bias} " + ("not found (expert 0 has biases)"

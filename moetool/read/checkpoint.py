@@ -247,6 +247,9 @@ def open_checkpoint(source: str | os.PathLike, revision: str | None = None, *,
         raise MoetoolError(f"{config_path}: invalid JSON ({e})") from None
     if not isinstance(config, dict):
         raise MoetoolError(f"{config_path}: not a JSON object")
+    for key in ("quantization_config", "text_config"):
+        if config.get(key) is not None and not isinstance(config[key], dict):
+            raise MoetoolError(f"{config_path}: {key} is {json.dumps(config[key])[:60]}, not a JSON object")
     if not ep_rank:
         refuse_shard_output(root, config)
 

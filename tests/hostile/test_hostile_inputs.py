@@ -317,6 +317,38 @@ def _(c):
 # -- B: config values of the wrong type (new)
 
 
+@row("config-quantization-config-a-list")
+def _(c):
+    ck = c.copy()
+    edit_config(ck, quantization_config=[1])
+    return quantize(c, ck), [ck], f"{ck / 'config.json'}: quantization_config is [1], not a JSON object"
+
+
+@row("config-compressed-tensors-groups-a-list")
+def _(c):
+    ck = c.copy()
+    edit_config(ck, quantization_config={"quant_method": "compressed-tensors", "config_groups": [1]})
+    return (["inspect", ck], [ck],
+            "unsupported compressed-tensors quantization_config: config_groups is not a JSON object")
+
+
+@row("config-more-layers-than-any-model")
+def _(c):
+    ck = c.copy()
+    # 10**9 filled the machine's memory with a list of layers before any error; over the bound,
+    # but few enough that a moetool without it fails this test rather than the machine
+    edit_config(ck, num_hidden_layers=200_000)
+    return quantize(c, ck), [ck], "config.json: num_hidden_layers must be an integer of at most 100000, got 200000"
+
+
+@row("config-intermediate-size-not-the-experts")
+def _(c):
+    ck = c.copy()
+    edit_config(ck, intermediate_size=16)  # the experts hold 32 rows: an output transformers would refuse
+    return (quantize(c, ck), [ck], "model.layers.0.block_sparse_moe.experts.0.w1.weight: shape [32, 64], but "
+            "config.json gives [16, 64] (hidden size and expert intermediate size)")
+
+
 @row("config-expert-count-a-string")
 def _(c):
     ck = c.copy("deepseek")

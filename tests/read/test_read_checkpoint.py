@@ -305,12 +305,23 @@ def test_missing_router(bad, cli):
 
 
 def test_router_shape_checked_against_config(bad, cli):
+    name = "model.layers.0.mlp.gate.weight"
+    rewrite_file(file_of(bad, name), lambda t: t.__setitem__(name, t[name][:, :32].contiguous()))
+    r = cli("inspect", bad)
+    assert r.code == 2
+    assert r.error_line == f"{name}: shape [4, 32], expected [4, 64]"
+
+
+def test_expert_shapes_checked_against_config(bad, cli):
+    """The experts hold 64 x 32 linears; a config that says another hidden size gave outputs
+    that transformers refused to load."""
     cfg = json.loads((bad / "config.json").read_text())
     cfg["hidden_size"] = 96
     (bad / "config.json").write_text(json.dumps(cfg))
     r = cli("inspect", bad)
     assert r.code == 2
-    assert r.error_line == "model.layers.0.mlp.gate.weight: shape [4, 64], expected [4, 96]"
+    assert r.error_line.endswith(": shape [32, 64], but config.json gives [32, 96] (hidden size and expert "
+                                 "intermediate size)"), r.error_line
 
 
 def test_no_safetensors_at_all(tmp_path, cli):
