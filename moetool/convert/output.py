@@ -227,8 +227,11 @@ class OutputDir:
         an earlier run there is removed, never written through: it may be a hard link to a
         finished file."""
         if self._inside(name) is None:  # a link on the way could lead anywhere, the input included
-            link = next(p for p in [self.root / Path(*Path(name).parts[:i]) for i in range(1, len(Path(name).parts))]
-                        if p.is_symlink())
+            parts = Path(name).parts
+            link = next((p for p in (self.root / Path(*parts[:i]) for i in range(1, len(parts))) if p.is_symlink()),
+                        None)
+            if link is None:
+                raise MoetoolError(f"{name!r}: not a name inside the output folder {self.root}")
             raise MoetoolError(f"{link}: is a link (to {os.readlink(link)}); moetool writes only into real folders "
                                "(remove it, or choose another output folder)")
         final = self.root / name
