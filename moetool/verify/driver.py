@@ -298,7 +298,8 @@ def check_files_present(shards: EPShards) -> None:
     """Cheap pre-flight before any process starts: the shards' format is one moetool reads,
     every rank holds the same non-expert tensors and config (``EPShards.check_ranks_agree``),
     and every file in the manifest exists with its size (each rank then checks the sha256 of
-    its own files)."""
+    its own files); the format the manifest names is the one rank 0's experts are stored in
+    (the thresholds and the served numerics are that format's)."""
     fmt = shards.manifest["format"]
     if fmt not in FORMATS:
         raise MoetoolError(f"{shards.root}/manifest.json: format {fmt!r} is not one moetool reads "
@@ -310,6 +311,12 @@ def check_files_present(shards: EPShards) -> None:
             raise MoetoolError(f"{p}: missing (listed in {shards.root}/manifest.json)")
         if p.stat().st_size != rec["size"]:
             raise MoetoolError(f"{p}: {p.stat().st_size} bytes, the manifest says {rec['size']} (truncated or modified)")
+    rank0, rank0_spec = shards.open_rank(0, check=False)
+    with rank0:
+        found = detect_expert_format(rank0, rank0_spec).name
+    if found != fmt:
+        raise MoetoolError(f"{shards.root}/manifest.json: says format {fmt}, but rank 0's experts are stored as {found} "
+                           "(its thresholds would be applied to them)")
 
 
 def _layer_list(indices: list[int]) -> str:

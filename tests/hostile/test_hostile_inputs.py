@@ -617,6 +617,14 @@ def _(c):
     return args, inputs, f"{path}: format 'fp9' is not one moetool reads (known: dense, fp8-block"
 
 
+@row("verify-manifest-names-another-format")
+def _(c):
+    # int4-group's thresholds are ~3x fp8's: a manifest naming it would loosen the check of
+    # whatever the ranks hold
+    args, inputs, path = _manifest_row(c, lambda m: m.update(format="int4-group"))
+    return args, inputs, f"{path}: says format int4-group, but rank 0's experts are stored as dense"
+
+
 @row("verify-manifest-expert-on-a-rank-beyond-ep")
 def _(c):
     args, inputs, path = _manifest_row(c, lambda m: m["layers"][1]["replicas"].update({"3": [[7, 0]]}))
