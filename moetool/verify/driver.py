@@ -17,6 +17,7 @@ data. The report stands only once every rank's files passed their sha256 check.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -351,6 +352,16 @@ def check_reference(shards: EPShards, ref_ckpt, spec, ref) -> None:
     if shard_arch != spec.family.name or theirs != ours:
         raise MoetoolError(f"--ref {ref}: is {_model_text(spec.family.name, ours)}, but the shards in {shards.root} "
                            f"hold {_model_text(shard_arch, theirs)}; --ref must be the model they were made from")
+    rank0, rank0_spec = shards.open_rank(0, check=False)
+    with rank0:
+        for theirs_layer in rank0_spec.moe_layers:  # the ranks route with the shards' config, the reference with its own
+            mine, shards_router = spec.layer(theirs_layer.index).router, theirs_layer.router
+            if shards_router != mine:
+                field = next(f.name for f in dataclasses.fields(mine)
+                             if getattr(mine, f.name) != getattr(shards_router, f.name))
+                raise MoetoolError(f"{shards.root}: layer {theirs_layer.index} routes with {field} "
+                                   f"{getattr(shards_router, field)!r}, the reference --ref {ref} with "
+                                   f"{getattr(mine, field)!r}; the router is never converted")
     fmt = detect_expert_format(ref_ckpt, spec)
     # a quantized checkpoint moetool did not write is an original release (DeepSeek-V3 and
     # Kimi-K2 ship fp8-block): its dequantized weights are the model, a valid reference
