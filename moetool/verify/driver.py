@@ -320,6 +320,22 @@ def check_files_present(shards: EPShards) -> None:
                            "(its thresholds would be applied to them)")
 
 
+def _check_router_tensors(shards: EPShards, rank0, theirs, ref_ckpt, mine, ref) -> None:
+    """The layer's router weight and biases in rank 0 (every rank's, check_ranks_agree) equal
+    the reference's rounded to their dtype: a router rounded to fp8 moves a layer's output by
+    less than int4's threshold (0.17 against 0.25), which the layer check alone let pass."""
+    for what in ("router_weight", "correction_bias", "router_bias"):
+        name, ref_name = getattr(theirs, what), getattr(mine, what)
+        if name is None:
+            continue
+        got, want = rank0.get(name), ref_ckpt.get(ref_name)
+        if got.shape != want.shape or not torch.equal(want.to(got.dtype), got):
+            diff = "shape " + str(list(got.shape)) if got.shape != want.shape else \
+                f"max abs difference {(got.float() - want.float()).abs().max().item():.3g}"
+            raise MoetoolError(f"{shards.root}: layer {theirs.index}'s {name} is not the reference's ({diff}; "
+                               f"--ref {ref}): the router is never converted")
+
+
 def _layer_list(indices: list[int]) -> str:
     """[1, 2, 3] -> '1-3'; [0, 2] -> '0, 2'."""
     if indices and indices == list(range(indices[0], indices[-1] + 1)) and len(indices) > 1:
@@ -336,11 +352,13 @@ def _model_text(arch: str, layers: list[tuple[int, int, int, int]]) -> str:
             f"(hidden {'/'.join(str(h) for h, _ in dims)}, expert intermediate {'/'.join(str(n) for _, n in dims)})")
 
 
-def check_reference(shards: EPShards, ref_ckpt, spec, ref) -> None:
+def check_reference(shards: EPShards, ref_ckpt, spec, ref, *, routers: bool = False) -> None:
     """The reference is the model the shards were made from: the same architecture, MoE
-    layers, expert counts and dims as the shards' manifest, and not a quantized output of
-    moetool (that would compare the shards with quantized weights, not with the model, and
-    hide every quantization error)."""
+    layers, expert counts and dims as the shards' manifest, routed alike (each layer's router
+    config), and not a quantized output of moetool (that would compare the shards with
+    quantized weights, not with the model, and hide every quantization error). ``routers``
+    (the MoE-only check, which has no router check of its own): each layer's router weight and
+    biases in the shards are the reference's, to the shards' dtype."""
     try:
         shard_config = json.loads((shards.root / shards.manifest["ranks"][0] / "config.json").read_text())
         shard_arch = family_for(shard_config).name
@@ -362,6 +380,8 @@ def check_reference(shards: EPShards, ref_ckpt, spec, ref) -> None:
                 raise MoetoolError(f"{shards.root}: layer {theirs_layer.index} routes with {field} "
                                    f"{getattr(shards_router, field)!r}, the reference --ref {ref} with "
                                    f"{getattr(mine, field)!r}; the router is never converted")
+            if routers:
+                _check_router_tensors(shards, rank0, theirs_layer, ref_ckpt, spec.layer(theirs_layer.index), ref)
     fmt = detect_expert_format(ref_ckpt, spec)
     # a quantized checkpoint moetool did not write is an original release (DeepSeek-V3 and
     # Kimi-K2 ship fp8-block): its dequantized weights are the model, a valid reference
@@ -413,7 +433,7 @@ def verify_many(jobs: list[tuple], *, revision: str | None = None) -> list[Verif
             ref_ckpt = open_checkpoint(ref, revision)
             refs.append(ref_ckpt)
             specs.append(describe(ref_ckpt.config, ref_ckpt.tensors))
-            check_reference(shards, ref_ckpt, specs[-1], ref)
+            check_reference(shards, ref_ckpt, specs[-1], ref, routers=True)
             rank_jobs.append((str(shards.root), opts, _layers_to_check(shards, specs[-1], opts)))
         # the disk reads what the run takes, in its order, while the ranks start (seconds a cold
         # disk would otherwise idle); not before this process's imports, which it would starve;
@@ -584,7 +604,7 @@ def verify_torchrun(shards_dir, ref, opts: VerifyOptions, *, revision: str | Non
         return None
     with open_checkpoint(ref, revision) as ref_ckpt:
         spec = describe(ref_ckpt.config, ref_ckpt.tensors)
-        check_reference(shards, ref_ckpt, spec, ref)
+        check_reference(shards, ref_ckpt, spec, ref, routers=True)
         _layers_to_check(shards, spec, VerifyOptions(**{**asdict(opts), "layers": tuple(layer_ids)}))
         numerics = shards_numerics(shards, opts)
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
