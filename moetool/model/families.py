@@ -20,6 +20,7 @@ values, formats/mxfp4.py), gate and up rows interleaved as in the dense tensor; 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
@@ -436,11 +437,15 @@ def describe(config: dict, tensors: dict, stored_experts: dict[int, int] | None 
     if router.top_k < 1 or router.top_k > num_experts:
         raise MoetoolError(f"config.json: top-k {router.top_k} must be between 1 and the expert count {num_experts}")
     layers = []
+    highest = _highest_expert_ids(names)
     for i in moe_indices:
         lp = _layer_prefix(names, i)
         prefix = _moe_prefix(family, lp, names)
         n_stored = stored_experts.get(i, 0) if stored_experts is not None else num_experts
         storage = _detect_storage(family, prefix, names, tensors, n_stored, hidden, intermediate)
+        if highest.get(prefix, -1) >= n_stored:  # copied as a plain tensor, unconverted, it would go unseen
+            raise MoetoolError(f"{prefix}.experts.{highest[prefix]}: a tensor of expert {highest[prefix]}, but the "
+                               f"layer has {n_stored} experts (config.json)")
         router_weight = f"{prefix}.{family.router_module}.weight"
         if router_weight not in names:
             raise MoetoolError(f"layer {i}: router weight {router_weight} not found")
@@ -550,6 +555,19 @@ def _detect_storage(family: Family, prefix: str, names: set[str], tensors: dict,
             if st.has_bias and tuple(tensors[bias].shape) != (rows,):
                 raise MoetoolError(f"{bias}: shape {list(tensors[bias].shape)}, expected [{rows}]")
     return st
+
+
+_EXPERT_ID = re.compile(r"(.+)\.experts\.(\d+)\.")
+
+
+def _highest_expert_ids(names: set[str]) -> dict[str, int]:
+    """{MoE block prefix: the highest expert id a tensor name holds} (``P.experts.N.``)."""
+    highest: dict[str, int] = {}
+    for name in names:
+        m = _EXPERT_ID.match(name)
+        if m:
+            highest[m[1]] = max(highest.get(m[1], -1), int(m[2]))
+    return highest
 
 
 def _check_biases(names: set[str], tensors: dict, gate_up: str, down: str, E: int, H: int, N: int) -> None:

@@ -352,6 +352,19 @@ def _(c):
             "config.json gives [16, 64] (hidden size and expert intermediate size)")
 
 
+@row("an-expert-the-config-does-not-count")
+def _(c):
+    # a fifth expert beside num_local_experts 4 was copied through unquantized, unseen
+    import torch
+    from moeutil import file_of, rewrite_file
+
+    ck = c.copy("small")
+    name = "model.layers.1.block_sparse_moe.experts.0.w1.weight"
+    rewrite_file(file_of(ck, name), lambda t: t.__setitem__(name.replace(".0.", ".4."), t[name].clone()))
+    return (quantize(c, ck), [ck], "model.layers.1.block_sparse_moe.experts.4: a tensor of expert 4, but the layer "
+            "has 4 experts (config.json)")
+
+
 @row("config-expert-count-a-string")
 def _(c):
     ck = c.copy("deepseek")
