@@ -355,7 +355,6 @@ def _(c):
 @row("an-expert-the-config-does-not-count")
 def _(c):
     # a fifth expert beside num_local_experts 4 was copied through unquantized, unseen
-    import torch
     from moeutil import file_of, rewrite_file
 
     ck = c.copy("small")
