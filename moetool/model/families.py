@@ -160,21 +160,25 @@ def _gpt_oss_act(config: ConfigReader) -> ExpertActivation:
 MAX_LAYERS = 100_000
 
 
+def _num_layers(config: ConfigReader) -> int:
+    return config.int("num_hidden_layers", maximum=MAX_LAYERS)
+
+
 def _every_layer_with_sparse_step(config: ConfigReader) -> list[int]:
-    n = config.int("num_hidden_layers", maximum=MAX_LAYERS)
+    n = _num_layers(config)
     step = config.int("decoder_sparse_step", 1, minimum=0) or 1
     mlp_only = set(config.int_list("mlp_only_layers") or [])
     return [i for i in range(n) if i not in mlp_only and (i + 1) % step == 0]
 
 
 def _all_layers(config: ConfigReader) -> list[int]:
-    return list(range(config.int("num_hidden_layers", maximum=MAX_LAYERS)))
+    return list(range(_num_layers(config)))
 
 
 def _deepseek_layers(config: ConfigReader) -> list[int]:
     first = config.int("first_k_dense_replace", 0, minimum=0)
     freq = config.int("moe_layer_freq", 1, minimum=0) or 1
-    return [i for i in range(first, config.int("num_hidden_layers", maximum=MAX_LAYERS)) if i % freq == 0]
+    return [i for i in range(first, _num_layers(config)) if i % freq == 0]
 
 
 def _llama4_layers(config: ConfigReader) -> list[int]:
@@ -182,7 +186,7 @@ def _llama4_layers(config: ConfigReader) -> list[int]:
     if layers is not None:
         return list(layers)
     step = config.int("interleave_moe_layer_step", 1, minimum=0) or 1
-    return [i for i in range(config.int("num_hidden_layers", maximum=MAX_LAYERS)) if (i + 1) % step == 0]
+    return [i for i in range(_num_layers(config)) if (i + 1) % step == 0]
 
 
 def _softmax_router(config: ConfigReader) -> RouterSpec:
