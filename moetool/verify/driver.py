@@ -373,7 +373,8 @@ def check_reference(shards: EPShards, ref_ckpt, spec, ref, *, routers: bool = Fa
     rank0, rank0_spec = shards.open_rank(0, check=False)
     with rank0:
         for theirs_layer in rank0_spec.moe_layers:  # the ranks route with the shards' config, the reference with its own
-            mine, shards_router = spec.layer(theirs_layer.index).router, theirs_layer.router
+            mine_layer = spec.layer(theirs_layer.index)
+            mine, shards_router = mine_layer.router, theirs_layer.router
             if shards_router != mine:
                 field = next(f.name for f in dataclasses.fields(mine)
                              if getattr(mine, f.name) != getattr(shards_router, f.name))
@@ -381,7 +382,7 @@ def check_reference(shards: EPShards, ref_ckpt, spec, ref, *, routers: bool = Fa
                                    f"{getattr(shards_router, field)!r}, the reference --ref {ref} with "
                                    f"{getattr(mine, field)!r}; the router is never converted")
             if routers:
-                _check_router_tensors(shards, rank0, theirs_layer, ref_ckpt, spec.layer(theirs_layer.index), ref)
+                _check_router_tensors(shards, rank0, theirs_layer, ref_ckpt, mine_layer, ref)
     fmt = detect_expert_format(ref_ckpt, spec)
     # a quantized checkpoint moetool did not write is an original release (DeepSeek-V3 and
     # Kimi-K2 ship fp8-block): its dequantized weights are the model, a valid reference
