@@ -369,3 +369,23 @@ def test_force_over_another_plans_crash_leaves_no_temporary_name(src, tmp_path):
     assert r.code == 0, r.err
     assert temporary_names(out) == []
     assert_complete(out)
+
+
+def test_an_error_after_tritons_import_is_one_line(src, tmp_path):
+    """The moetool process keeps its imports out of the garbage collector; at an exit through
+    the interpreter's shutdown (an error), Triton's bindings then found their objects alive and
+    printed ~30 lines of "nanobind: leaked ..." under the error. ``--device cuda`` imports
+    Triton from the command's first instant: without CUDA it is refused, with CUDA a NaN
+    stops the conversion."""
+    import torch
+
+    expected = "--device cuda: no CUDA device is available"
+    if torch.cuda.is_available():
+        from moeutil import file_of, rewrite_file
+
+        name = "model.layers.1.block_sparse_moe.experts.2.w3.weight"
+        src = shutil.copytree(src, tmp_path / "in")
+        rewrite_file(file_of(src, name), lambda t: t[name].__setitem__((3, 5), float("nan")))
+        expected = f"{name}: contains NaN/Inf"
+    r = moetool("quantize", src, tmp_path / "out", "--fp8-block", "--device", "cuda", "-q")
+    assert r.code == 2 and r.error_line.startswith(expected), r.err
