@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 
+#: the largest dimension and element count a tensor may have (torch sizes are int64)
+MAX_DIM = 2**63 - 1
 #: safetensors dtype string -> bytes per element. Anything else is refused. Headers are parsed
 #: and checked with this table alone: opening a checkpoint needs no torch (a byte-copy
 #: shard or repack never imports it); ``DTYPES`` maps the names to torch dtypes when data is read.
@@ -128,6 +131,9 @@ def read_safetensors_header(path: Path) -> tuple[int, dict[str, TensorInfo], dic
         numel = 1
         for d in shape:
             numel *= int(d)
+        if any(d > MAX_DIM for d in shape) or math.prod(max(d, 1) for d in shape) > MAX_DIM:
+            raise MoetoolError(f"{path}: tensor {name} has shape {shape}: a dimension or the element count is past "
+                               f"int64, as no tensor can be")
         if end - begin != numel * DTYPE_SIZES[dtype_name] or begin < 0:
             raise MoetoolError(f"{path}: tensor {name} byte range {begin}..{end} does not match shape {shape} {dtype_name}")
         infos[name] = TensorInfo(name, path.name, dtype_name, tuple(int(d) for d in shape), data_start + begin, data_start + end)

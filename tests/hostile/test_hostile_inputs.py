@@ -194,6 +194,23 @@ def _(c):
     return quantize(c, ck), [ck], f"{f}: truncated safetensors file: header says"
 
 
+@row("header-dimension-past-int64")
+def _(c):
+    """A zero-size tensor passes the byte-range check whatever its other dimensions; one past
+    int64 (no torch tensor has it) reached torch.empty with a traceback."""
+    ck = c.copy()
+    f = ck / SHARD1
+
+    def huge(h):
+        end = h[tensors_by_offset(h)[-1]]["data_offsets"][1]
+        h["model.extra.weight"] = {"dtype": "BF16", "shape": [0, 2**64 + 5], "data_offsets": [end, end]}
+    edit_header(f, huge)
+    index = json.loads((ck / INDEX).read_text())
+    index["weight_map"]["model.extra.weight"] = SHARD1
+    (ck / INDEX).write_text(json.dumps(index))
+    return quantize(c, ck), [ck], f"{f}: tensor model.extra.weight has shape [0, {2**64 + 5}]: a dimension or"
+
+
 @row("header-unknown-dtype")
 def _(c):
     ck = c.copy()

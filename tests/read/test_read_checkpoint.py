@@ -138,6 +138,19 @@ def test_malformed_header_entry(tmp_path, entry):
     assert str(err.value) == f"{path}: corrupt safetensors header entry for tensor a"
 
 
+@pytest.mark.parametrize("shape", [[0, 2**63], [2**32, 2**31, 0], [2**62, 2, 0], [0, 2**64 + 5]])
+def test_zero_size_tensor_with_a_shape_past_int64(tmp_path, shape):
+    """Zero elements take zero bytes whatever the other dimensions say; a shape no torch tensor
+    can have (a dimension, or the product of the non-zero ones, past int64) is refused."""
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(raw_safetensors({"a": {"dtype": "BF16", "shape": shape, "data_offsets": [0, 0]}}, b""))
+    with pytest.raises(MoetoolError) as err:
+        read_safetensors_header(path)
+    assert str(err.value).startswith(f"{path}: tensor a has shape {shape}: a dimension or the element count is past")
+    path.write_bytes(raw_safetensors({"a": {"dtype": "BF16", "shape": [0, 2**62, 1], "data_offsets": [0, 0]}}, b""))
+    assert read_safetensors_header(path)[1]["a"].shape == (0, 2**62, 1)
+
+
 def test_overlapping_tensors(bad, cli):
     for f in (SHARD1, SHARD2, INDEX):
         (bad / f).unlink()
