@@ -330,10 +330,57 @@ def _check_router_tensors(shards: EPShards, rank0, theirs, ref_ckpt, mine, ref) 
             continue
         got, want = rank0.get(name), ref_ckpt.get(ref_name)
         if got.shape != want.shape or not torch.equal(want.to(got.dtype), got):
-            diff = "shape " + str(list(got.shape)) if got.shape != want.shape else \
-                f"max abs difference {(got.float() - want.float()).abs().max().item():.3g}"
-            raise MoetoolError(f"{shards.root}: layer {theirs.index}'s {name} is not the reference's ({diff}; "
-                               f"--ref {ref}): the router is never converted")
+            _not_the_reference(shards, theirs.index, name, got, want, ref, ROUTER_NOT_CONVERTED)
+
+
+def check_shared_experts(shards: EPShards, ref_ckpt, spec, ref, layer_ids: list[int]) -> None:
+    """Each checked layer's shared expert in rank 0 (every rank's, check_ranks_agree) is the
+    reference's where the shards keep it as it was: stored as the reference stores it, the same
+    tensors; left unquantized, the reference's values in its dtype. A shared expert quantized
+    by the conversion (``--include-shared-experts``) is measured by the layer's check alone. The
+    MoE-only check has no shared-expert check of its own: a shared expert rounded to fp8 and
+    stored back in bf16 moved a layer by ~0.01 (0.060 against fp8-block's 0.08) and passed."""
+    rank0, rank0_spec = shards.open_rank(0, check=False)
+    with rank0:
+        theirs_reader, mine_reader = ExpertReader(rank0, rank0_spec), ExpertReader(ref_ckpt, spec)
+        for i in layer_ids:
+            theirs, mine = rank0_spec.layer(i), spec.layer(i)
+            if (theirs.shared_bases is None) != (mine.shared_bases is None):
+                has = "has" if theirs.shared_bases is not None else "has no"
+                raise MoetoolError(f"{shards.root}: layer {i} {has} shared expert, unlike the reference --ref {ref}")
+            if theirs.shared_bases is None:
+                continue
+            for t_base, m_base in zip(theirs.shared_bases, mine.shared_bases):
+                t_fmt, t_lin = theirs_reader.plain_linear(t_base)
+                m_fmt, m_lin = mine_reader.plain_linear(m_base)
+                if t_fmt == m_fmt:  # stored as the reference stores it
+                    same = t_lin.keys() == m_lin.keys() and all(
+                        t_lin[k].shape == m_lin[k].shape and torch.equal(t_lin[k], m_lin[k]) for k in t_lin)
+                elif not t_fmt.quantized:  # left unquantized: the reference's values in the shards' dtype
+                    got = t_lin["weight"]
+                    want = m_fmt.dequantize(m_lin).to(got.dtype)
+                    same = got.shape == want.shape and torch.equal(got, want)
+                else:  # quantized by the conversion
+                    continue
+                if not same:
+                    _not_the_reference(shards, i, f"shared expert {t_base}", t_fmt.dequantize(t_lin),
+                                       m_fmt.dequantize(m_lin), ref, SHARED_NOT_CONVERTED)
+            if theirs.shared_gate_weight is not None:
+                got, want = rank0.get(theirs.shared_gate_weight), ref_ckpt.get(mine.shared_gate_weight)
+                if got.shape != want.shape or not torch.equal(want.to(got.dtype), got):
+                    _not_the_reference(shards, i, theirs.shared_gate_weight, got, want, ref, SHARED_NOT_CONVERTED)
+
+
+#: why a tensor of the shards must be the reference's (the end of each refusal)
+ROUTER_NOT_CONVERTED = "the router is never converted"
+SHARED_NOT_CONVERTED = "a shared expert is converted only with --include-shared-experts"
+
+
+def _not_the_reference(shards: EPShards, layer: int, what: str, got: torch.Tensor, want: torch.Tensor, ref,
+                       why: str) -> None:
+    diff = "shape " + str(list(got.shape)) if got.shape != want.shape else \
+        f"max abs difference {(got.float() - want.float()).abs().max().item():.3g}"
+    raise MoetoolError(f"{shards.root}: layer {layer}'s {what} is not the reference's ({diff}; --ref {ref}): {why}")
 
 
 def _layer_list(indices: list[int]) -> str:
@@ -436,6 +483,7 @@ def verify_many(jobs: list[tuple], *, revision: str | None = None) -> list[Verif
             specs.append(describe(ref_ckpt.config, ref_ckpt.tensors))
             check_reference(shards, ref_ckpt, specs[-1], ref, routers=True)
             rank_jobs.append((str(shards.root), opts, _layers_to_check(shards, specs[-1], opts)))
+            check_shared_experts(shards, ref_ckpt, specs[-1], ref, rank_jobs[-1][2])
         # the disk reads what the run takes, in its order, while the ranks start (seconds a cold
         # disk would otherwise idle); not before this process's imports, which it would starve;
         # paced by the comparisons (a layer compared is a layer read)
@@ -607,6 +655,7 @@ def verify_torchrun(shards_dir, ref, opts: VerifyOptions, *, revision: str | Non
         spec = describe(ref_ckpt.config, ref_ckpt.tensors)
         check_reference(shards, ref_ckpt, spec, ref, routers=True)
         _layers_to_check(shards, spec, VerifyOptions(**{**asdict(opts), "layers": tuple(layer_ids)}))
+        check_shared_experts(shards, ref_ckpt, spec, ref, layer_ids)
         numerics = shards_numerics(shards, opts)
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         t0 = time.perf_counter()

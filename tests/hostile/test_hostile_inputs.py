@@ -631,6 +631,32 @@ def _(c):
             f"{shards}: layer 1's {name} is not the reference's (max abs difference ")
 
 
+@row("verify-shards-shared-expert-not-the-reference")
+def _(c):
+    # the shared expert rounded to fp8 (a per-tensor scale) and stored back in bf16 before the
+    # shards were made: the layer moved by ~0.01, 0.060 against fp8-block's 0.08 (MoE-only
+    # verify passed it; --whole-model's shared-expert row did not)
+    import torch
+    from moeutil import file_of, rewrite_file
+
+    from moetool.convert.quantize import quantize
+    from moetool.convert.shard import shard
+
+    model, shards = c.copy("deepseek"), c.tmp / "shared-shards"
+    name = "model.layers.2.mlp.shared_experts.down_proj.weight"
+
+    def fp8_rounded(t):
+        w = t[name].float()
+        scale = w.abs().amax() / 448
+        t[name] = ((w / scale).to(torch.float8_e4m3fn).float() * scale).to(t[name].dtype)
+    rewrite_file(file_of(model, name), fp8_rounded)
+    quantize(model, c.tmp / "shared-fp8", "fp8-block", progress=False)
+    shard(c.tmp / "shared-fp8", shards, 2, progress=False)
+    return (["verify", shards, "--ref", c.deepseek, "--ep", "2"], [shards, c.deepseek],
+            f"{shards}: layer 2's shared expert model.layers.2.mlp.shared_experts.down_proj is not the reference's "
+            f"(max abs difference ")
+
+
 @row("verify-ref-other-expert-count")
 def _(c):
     return (["verify", c.shards, "--ref", c.small, "--ep", "4"], [c.shards, c.small],
@@ -767,6 +793,34 @@ def test_refused_in_a_real_process(ctx, name):
 
 
 # -- what is not refused
+
+
+@pytest.mark.parametrize("fmt", ["int4-group", "fp8-block"])
+def test_a_shared_expert_kept_or_converted_on_purpose_is_not_refused(made, tmp_path, fmt):
+    """The shared-expert check of the MoE-only verify refuses only a shared expert changed
+    against the reference: kept as the reference stores it (fp8-block: a release whose shared
+    expert is fp8 too, as DeepSeek-V3's, sharded as it is) or quantized by the conversion
+    (``--include-shared-experts``: the layer's check measures it) passes, as do shards left
+    dense."""
+    from moetool.convert.quantize import quantize
+    from moetool.convert.shard import shard
+    from moetool.read.checkpoint import open_checkpoint
+    from moetool.read.shards import EPShards
+    from moetool.model.families import describe
+    from moetool.verify.driver import check_shared_experts
+
+    model = made["deepseek"]
+    quantized = tmp_path / "quantized"
+    quantize(model, quantized, fmt, include_shared=True, progress=False, **({"group_size": 8} if fmt == "int4-group" else {}))
+    ref = model
+    if fmt == "fp8-block":  # the release: its own fp8 shared expert, the shards' copied from it
+        (quantized / "manifest.json").unlink()
+        ref = quantized
+    shard(quantized, tmp_path / "shards", 2, progress=False)
+    for shards, against in ((tmp_path / "shards", ref), (made["deepseek-shards"], model)):
+        with open_checkpoint(against) as ref_ckpt:
+            check_shared_experts(EPShards(shards, check=False), ref_ckpt, describe(ref_ckpt.config, ref_ckpt.tensors),
+                                 against, [1, 2])
 
 
 def test_inspect_describes_a_shard_root(made, cli):
