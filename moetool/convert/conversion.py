@@ -19,6 +19,7 @@ from moetool.formats.base import WeightFormat
 from moetool.model.families import ModelSpec, describe
 from moetool.model.spec import ExpertPlacement
 from moetool.read.checkpoint import open_checkpoint
+from moetool.read.manifest import QUANTIZED_KEY
 from moetool.read.prefetch import prefetch
 from moetool.read.safetensors import TensorSpec
 
@@ -63,7 +64,7 @@ def non_expert_groups(src: Source, *, include_shared: bool) -> tuple[list[Group]
 def output_config(config: dict, out_fmt: WeightFormat, changed: bool, specs: list[TensorSpec],
                   layout: Layout = "per-expert") -> dict:
     """config.json of the output: the input's, with the output format's quantization_config and
-    an ignore list of every linear left unquantized (in the fused layout, the config of the
+    ``QUANTIZED_KEY`` (a quantized output), an ignore list of every linear left unquantized (in the fused layout, the config of the
     format's fused layout: gpt-oss's ``quant_method: mxfp4``)."""
     cfg = dict(config)
     if not changed:
@@ -72,6 +73,8 @@ def output_config(config: dict, out_fmt: WeightFormat, changed: bool, specs: lis
                      if s.name.endswith(".weight") and len(s.shape) == 2 and s.dtype.is_floating_point
                      and s.dtype.itemsize > 1})
     fused = layout == "fused" and out_fmt.quantized
+    if out_fmt.quantized:
+        cfg[QUANTIZED_KEY] = out_fmt.name
     qc = out_fmt.fused_quantization_config(ignore) if fused else out_fmt.quantization_config(ignore)
     if qc is None:
         cfg.pop("quantization_config", None)

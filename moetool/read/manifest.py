@@ -15,6 +15,12 @@ from moetool.errors import MoetoolError
 MANIFEST_NAME = "manifest.json"
 
 
+#: config.json key of a checkpoint whose experts moetool quantized (the output format's name):
+#: copied with the config by shard, repack and merge, and kept when the weights are dequantized
+#: again, so a quantized output stays known as one without its manifest (verify's --ref check)
+QUANTIZED_KEY = "moetool_quantized"
+
+
 #: the files of an EP rank folder holding the non-expert tensors: the same bytes in every rank
 COMMON_STEM = "model-common"
 

@@ -37,7 +37,7 @@ from moetool.model.families import describe, family_for
 from moetool.read.checkpoint import open_checkpoint
 from moetool.read.experts import ExpertReader, detect_expert_format
 from moetool.read.order import layer_steps, read_verify_inputs_ahead
-from moetool.read.manifest import MANIFEST_NAME, made_by_moetool
+from moetool.read.manifest import MANIFEST_NAME, QUANTIZED_KEY, made_by_moetool
 from moetool.read.shards import EPShards
 from moetool.verify import fork_server
 from moetool.verify.launch import run_under_torchrun, spawn_world
@@ -432,9 +432,16 @@ def check_reference(shards: EPShards, ref_ckpt, spec, ref, *, routers: bool = Fa
                 _check_router_tensors(shards, rank0, theirs_layer, ref_ckpt, mine_layer, ref)
     fmt = detect_expert_format(ref_ckpt, spec)
     # a quantized checkpoint moetool did not write is an original release (DeepSeek-V3 and
-    # Kimi-K2 ship fp8-block): its dequantized weights are the model, a valid reference
-    if fmt.quantized and made_by_moetool(Path(ref_ckpt.root) / MANIFEST_NAME):
-        raise MoetoolError(f"--ref {ref}: is a {fmt.name} output of moetool, not the model it was made from; "
+    # Kimi-K2 ship fp8-block): its dequantized weights are the model, a valid reference. One it
+    # quantized says so in its config (its manifest may be gone: copied without it, uploaded),
+    # dequantized again too: its values carry the quantization's error
+    quantized_by = ref_ckpt.config.get(QUANTIZED_KEY)
+    if quantized_by is None and fmt.quantized and made_by_moetool(Path(ref_ckpt.root) / MANIFEST_NAME):
+        quantized_by = fmt.name
+    if quantized_by is not None:
+        what = f"a {quantized_by} output" if quantized_by == fmt.name else \
+            f"a {fmt.name} copy of a {quantized_by} output"
+        raise MoetoolError(f"--ref {ref}: is {what} of moetool, not the model it was made from; "
                            "give the original checkpoint")
 
 

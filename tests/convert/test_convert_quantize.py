@@ -18,6 +18,7 @@ import torch
 import warm_python
 
 from moetool.read.checkpoint import open_checkpoint
+from moetool.read.manifest import QUANTIZED_KEY
 from moetool.convert.torch_executor import model_dtype
 from moetool.read.experts import ExpertReader
 from moetool.read.checkpoint import expert_tensor_names
@@ -87,7 +88,7 @@ def check_quantized(src: Path, out: Path, fmt, *, include_shared: bool = False, 
     # 5. config: the input's plus the format's quantization_config with the right ignore list
     cfg_in = json.loads((src / "config.json").read_text())
     assert {k: v for k, v in cfg.items() if k != "quantization_config"} == \
-        {k: v for k, v in cfg_in.items() if k != "quantization_config"}
+        {**{k: v for k, v in cfg_in.items() if k != "quantization_config"}, QUANTIZED_KEY: fmt.name}
     qc = cfg["quantization_config"]
     ignore = qc.get("ignore", qc.get("ignored_layers", []))
     assert qc == fmt.quantization_config(ignore)

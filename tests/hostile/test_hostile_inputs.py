@@ -593,6 +593,28 @@ def _(c):
             "give the original checkpoint")
 
 
+@row("verify-ref-a-moetool-output-without-its-manifest")
+def _(c):
+    # copied without manifest.json (or uploaded so): its config still says what made it
+    ref = c.copy("fp8")
+    (ref / "manifest.json").unlink()
+    return (["verify", c.shards, "--ref", ref, "--ep", "4"], [c.shards, ref],
+            f"--ref {ref}: is a fp8-block output of moetool, not the model it was made from; "
+            "give the original checkpoint")
+
+
+@row("verify-ref-a-moetool-output-dequantized-again")
+def _(c):
+    # dequantized to bf16 again: its values still carry fp8's error
+    from moetool.convert.quantize import quantize
+
+    ref = c.tmp / "dequantized"
+    quantize(c.fp8, ref, "dense", progress=False)
+    return (["verify", c.shards, "--ref", ref, "--ep", "4"], [c.shards, ref],
+            f"--ref {ref}: is a dense copy of a fp8-block output of moetool, not the model it was made from; "
+            "give the original checkpoint")
+
+
 @row("verify-ref-another-architecture")
 def _(c):
     return (["verify", c.shards, "--ref", c.deepseek, "--ep", "4"], [c.shards, c.deepseek],
@@ -901,9 +923,14 @@ def test_a_quantized_original_release_is_a_valid_reference(made, tmp_path):
     from moetool.read.shards import EPShards
     from moetool.verify.driver import check_reference
 
+    from moetool.read.manifest import QUANTIZED_KEY
+
     release = tmp_path / "release"
     shutil.copytree(made["fp8"], release)
-    (release / "manifest.json").unlink()
+    (release / "manifest.json").unlink()  # what the release has not: moetool's manifest and config key
+    config = json.loads((release / "config.json").read_text())
+    del config[QUANTIZED_KEY]
+    (release / "config.json").write_text(json.dumps(config))
     shards = made["shards"]
     with open_checkpoint(release) as ck:
         check_reference(EPShards(shards, check=False), ck, describe(ck.config, ck.tensors), str(release))
