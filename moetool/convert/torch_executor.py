@@ -220,7 +220,11 @@ def _thread_stream(device: torch.device):
 def gpu_quantize(fmt: WeightFormat, w: torch.Tensor, orig_dtype: torch.dtype) -> Linear | None:
     """Quantize a CUDA weight with the format's Triton kernel (``WeightFormat.quantize_cuda``);
     None where no kernel applies or the input is not finite (the format's torch code then
-    quantizes, or raises naming the problem)."""
+    quantizes, or raises naming the problem). The weight itself is checked here: the kernels'
+    maxima skip a NaN (the GPU's max returns the other operand), so a NaN came out as an fp8
+    NaN under a finite scale, and the conversion ended complete."""
+    if not bool(torch.isfinite(w).all()):
+        return None
     return fmt.quantize_cuda(w, orig_dtype)
 
 

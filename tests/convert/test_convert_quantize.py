@@ -624,6 +624,27 @@ def test_device_cuda_matches_cpu(tiny, cli, tmp_path, args):
     assert tree_hashes(tmp_path / "gpu") == tree_hashes(tmp_path / "cpu")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("args", [["--fp8-block"], ["--fp8-channel"], ["--int4", "--group-size", "64"], ["--nvfp4"],
+                                  ["--mxfp4"]], ids=["fp8-block", "fp8-channel", "int4", "nvfp4", "mxfp4"])
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_device_cuda_refuses_a_weight_that_is_not_finite(tiny, cli, tmp_path, args, value):
+    """One NaN or Inf in an expert: the GPU kernels' block maxima skip a NaN (the hardware max
+    returns the other operand), so --device cuda wrote an fp8 NaN under a finite scale and a
+    complete output; it is refused naming the tensor, as on the CPU."""
+    from moeutil import file_of, rewrite_file
+
+    src = shutil.copytree(tiny("deepseek_v3", hidden=320, intermediate=192), tmp_path / "src")
+    name = "model.layers.1.mlp.experts.3.up_proj.weight"
+    rewrite_file(file_of(src, name), lambda t: t[name].__setitem__((5, 7), float(value)))
+    on_cpu = cli("quantize", src, tmp_path / "cpu", *args, "--quiet")
+    assert on_cpu.code == 2 and "contains NaN/Inf (1 of " in on_cpu.error_line, on_cpu.err
+    r = cli("quantize", src, tmp_path / "gpu", *args, "--device", "cuda", "--quiet")
+    assert r.code == 2 and r.error_line == on_cpu.error_line, r.err
+    assert not (tmp_path / "gpu" / "manifest.json").exists()
+
+
 def test_same_format_again_is_a_copy_and_other_params_requantize(tiny, cli, tmp_path):
     src = tiny("mixtral")
     g128 = tmp_path / "g128"
