@@ -71,7 +71,7 @@ def output_config(config: dict, out_fmt: WeightFormat, changed: bool, specs: lis
         return cfg
     ignore = sorted({s.name[: -len(".weight")] for s in specs
                      if s.name.endswith(".weight") and len(s.shape) == 2 and s.dtype.is_floating_point
-                     and s.dtype.itemsize > 1})
+                     and s.dtype.itemsize > 1} | set(tied_lm_heads(specs)))
     fused = layout == "fused" and out_fmt.quantized
     if out_fmt.quantized:
         cfg[QUANTIZED_KEY] = out_fmt.name
@@ -81,6 +81,21 @@ def output_config(config: dict, out_fmt: WeightFormat, changed: bool, specs: lis
     else:
         cfg["quantization_config"] = qc
     return cfg
+
+
+def tied_lm_heads(specs: list[TensorSpec]) -> list[str]:
+    """The ``lm_head`` module of a model whose output embedding is tied to its input one (no
+    ``lm_head.weight`` on disk): a linear of the model all the same, which a reader of the
+    quantization config (transformers' compressed-tensors) quantizes unless it is listed (the
+    logits came out ~1e16 off with fp8-channel; int4 failed to load)."""
+    names = {s.name for s in specs}
+    heads = []
+    for name in names:
+        if name.endswith("model.embed_tokens.weight"):
+            head = name[: -len("model.embed_tokens.weight")] + "lm_head"
+            if f"{head}.weight" not in names:
+                heads.append(head)
+    return heads
 
 
 #: the linears the planner probes per layer shape, by output layout

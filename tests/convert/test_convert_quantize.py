@@ -309,6 +309,26 @@ def test_transformers_loads_quantized_moe(hf_model, cli, tmp_path, args, fmt):
             assert torch.equal(state[name], ck.get(name)), name
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("args", [["--fp8-channel"], ["--int4", "--group-size", "64"]], ids=["fp8-channel", "int4"])
+def test_transformers_keeps_a_tied_lm_head_unquantized(hf_model, cli, tmp_path, args):
+    """Tied embeddings store no lm_head.weight, but lm_head is a linear of the model: the
+    ignore list names it, or transformers quantizes it on load (fp8-channel: logits ~1e16 off;
+    int4: AttributeError while loading)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("compressed_tensors")
+    model = hf_model("qwen3_moe", hidden_size=128, moe_intermediate_size=256, head_dim=32, dtype=torch.bfloat16,
+                     tie_word_embeddings=True)
+    out = tmp_path / "out"
+    assert cli("quantize", model.path, out, *args, "--quiet").code == 0
+    assert "lm_head" in json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.bfloat16, quantization_config=transformers.CompressedTensorsConfig(dequantize=True))
+    with open_checkpoint(out) as ck:
+        assert "lm_head.weight" not in ck
+        assert torch.equal(loaded.lm_head.weight, ck.get("model.embed_tokens.weight"))
+
+
 @pytest.mark.parametrize("args", [["--int4", "--asymmetric", "--group-size", "64"], ["--int4"], ["--fp8-channel"]],
                          ids=["int4-asym", "int4-sym", "fp8-channel"])
 def test_compressed_tensors_decompresses_every_expert(tiny, cli, tmp_path, args):
