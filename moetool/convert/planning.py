@@ -187,24 +187,29 @@ def shard_plan(ckpt: Checkpoint, spec: ModelSpec, ep: int, placements: dict[int,
     """The plan of ``moetool shard``: per rank folder, the rank's experts (named by local slot)
     in ``model*`` files, every non-expert group in ``model-common*`` files (the same bytes in
     every rank folder: rank 0 writes them, the other ranks' are ``same_as`` them), both
-    grouped as in the input (or by ``max_shard_size``), its config.json; the manifest's
-    placement record."""
+    grouped as in the input (or by ``max_shard_size``), its config.json and the input's side
+    files (tokenizer, generation config: a rank folder loads on its own, and ``shard --merge``
+    gives them back); the manifest's placement record."""
     ng, nh = non_experts
     n_specs = [specs_of(g) for g in ng]
     common = assign_files(ng, nh, n_specs, max_shard_size, stem=COMMON_STEM)
     files: list[PlannedFile] = []
     json_files = {}
+    side = other_files(ckpt.root)
+    copies: list[tuple[Path, str]] = []
     for r in range(ep):
         slots = rank_slots(placements, r)
         eg, eh = expert_groups(ckpt, spec, layout, slots=slots, slot_names=True)
         d = rank_dir(r, ep)
+        copies += [(path, f"{d}/{name}") for path, name in side]
         files += [PlannedFile(f"{d}/{f.name}", f.groups, f.specs, same_as=f"{rank_dir(0, ep)}/{f.name}" if r else None)
                   for f in common]
         files += assign_files(eg, eh, [specs_of(g) for g in eg], max_shard_size, prefix=f"{d}/")
         json_files[f"{d}/config.json"] = rank_config(ckpt.config, r, ep, layout, slots)
     manifest = shard_manifest(ckpt, spec, ep, placements, layout, placement_name, redundant, format_name,
                               format_params)
-    return Plan(files, ckpt.config, format_name, layout, json_files=json_files, manifest_extra=manifest)
+    return Plan(files, ckpt.config, format_name, layout, other_files=copies, json_files=json_files,
+                manifest_extra=manifest)
 
 
 def assign_files(groups: list[Group], homes: list[str], specs: list[list[TensorSpec]],

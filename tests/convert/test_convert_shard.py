@@ -6,6 +6,7 @@ global id the manifest assigns to that slot, so a misplaced expert shows up by i
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -204,6 +205,32 @@ def test_shard_and_merge(sources, cli, tmp_path, src_id, layout):
         want = {k: v for k, v in tree_hashes(src).items() if k != MANIFEST_NAME}
         got = {k: v for k, v in tree_hashes(merged).items() if k != MANIFEST_NAME}
         assert got == want
+
+
+def test_side_files_go_to_every_rank_and_back_through_merge(sources, cli, tmp_path):
+    """The tokenizer, generation config and chat template: each rank folder gets them (it loads
+    on its own), and ``shard --merge`` gives them back, so the merged folder is the source's,
+    file for file (the shards dropped them: a merged model had no tokenizer)."""
+    from moetool.read.manifest import verify_manifest
+
+    src = shutil.copytree(sources["fp8-block"], tmp_path / "src")
+    (src / MANIFEST_NAME).unlink()
+    side = {"tokenizer.json": '{"model": {"type": "BPE"}}', "tokenizer_config.json": '{"model_max_length": 64}',
+            "generation_config.json": '{"do_sample": false}', "chat_template.jinja": "{{ messages }}",
+            "tokenizer.model": "\x00sentencepiece"}
+    for name, text in side.items():
+        (src / name).write_text(text)
+    out = tmp_path / "shards"
+    assert cli("shard", src, out, "--ep", "2", "--quiet").code == 0
+    listed = verify_manifest(out)["files"]
+    for rank in ("rank-00000-of-00002", "rank-00001-of-00002"):
+        for name, text in side.items():
+            assert (out / rank / name).read_text() == text and f"{rank}/{name}" in listed
+    merged = tmp_path / "merged"
+    assert cli("shard", "--merge", out, merged, "--quiet").code == 0
+    want = {k: v for k, v in tree_hashes(src).items()}
+    got = {k: v for k, v in tree_hashes(merged).items() if k != MANIFEST_NAME}
+    assert got == want
 
 
 def test_round_robin_with_redundant_experts(sources, cli, tmp_path):
