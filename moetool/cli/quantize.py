@@ -129,6 +129,12 @@ def _run(registry, options: dict) -> None:
             if p.positive and options[field] < 1:
                 raise MoetoolError(f"{p.flag} {options[field]} must be positive")
     fmt = registry.FORMATS[chosen[0]]
+    for cls in targets:  # another format's option given a value: it would be ignored
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        for field, p in cls.cli_params.items():
+            if field not in fmt.cli_params and options[field] != defaults[field]:
+                owners = " and ".join(c.name for c in targets if field in c.cli_params)
+                raise MoetoolError(f"{p.flag} is an option of {owners}, not of {fmt.name}")
     params = {field: options[field] for field in fmt.cli_params}
     quantize = import_module("moetool.convert.quantize").quantize
 

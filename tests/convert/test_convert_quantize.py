@@ -482,6 +482,11 @@ def test_format_option_writes_what_the_flag_writes(tiny, cli, tmp_path, flags, s
     (["--int4", "--group-size", "0"], "--group-size 0 must be positive"),
     (["--fp8-block", "--layout", "blocked"], "--layout 'blocked': expected per-expert, stacked or fused"),
     (["--fp8-block", "--device", "tpu"], "--device 'tpu': expected cpu or cuda"),
+    # another format's option would be ignored (it was, silently)
+    (["--fp8-block", "--group-size", "32"], "--group-size is an option of int4-group, not of fp8-block"),
+    (["--nvfp4", "--group-size", "64"], "--group-size is an option of int4-group, not of nvfp4"),
+    (["--mxfp4", "--asymmetric"], "--symmetric/--asymmetric is an option of int4-group, not of mxfp4"),
+    (["--fp8-channel", "--int4-clip", "mse"], "--int4-clip is an option of int4-group, not of fp8-channel"),
     (["--fp8-block", "--max-shard-size", "lots"], "--max-shard-size 'lots': expected a size such as 5GB or 500MiB"),
 ])
 def test_bad_options(tiny, cli, tmp_path, args, message):
