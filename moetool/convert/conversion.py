@@ -63,9 +63,10 @@ def non_expert_groups(src: Source, *, include_shared: bool) -> tuple[list[Group]
 
 def output_config(config: dict, out_fmt: WeightFormat, changed: bool, specs: list[TensorSpec],
                   layout: Layout = "per-expert") -> dict:
-    """config.json of the output: the input's, with the output format's quantization_config and
-    ``QUANTIZED_KEY`` (a quantized output), an ignore list of every linear left unquantized (in the fused layout, the config of the
-    format's fused layout: gpt-oss's ``quant_method: mxfp4``)."""
+    """config.json of the output: the input's, with ``QUANTIZED_KEY`` (a quantized output) and
+    the output format's quantization_config, whose ignore list names every linear left
+    unquantized (in the fused layout, the config of the format's fused layout: gpt-oss's
+    ``quant_method: mxfp4``)."""
     cfg = dict(config)
     if not changed:
         return cfg
