@@ -371,9 +371,38 @@ def check_shared_experts(shards: EPShards, ref_ckpt, spec, ref, layer_ids: list[
                     _not_the_reference(shards, i, theirs.shared_gate_weight, got, want, ref, SHARED_NOT_CONVERTED)
 
 
-#: why a tensor of the shards must be the reference's (the end of each refusal)
+def check_expert_biases(shards: EPShards, ref_ckpt, spec, ref, layer_ids: list[int]) -> dict[int, str]:
+    """Expert biases (gpt-oss) are never converted: every rank's, slot by slot, must be the
+    reference's biases of the expert the manifest places there, in the rank's dtype. Returns,
+    per layer, the first that is not (a reason the layer's report fails with). Against the
+    format's lossy limit alone, two experts' down biases swapped, the gate and up biases
+    swapped, or one expert's negated passed the MoE-only check (and the swap --whole-model)."""
+    mine_reader = ExpertReader(ref_ckpt, spec)
+    faults: dict[int, str] = {}
+    layer_ids = [i for i in layer_ids if spec.layer(i).storage.biased]
+    for r in range(shards.ep if layer_ids else 0):
+        ckpt, rank_spec = shards.open_rank(r, check=False)
+        with ckpt:
+            reader = ExpertReader(ckpt, rank_spec)
+            for i in layer_ids:
+                if not rank_spec.layer(i).storage.biased:
+                    raise MoetoolError(f"{shards.root}: layer {i}'s experts have no biases on rank {r}; the "
+                                       f"reference --ref {ref} has them")
+                for slot, e in enumerate(shards.placements[i].slots[r]):
+                    got, want = reader.biases(rank_spec.layer(i), slot), mine_reader.biases(spec.layer(i), e)
+                    for role, g, w in zip(("gate", "up", "down"), got, want):
+                        if i not in faults and (g.shape != w.shape or not torch.equal(w.to(g.dtype), g)):
+                            diff = "shape " + str(list(g.shape)) if g.shape != w.shape else \
+                                f"max abs difference {(g.float() - w.float()).abs().max().item():.3g}"
+                            faults[i] = (f"expert {e}'s {role} bias on rank {r} (slot {slot}) is not the reference's "
+                                         f"({diff}): {BIAS_NOT_CONVERTED}")
+    return faults
+
+
+#: why a tensor of the shards must be the reference's (the end of each refusal or reason)
 ROUTER_NOT_CONVERTED = "the router is never converted"
 SHARED_NOT_CONVERTED = "a shared expert is converted only with --include-shared-experts"
+BIAS_NOT_CONVERTED = "expert biases are never converted"
 
 
 def _not_the_reference(shards: EPShards, layer: int, what: str, got: torch.Tensor, want: torch.Tensor, ref,
@@ -481,7 +510,7 @@ def verify_many(jobs: list[tuple], *, revision: str | None = None) -> list[Verif
     backends = {p[3] for p in prepared}
     if len(eps) != 1 or len(backends) != 1:
         raise MoetoolError(f"verify_many: jobs need one ep and backend, got {sorted(eps)} / {sorted(backends)}")
-    refs, specs, rank_jobs = [], [], []
+    refs, specs, rank_jobs, bias_faults = [], [], [], []
     reading_done = threading.Event()
     try:
         for shards, ref, opts, *_ in prepared:
@@ -491,6 +520,7 @@ def verify_many(jobs: list[tuple], *, revision: str | None = None) -> list[Verif
             check_reference(shards, ref_ckpt, specs[-1], ref, routers=True)
             rank_jobs.append((str(shards.root), opts, _layers_to_check(shards, specs[-1], opts)))
             check_shared_experts(shards, ref_ckpt, specs[-1], ref, rank_jobs[-1][2])
+            bias_faults.append(check_expert_biases(shards, ref_ckpt, specs[-1], ref, rank_jobs[-1][2]))
         # the disk reads what the run takes, in its order, while the ranks start (seconds a cold
         # disk would otherwise idle); not before this process's imports, which it would starve;
         # paced by the comparisons (a layer compared is a layer read)
@@ -552,7 +582,7 @@ def verify_many(jobs: list[tuple], *, revision: str | None = None) -> list[Verif
             if started is not None:
                 timings[j]["startup_s"] = t0_epoch - started  # this process's start to the ranks' spawn
             reports.append(build_report(shards, ref_ckpt, spec, opts, backend, rank_jobs[j][2], outcomes, numerics,
-                                        timings[j]))
+                                        timings[j], exact_faults=bias_faults[j]))
         return reports
     finally:
         reading_done.set()
@@ -593,7 +623,9 @@ def shards_numerics(shards: EPShards, opts: VerifyOptions) -> Numerics:
 
 
 def build_report(shards: EPShards, ref_ckpt, spec, opts: VerifyOptions, backend: str, layer_ids: list[int],
-                 outcomes: dict[int, LayerOutcome], numerics: Numerics, timings: dict | None = None) -> VerifyReport:
+                 outcomes: dict[int, LayerOutcome], numerics: Numerics, timings: dict | None = None,
+                 exact_faults: dict[int, str] | None = None) -> VerifyReport:
+    """``exact_faults``: per layer, a tensor never converted that is not the reference's."""
     fmt = shards.manifest["format"]
     th = dict(THRESHOLDS.get(fmt, THRESHOLDS["dense"]))
     if opts.max_rel_err is not None:
@@ -614,6 +646,8 @@ def build_report(shards: EPShards, ref_ckpt, spec, opts: VerifyOptions, backend:
             reasons.append(f"layer rel err {rel:.3g} > {th['rel_err']:g}")
         if not worst[2] <= th["expert_rel_err"]:
             reasons.append(f"expert {worst[0]} on rank {worst[1]} rel err {worst[2]:.3g} > {th['expert_rel_err']:g}")
+        if exact_faults and i in exact_faults:
+            reasons.append(exact_faults[i])
         timing = {"total": max(s["time_total_s"] for s in stats) * 1e3}
         for phase in ("route", "dispatch", "experts", "combine", "shared"):
             key = f"cuda_{phase}_s" if f"cuda_{phase}_s" in stats[0] else f"time_{phase}_s"
@@ -663,12 +697,14 @@ def verify_torchrun(shards_dir, ref, opts: VerifyOptions, *, revision: str | Non
         check_reference(shards, ref_ckpt, spec, ref, routers=True)
         _layers_to_check(shards, spec, VerifyOptions(**{**asdict(opts), "layers": tuple(layer_ids)}))
         check_shared_experts(shards, ref_ckpt, spec, ref, layer_ids)
+        bias_faults = check_expert_biases(shards, ref_ckpt, spec, ref, layer_ids)
         numerics = shards_numerics(shards, opts)
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         t0 = time.perf_counter()
         outcomes = {i: compare_layer(reference, [g[0]["layers"][i] for g in gathered], opts.dp)  # one layer held
                     for i, reference in iter_references(ref_ckpt, spec, opts, layer_ids, numerics, device)}
         timings = {"reference_s": time.perf_counter() - t0}
-        return build_report(shards, ref_ckpt, spec, opts, backend, layer_ids, outcomes, numerics, timings)
+        return build_report(shards, ref_ckpt, spec, opts, backend, layer_ids, outcomes, numerics, timings,
+                            exact_faults=bias_faults)
 
 

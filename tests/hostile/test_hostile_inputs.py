@@ -845,6 +845,32 @@ def test_a_shared_expert_kept_or_converted_on_purpose_is_not_refused(made, tmp_p
                                  against, [1, 2])
 
 
+def test_expert_biases_not_the_references_fail_the_layer(tmp_path):
+    """gpt-oss: two experts' down biases swapped in one rank's file (signed again). Biases are
+    never converted, yet measured only against fp8-block's lossy limit they passed (a verify
+    review); they are now compared exactly, and the layer FAILS naming the expert."""
+    import torch
+    from moeutil import file_of, rewrite_file
+
+    from moetool.convert.quantize import quantize
+    from moetool.convert.shard import shard
+    from moetool.demo.tiny import make_tiny_checkpoint
+
+    model = make_tiny_checkpoint(tmp_path / "gpt-oss", "gpt_oss", hidden=64, intermediate=32, experts=4, top_k=2,
+                                 layers=2)
+    shards, name = tmp_path / "shards", "model.layers.0.mlp.experts.w2_bias"
+    quantize(model, tmp_path / "fp8", "fp8-block", progress=False)
+    shard(tmp_path / "fp8", shards, 2, progress=False)
+    rank = shards / rank_dir(1, 2)
+    rewrite_file(file_of(rank, name), lambda t: t.__setitem__(name, torch.flip(t[name], [0])))
+    resign(shards, *(p.relative_to(shards).as_posix() for p in rank.iterdir()))  # its index rewritten too
+    r = moetool("verify", shards, "--ref", model, "--ep", "2")
+    assert r.code == 1, (r.out, r.err)
+    assert r.error_line.startswith("verification failed: layer 0: expert 2's down bias on rank 1 (slot 0) is not "
+                                   "the reference's (max abs difference ")
+    assert r.error_line.endswith("): expert biases are never converted"), r.error_line
+
+
 def test_inspect_describes_a_shard_root(made, cli):
     shards = made["shards"]
     r = cli("inspect", shards, "--json")
