@@ -107,12 +107,16 @@ class ConfigReader:
                 return self.int(k)
         raise MoetoolError(f"config.json: missing {what} (looked for {', '.join(self.prefix + k for k in keys)})")
 
-    def number(self, key: str, default: float) -> float:
-        """A JSON number; ``default`` when absent, null or 0 (as configs write "no scaling")."""
+    def number(self, key: str, default: float, *, positive: bool = False) -> float:
+        """A JSON number (above 0 where ``positive``); ``default`` when absent or null."""
         v = self.data.get(key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+        if v is None:
+            return float(default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v in (float("inf"), float("-inf")):
             raise self._bad(key, "a number", v)
-        return float(v or default)
+        if positive and v <= 0:
+            raise self._bad(key, "a number above 0", v)
+        return float(v)
 
     def bool(self, key: str, default: bool) -> bool:
         """A JSON boolean; ``default`` when absent (null reads as false, as it always did)."""
@@ -175,8 +179,20 @@ def _all_layers(config: ConfigReader) -> list[int]:
     return list(range(_num_layers(config)))
 
 
-def _deepseek_layers(config: ConfigReader) -> list[int]:
-    first = config.int("first_k_dense_replace", 0, minimum=0)
+def _deepseek_v2_layers(config: ConfigReader) -> list[int]:
+    return _deepseek_layers(config, first_dense=0)
+
+
+def _deepseek_v3_layers(config: ConfigReader) -> list[int]:
+    return _deepseek_layers(config, first_dense=3)
+
+
+def _deepseek_layers(config: ConfigReader, first_dense: int) -> list[int]:
+    """From ``first_k_dense_replace`` (the default of transformers' config class when absent)
+    on, every ``moe_layer_freq``-th layer, as vLLM builds them (transformers ignores the
+    frequency: a checkpoint it saved with one above 1 holds experts in layers this calls dense,
+    which :func:`describe` refuses)."""
+    first = config.int("first_k_dense_replace", first_dense, minimum=0)
     freq = config.int("moe_layer_freq", 1, minimum=0) or 1
     return [i for i in range(first, _num_layers(config)) if i % freq == 0]
 
@@ -199,28 +215,46 @@ def _mixtral_router(config: ConfigReader) -> RouterSpec:
 
 
 def _deepseek_v2_router(config: ConfigReader) -> RouterSpec:
-    grouped = config.get("topk_method") == "group_limited_greedy"
+    # the defaults of transformers' DeepseekV2Config, which vLLM reads the config through
+    method = config.choice("topk_method", "greedy", ("greedy", "group_limited_greedy"))
+    if config.bool("norm_topk_prob", False):
+        # transformers' DeepseekV2 router never renormalizes (it scales); vLLM renormalizes and
+        # scales; DeepSeek's own code renormalizes instead of scaling: no one model to check against
+        raise MoetoolError(f"config.json: {config.prefix}norm_topk_prob true is not supported for deepseek_v2 "
+                           "(transformers scales the top-k softmax weights without renormalizing them, vLLM "
+                           "renormalizes: the served numerics are not one)")
+    grouped = method == "group_limited_greedy"
     return RouterSpec(
         top_k=config.int("num_experts_per_tok"),
         scoring="softmax",
-        renormalize=config.bool("norm_topk_prob", False),
-        n_group=config.int("n_group", None) if grouped else None,
-        topk_group=config.int("topk_group", None) if grouped else None,
+        renormalize=False,
+        n_group=config.int("n_group") if grouped else None,
+        topk_group=config.int("topk_group") if grouped else None,
         group_score="max",
-        routed_scaling_factor=config.number("routed_scaling_factor", 1.0),
+        routed_scaling_factor=config.number("routed_scaling_factor", 1.0, positive=True),
     )
 
 
 def _deepseek_v3_router(config: ConfigReader) -> RouterSpec:
-    n_group = config.int("n_group", 1, minimum=0) or 1
+    # the defaults of transformers' DeepseekV3Config, which vLLM reads the config through: a
+    # config.json without routed_scaling_factor is served with 2.5, not 1
+    method = config.choice("topk_method", "noaux_tc", ("noaux_tc", "greedy", "group_limited_greedy"))
+    if method != "noaux_tc":  # vLLM then drops the correction bias the checkpoint holds; transformers uses it
+        raise MoetoolError(f"config.json: {config.prefix}topk_method {json.dumps(method)} is not supported for "
+                           "deepseek_v3 (transformers routes with the correction bias, vLLM without it): only \"noaux_tc\"")
+    scoring = config.choice("scoring_func", "sigmoid", ("sigmoid", "softmax"))
+    if scoring != "sigmoid":
+        raise MoetoolError(f"config.json: {config.prefix}scoring_func {json.dumps(scoring)} is not supported for "
+                           "deepseek_v3 (transformers scores by sigmoid whatever it says, vLLM by softmax): only \"sigmoid\"")
+    n_group = config.int("n_group", 8)
     return RouterSpec(
-        top_k=config.int("num_experts_per_tok"),
-        scoring=config.choice("scoring_func", "sigmoid", ("sigmoid", "softmax")),
+        top_k=config.int("num_experts_per_tok", 8),
+        scoring="sigmoid",
         renormalize=config.bool("norm_topk_prob", True),
         n_group=n_group if n_group > 1 else None,
-        topk_group=config.int("topk_group", None) if n_group > 1 else None,
+        topk_group=config.int("topk_group", 4) if n_group > 1 else None,
         group_score="top2-sum",
-        routed_scaling_factor=config.number("routed_scaling_factor", 1.0),
+        routed_scaling_factor=config.number("routed_scaling_factor", 2.5, positive=True),
         has_correction_bias=True,
     )
 
@@ -249,13 +283,13 @@ FAMILIES: list[Family] = [
     Family("olmoe", ("olmoe",), "mlp", "gate", ("gate_proj", "up_proj", "down_proj"),
            ("num_experts",), ("intermediate_size",), _softmax_router, _all_layers),
     Family("deepseek-v2", ("deepseek_v2",), "mlp", "gate", ("gate_proj", "up_proj", "down_proj"),
-           ("n_routed_experts",), ("moe_intermediate_size",), _deepseek_v2_router, _deepseek_layers,
+           ("n_routed_experts",), ("moe_intermediate_size",), _deepseek_v2_router, _deepseek_v2_layers,
            shared_module="shared_experts",
-           shared_intermediate=lambda c: c.int("moe_intermediate_size") * c.int("n_shared_experts", 0, minimum=0)),
+           shared_intermediate=lambda c: c.int("moe_intermediate_size") * c.int("n_shared_experts", 2, minimum=0)),
     Family("deepseek-v3", ("deepseek_v3", "kimi_k2"), "mlp", "gate", ("gate_proj", "up_proj", "down_proj"),
-           ("n_routed_experts",), ("moe_intermediate_size",), _deepseek_v3_router, _deepseek_layers,
+           ("n_routed_experts",), ("moe_intermediate_size",), _deepseek_v3_router, _deepseek_v3_layers,
            shared_module="shared_experts",
-           shared_intermediate=lambda c: c.int("moe_intermediate_size") * c.int("n_shared_experts", 0, minimum=0)),
+           shared_intermediate=lambda c: c.int("moe_intermediate_size") * c.int("n_shared_experts", 1, minimum=0)),
     Family("llama4", ("llama4_text", "llama4"), "feed_forward", "router", ("gate_proj", "up_proj", "down_proj"),
            ("num_local_experts",), ("intermediate_size",), _llama4_router, _llama4_layers,
            shared_module="shared_expert", shared_intermediate=lambda c: c.int("intermediate_size"),
@@ -440,6 +474,13 @@ def describe(config: dict, tensors: dict, stored_experts: dict[int, int] | None 
     moe_indices = family.moe_layers(conf)
     if router.top_k < 1 or router.top_k > num_experts:
         raise MoetoolError(f"config.json: top-k {router.top_k} must be between 1 and the expert count {num_experts}")
+    if router.apply_weight_on_input and router.top_k != 1:
+        # vLLM applies the weight on the input for top-1 only: the served numerics do not exist
+        raise MoetoolError(f"config.json: {conf.prefix}num_experts_per_tok {router.top_k} with the router weight "
+                           "applied to the input (Llama-4) is not supported: only top-1 is")
+    if router.n_group is not None and (num_experts % router.n_group or not 1 <= (router.topk_group or 0) <= router.n_group):
+        raise MoetoolError(f"config.json: {conf.prefix}n_group {router.n_group} must divide the expert count "
+                           f"{num_experts} and topk_group {router.topk_group} must be between 1 and it")
     layers = []
     highest = _highest_expert_ids(names)
     for i in moe_indices:
@@ -469,10 +510,16 @@ def describe(config: dict, tensors: dict, stored_experts: dict[int, int] | None 
                 for b in shared_bases:
                     if not _has_linear(names, b):
                         raise MoetoolError(f"layer {i}: shared expert tensor {b}.weight not found")
+                for b in shared_bases:
+                    if f"{b}.bias" in names:
+                        raise MoetoolError(f"{b}.bias: shared experts with biases are not supported "
+                                           f"(config.json mlp_bias)")
                 if family.shared_gate_module:
+                    # transformers and vLLM always gate the shared expert: one without its gate
+                    # would be run as something neither serves
                     shared_gate = f"{prefix}.{family.shared_gate_module}.weight"
                     if shared_gate not in names:
-                        shared_gate = None
+                        raise MoetoolError(f"layer {i}: shared expert gate {shared_gate} not found")
                 try:
                     shared_intermediate = family.shared_intermediate(conf)
                 except MoetoolError as e:
@@ -493,7 +540,29 @@ def describe(config: dict, tensors: dict, stored_experts: dict[int, int] | None 
     if not layers:
         raise MoetoolError(f"config.json: {family.name} model has no MoE layers")
     dense = [i for i in range(n_layers) if i not in set(moe_indices)]
+    _check_dense_layers(family, names, dense)
     return ModelSpec(family, cfg.get("model_type", ""), n_layers, hidden, layers, dense)
+
+
+def _check_dense_layers(family: Family, names: set[str], dense: list[int]) -> None:
+    """A layer the config makes dense holds no router and no experts: left as plain tensors they
+    would be copied unquantized into every rank and never checked (transformers' DeepSeek
+    saves experts in every layer from ``first_k_dense_replace`` on, whatever
+    ``moe_layer_freq`` says; vLLM builds dense MLPs where it says so)."""
+    if not dense:
+        return
+    by_layer: dict[int, str] = {}
+    pattern = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:%s)\.(?:%s\.weight|experts\.)" % (
+        "|".join(re.escape(m) for m in (family.moe_module, *family.moe_module_aliases)), re.escape(family.router_module)))
+    for name in names:
+        m = pattern.match(name)
+        if m:
+            by_layer.setdefault(int(m[1]), name)
+    for i in dense:
+        if i in by_layer:
+            raise MoetoolError(f"{by_layer[i]}: layer {i} holds MoE tensors, but config.json makes it a dense layer "
+                               f"(its MoE layers: first_k_dense_replace, moe_layer_freq, decoder_sparse_step, "
+                               f"mlp_only_layers or moe_layers); the checkpoint and its config disagree")
 
 
 def _moe_prefix(family: Family, layer_prefix: str, names: set[str]) -> str:

@@ -224,7 +224,7 @@ def test_qwen_sparse_step_and_mlp_only_layers():
 
 def test_deepseek_v3_needs_correction_bias():
     cfg = dict(model_type="deepseek_v3", hidden_size=16, n_routed_experts=4, moe_intermediate_size=8,
-               num_experts_per_tok=2, num_hidden_layers=2, first_k_dense_replace=1)
+               num_experts_per_tok=2, num_hidden_layers=2, first_k_dense_replace=1, n_group=1)
     t = {"model.layers.1.mlp.gate.weight": SimpleNamespace(shape=(4, 16))}
     for e in range(4):
         for lin, shp in (("gate_proj", (8, 16)), ("up_proj", (8, 16)), ("down_proj", (16, 8))):
