@@ -89,7 +89,7 @@ def repack_by_copy(ckpt: Checkpoint, spec: ModelSpec, out, layout: Layout, *, ma
     source = ByteSource(ckpt, spec)
     files = checkpoint_files(ckpt, spec, layout, copy_groups(ckpt, spec), source.specs, max_shard_size)
     plan = checkpoint_plan(ckpt, files, dict(ckpt.config), FORMAT, layout)
-    outdir = OutputDir(Path(out), inputs=[ckpt.root], force=force, plan_id=plan_id)
+    outdir = OutputDir(Path(out), inputs=[ckpt.root], sources=[ckpt], force=force, plan_id=plan_id)
     return run_byte_plan(plan, byte_files(plan, source), ckpt, outdir, progress=progress)
 
 
@@ -111,7 +111,7 @@ def shard_by_copy(ckpt: Checkpoint, spec: ModelSpec, out, ep: int, placements: d
         if check.settled and not check.agrees(samples=False):  # the samples' bytes once copied (cached)
             return None
     try:
-        outdir = OutputDir(Path(out), inputs=[ckpt.root], force=force, plan_id=plan_id)
+        outdir = OutputDir(Path(out), inputs=[ckpt.root], sources=[ckpt], force=force, plan_id=plan_id)
         files = byte_files(plan, source)
     except BaseException:  # a refused output: the check's child is not left running
         if check is not None:

@@ -155,7 +155,7 @@ def convert_checkpoint(
         if dry_run:
             return plan
         prefetch(ckpt.root)  # quantize's command asked already, before importing torch: cached by now, or queued
-        outdir = OutputDir(Path(out), inputs=[ckpt.root], force=force,
+        outdir = OutputDir(Path(out), inputs=[ckpt.root], sources=[ckpt], force=force,
                            plan_id=plan_id(ckpt, fmt=src.out_fmt.name, params=vars(src.out_fmt), layout=layout,
                                            shared=include_shared, max=max_shard_size))
         # a quantized output keeps the torch executor's profile of it: its shard is then checked
@@ -191,5 +191,5 @@ def shard_checkpoint(ckpt, spec: ModelSpec, out, ep: int, placements: dict[int, 
     if dry_run:
         return plan
     prefetch(ckpt.root)
-    outdir = OutputDir(Path(out), inputs=[ckpt.root], force=force, plan_id=plan_id)
+    outdir = OutputDir(Path(out), inputs=[ckpt.root], sources=[ckpt], force=force, plan_id=plan_id)
     return run_plan(plan, [src], outdir, bytes_in=ckpt.files_bytes(), progress=progress, links=links)

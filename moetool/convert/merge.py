@@ -80,7 +80,7 @@ def merge(shards_dir, out, *, layout: MergeLayout | None = None, max_shard_size:
         # the whole manifest (every file's sha256) and the options: a journal of a merge of other
         # shards, or into other files, is not resumed
         key = json.dumps({"manifest": man, "layout": out_layout, "max": max_shard_size}, sort_keys=True)
-        outdir = OutputDir(Path(out), inputs=[shards.root], force=force,
+        outdir = OutputDir(Path(out), inputs=[shards.root], sources=[ck for ck, _ in opened], force=force,
                            plan_id=f"merge:{hashlib.sha256(key.encode()).hexdigest()[:16]}")
         bytes_in = sum(v["size"] for v in man["files"].values())
         return run_plan(plan, sources, outdir, bytes_in=bytes_in, progress=progress)

@@ -60,9 +60,12 @@ class OutputDir:
     mtimes + options); a journal from another plan is refused (``force`` replaces it).
     """
 
-    def __init__(self, root: Path, *, inputs: Iterable[Path] = (), force: bool = False, plan_id: str = ""):
+    def __init__(self, root: Path, *, inputs: Iterable[Path] = (), force: bool = False, plan_id: str = "",
+                 sources: Iterable = ()):
         self.root = Path(root)
         self.plan_id = plan_id
+        #: the checkpoints read (``check_unchanged()``), checked again before the manifest
+        self.sources = list(sources)
         self._lock = threading.Lock()  # files may be finished on several threads (byte copy)
         self.records: dict[str, FileRecord] = {}
         self.skipped: list[str] = []
@@ -339,7 +342,10 @@ class OutputDir:
         return self.commit(name, digest)
 
     def finish(self, manifest_extra: dict | None = None) -> dict:
-        """Write manifest.json last (sha256 and size of every file) and drop the journal."""
+        """Write manifest.json last (sha256 and size of every file) and drop the journal; an
+        input changed since it was opened is refused first (the output stays unfinished)."""
+        for source in self.sources:
+            source.check_unchanged()
         files = {n: {"sha256": r.sha256, "size": r.size} for n, r in sorted(self.records.items())}
         manifest = {"moetool_version": _version(), **(manifest_extra or {}), "files": files}
         self._remove_leftovers()

@@ -41,15 +41,32 @@ class Checkpoint:
     Tensor data is read lazily with :meth:`get` / :meth:`get_rows`.
     """
 
-    def __init__(self, root: Path, config: dict, tensors: dict[str, TensorInfo], files: list[str]):
+    def __init__(self, root: Path, config: dict, tensors: dict[str, TensorInfo], files: list[str],
+                 opened_as: dict[str, tuple[int, int, int]] | None = None):
         self.root = root
         self.config = config
         self.tensors = tensors
         self.files = files
+        #: {file name: (size, mtime_ns, inode)} of config.json and each shard, taken before
+        #: they were read (:meth:`check_unchanged`)
+        self.opened_as = opened_as or {}
         self._fds: dict[str, int] = {}
         #: read into page-locked buffers (set when tensors go on to a GPU)
         self.pin_memory = False
         self._suffix_index: dict[str, set[str]] | None = None
+
+    def check_unchanged(self) -> None:
+        """Raise unless config.json and every shard still have the size, modification time and
+        inode they had when the checkpoint was opened: an input rewritten while a conversion
+        read it gives an output of neither version, which must not be marked complete."""
+        for name, before in self.opened_as.items():
+            try:
+                now = file_identity(self.root / name)
+            except OSError:
+                now = None
+            if now != before:
+                raise MoetoolError(f"{self.root / name}: changed while moetool read it (size, modification time or "
+                                   "inode); the output is left unfinished: re-run with --force to convert it again")
 
     # -- reading ---------------------------------------------------------------------------
     def suffixes(self, base: str, sep: str = ".") -> set[str]:
@@ -221,6 +238,13 @@ def refuse_shard_output(root: Path, config: dict | None = None) -> None:
         + (f" ({parent})" if parent is not None else ""), parent or root, root)
 
 
+def file_identity(path: Path) -> tuple[int, int, int]:
+    """(size, mtime_ns, inode) of ``path``, through a link: what a rewrite in place or a file
+    renamed over it changes."""
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns, st.st_ino
+
+
 def open_checkpoint(source: str | os.PathLike, revision: str | None = None, *,
                     ep_rank: bool = False) -> Checkpoint:
     """Resolve ``source`` and validate it completely; see module docstring for what is checked.
@@ -241,6 +265,7 @@ def open_checkpoint(source: str | os.PathLike, revision: str | None = None, *,
     config_path = root / "config.json"
     if not config_path.is_file():
         raise MoetoolError(f"{config_path}: not found (every checkpoint needs its config.json)")
+    opened_as = {"config.json": file_identity(config_path)}
     try:
         config = json.loads(config_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -277,6 +302,7 @@ def open_checkpoint(source: str | os.PathLike, revision: str | None = None, *,
 
     tensors: dict[str, TensorInfo] = {}
     for shard in shard_names:
+        opened_as[shard] = file_identity(root / shard)
         _, infos, _ = read_safetensors_header(root / shard)
         for name, info in infos.items():
             if name in tensors:
@@ -292,7 +318,7 @@ def open_checkpoint(source: str | os.PathLike, revision: str | None = None, *,
         for name, shard in weight_map.items():
             if name not in tensors:
                 raise MoetoolError(f"{root / shard}: tensor {name} is listed in {INDEX_NAME} but absent from its shard")
-    return Checkpoint(root, config, dict(sorted(tensors.items())), list(shard_names))
+    return Checkpoint(root, config, dict(sorted(tensors.items())), list(shard_names), opened_as)
 
 
 def expert_tensor_names(ckpt: Checkpoint, layer: MoELayerSpec) -> set[str]:

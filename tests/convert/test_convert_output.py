@@ -311,3 +311,49 @@ def test_journal_of_another_plan_is_refused_and_force_removes_its_files(tmp_path
     OutputDir(tmp_path, plan_id="B", force=True).close()  # plan A's files cannot be resumed: they go
     assert not (tmp_path / "model-00001-of-00003.safetensors").exists()
     assert (tmp_path / "keep.txt").exists()
+
+
+def _rewrite_in_place(path) -> None:
+    """The same size, other bytes (the last data byte flipped): a writer's in-place rewrite."""
+    with open(path, "r+b") as f:
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("command", ["quantize", "shard", "repack", "merge"])
+def test_an_input_rewritten_while_it_is_read_leaves_the_output_unfinished(tmp_path, tiny, copy_ckpt, monkeypatch,
+                                                                         cli, command):
+    """A shard of the input rewritten after the first output file was committed: the output
+    would hold files of both versions; it is not marked complete, and the error names the file."""
+    from moetool.convert.shard import shard
+
+    src = copy_ckpt(tiny("mixtral"))
+    if command == "merge":
+        ranks = tmp_path / "ranks"
+        shard(src, ranks, 2, progress=False)
+        changed = sorted(ranks.glob("rank-*/model-0*.safetensors"))[-1]
+        args = ["shard", "--merge", str(ranks)]
+    else:
+        changed = sorted(src.glob("*.safetensors"))[-1]
+        args = {"quantize": ["quantize", str(src)], "shard": ["shard", str(src)], "repack": ["repack", str(src)]}[command]
+    args += [str(tmp_path / "out")] + {"quantize": ["--fp8-block"], "shard": ["--ep", "2"],
+                                       "repack": ["--layout", "stacked"], "merge": []}[command]
+    assert changed.is_file()
+    real_commit = OutputDir.commit
+    done = []
+
+    def commit(self, name, sha256):
+        record = real_commit(self, name, sha256)
+        if not done:
+            done.append(name)
+            _rewrite_in_place(changed)
+        return record
+
+    monkeypatch.setattr(OutputDir, "commit", commit)
+    r = cli(*args)
+    assert done and r.code == 2, r
+    assert r.err.strip().splitlines()[-1] == (f"error: {changed}: changed while moetool read it (size, modification time or inode); "
+                             "the output is left unfinished: re-run with --force to convert it again"), r.err
+    assert not (tmp_path / "out" / MANIFEST_NAME).exists() and (tmp_path / "out" / JOURNAL_NAME).exists()
