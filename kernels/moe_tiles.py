@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import triton
 
-from moetool.errors import MoetoolError
+from moetool.errors import JSON_ERRORS, MoetoolError
 
 from .common import FP8_BLOCK, check
 from .moe_weights import SCHEMES
@@ -295,7 +295,7 @@ def load_table(device_name: str) -> dict[tuple, dict[int, MoeConfig]]:
         return {}
     try:
         data = json.loads(path.read_text())
-    except ValueError as e:
+    except JSON_ERRORS as e:
         raise MoetoolError(f"{path}: not JSON ({e})") from None
     return parse_table(data, str(path))
 

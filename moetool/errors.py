@@ -15,6 +15,12 @@ class MoetoolError(Exception):
         super().__init__(" ".join(str(message).split()))
 
 
+#: what ``json.loads`` raises on a file that is not the JSON it should be: JSONDecodeError and
+#: UnicodeDecodeError (both ValueErrors), an integer past Python's digit limit (ValueError),
+#: nesting past the recursion limit (RecursionError)
+JSON_ERRORS = (ValueError, RecursionError)
+
+
 class VerificationFailed(MoetoolError):
     """Verification ran but at least one layer was outside its tolerance (exit status 1)."""
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 from moetool.convert.plan import Plan, PlannedFile
 from moetool import __version__
-from moetool.errors import MoetoolError
+from moetool.errors import JSON_ERRORS, MoetoolError
 from moetool.read.manifest import (INCOMPLETE, JOURNAL_NAME, LOCK_NAME, MANIFEST_NAME, RANK_DIR_RE, made_by_moetool,
                                    read_json_object, sha256_file)
 from moetool.read.safetensors import TensorSpec, safetensors_header
@@ -195,7 +195,7 @@ class OutputDir:
             return {}
         try:
             data = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except JSON_ERRORS:
             return {}
         if not isinstance(data, dict) or data.get("plan_id") != self.plan_id:
             return {}

@@ -28,6 +28,7 @@ from pathlib import Path
 from moetool.convert.byte_plan import RawSpec, copy_groups
 from moetool.convert.plan import Copy, ExpertLinear, Stacked
 from moetool.convert.planning import plan_placements, shard_plan
+from moetool.errors import JSON_ERRORS
 import moetool.formats.cards as format_cards
 from moetool.model.families import ModelSpec, MoELayerSpec
 from moetool.read.checkpoint import Checkpoint
@@ -113,7 +114,7 @@ def stored_profile(ckpt: Checkpoint) -> dict | None:
     try:
         manifest = json.loads((ckpt.root / MANIFEST_NAME).read_text())
         profile = manifest.get(PROFILE_KEY)
-    except (OSError, ValueError, AttributeError):
+    except (OSError, AttributeError, *JSON_ERRORS):
         return None
     if not isinstance(profile, dict) or profile.get("digest") != _digest(profile):
         return None

@@ -3,9 +3,10 @@ redundant replicas of the hottest experts (EPLB) from a load-statistics file."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
-from moetool.errors import MoetoolError
+from moetool.errors import JSON_ERRORS, MoetoolError
 from moetool.model.spec import ExpertPlacement
 
 PLACEMENTS = ("linear", "round-robin")
@@ -78,20 +79,28 @@ def add_redundant(placement: ExpertPlacement, load: list[float], redundant: int)
 
 def read_expert_load(path: Path, moe_layers: dict[int, int]) -> dict[int, list[float]]:
     """Load file: JSON ``{"layers": {"<layer>": [tokens per expert, ...], ...}}`` (or the
-    inner mapping alone), one entry per MoE layer, one count per expert."""
+    inner mapping alone), one entry per MoE layer (its index in decimal, once), one count per
+    expert: a finite JSON number >= 0 (no NaN, Infinity, string or boolean)."""
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(Path(path).read_text(), parse_constant=_not_a_count, object_pairs_hook=_unique_keys)
     except FileNotFoundError:
         raise MoetoolError(f"--expert-load {path}: no such file") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except JSON_ERRORS as e:
         raise MoetoolError(f"--expert-load {path}: invalid JSON ({e})") from None
     layers = data.get("layers", data) if isinstance(data, dict) else None
     if not isinstance(layers, dict):
         raise MoetoolError(f"--expert-load {path}: expected {{\"layers\": {{\"<layer>\": [counts...]}}}}")
-    try:
-        loads = {int(k): [float(x) for x in v] for k, v in layers.items()}
-    except (TypeError, ValueError):
-        raise MoetoolError(f"--expert-load {path}: layer keys must be integers and counts numbers") from None
+    loads: dict[int, list[float]] = {}
+    for key, counts in layers.items():
+        if not (key.isascii() and key.isdigit() and str(int(key)) == key):
+            raise MoetoolError(f"--expert-load {path}: layer key {json.dumps(key)[:40]} is not a layer index")
+        if not isinstance(counts, list):
+            raise MoetoolError(f"--expert-load {path}: layer {key} needs a list of counts, one per expert")
+        for e, c in enumerate(counts):
+            if type(c) not in (int, float) or not math.isfinite(c) or c < 0:
+                raise MoetoolError(f"--expert-load {path}: layer {key} expert {e}: {json.dumps(c)[:40]} is not a "
+                                   "count (a finite number >= 0)")
+        loads[int(key)] = [float(c) for c in counts]
     if set(loads) != set(moe_layers):
         missing = sorted(set(moe_layers) - set(loads))
         extra = sorted(set(loads) - set(moe_layers))
@@ -100,9 +109,20 @@ def read_expert_load(path: Path, moe_layers: dict[int, int]) -> dict[int, list[f
     for layer, counts in loads.items():
         if len(counts) != moe_layers[layer]:
             raise MoetoolError(f"--expert-load {path}: layer {layer} has {len(counts)} counts for {moe_layers[layer]} experts")
-        if any(c < 0 for c in counts):
-            raise MoetoolError(f"--expert-load {path}: layer {layer} has a negative count")
     return loads
+
+
+def _not_a_count(constant: str):
+    raise ValueError(f"{constant} is not a count")
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {json.dumps(key)[:40]} appears twice")
+        out[key] = value
+    return out
 
 
 def placement_to_json(p: ExpertPlacement) -> dict:

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from moetool.errors import MoetoolError
+from moetool.errors import JSON_ERRORS, MoetoolError
 from moetool.memory import scratch as scratch_buffer
 from moetool.read.manifest import MANIFEST_NAME, RANK_DIR_RE, read_json_object
 from moetool.read.safetensors import TensorInfo, pread_exactly, read_safetensors_header, writable_bytes
@@ -268,7 +268,7 @@ def open_checkpoint(source: str | os.PathLike, revision: str | None = None, *,
     opened_as = {"config.json": file_identity(config_path)}
     try:
         config = json.loads(config_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except JSON_ERRORS as e:
         raise MoetoolError(f"{config_path}: invalid JSON ({e})") from None
     if not isinstance(config, dict):
         raise MoetoolError(f"{config_path}: not a JSON object")
@@ -286,7 +286,7 @@ def open_checkpoint(source: str | os.PathLike, revision: str | None = None, *,
             weight_map = index["weight_map"]
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise TypeError
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+        except (KeyError, TypeError, *JSON_ERRORS):
             raise MoetoolError(f"{index_path}: invalid index (needs a JSON object with a weight_map)") from None
         shard_names = sorted(set(weight_map.values()))
         for shard in shard_names:

@@ -9,7 +9,7 @@ import threading
 from pathlib import Path
 from typing import Callable, Iterable
 
-from moetool.errors import MoetoolError
+from moetool.errors import JSON_ERRORS, MoetoolError
 
 
 MANIFEST_NAME = "manifest.json"
@@ -88,7 +88,7 @@ def read_manifest(path: Path) -> dict:
     (bytes) and ``sha256`` (hex). Raises MoetoolError naming the file and what is wrong."""
     try:
         manifest = json.loads(Path(path).read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except JSON_ERRORS as e:
         raise MoetoolError(f"{path}: not a valid manifest (not JSON: {e})") from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
         raise MoetoolError(f"{path}: not a valid manifest (no \"files\" object)")
@@ -144,7 +144,7 @@ def read_json_object(path: Path) -> dict | None:
     """The JSON object in ``path``; None when it is missing, unreadable, not JSON or not an object."""
     try:
         data = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
+    except (OSError, *JSON_ERRORS):
         return None
     return data if isinstance(data, dict) else None
 

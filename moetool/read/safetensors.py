@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from moetool.errors import MoetoolError
+from moetool.errors import JSON_ERRORS, MoetoolError
 
 if TYPE_CHECKING:
     import torch
@@ -106,7 +106,7 @@ def read_safetensors_header(path: Path) -> tuple[int, dict[str, TensorInfo], dic
         raw = f.read(n)
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except JSON_ERRORS as e:
         raise MoetoolError(f"{path}: corrupt safetensors header ({e.__class__.__name__})") from None
     if not isinstance(header, dict):
         raise MoetoolError(f"{path}: corrupt safetensors header (not a JSON object)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from moetool.errors import MoetoolError
+from moetool.errors import JSON_ERRORS, MoetoolError
 from moetool.model.families import describe
 from moetool.model.placement import placement_from_json
 from moetool.read.checkpoint import Checkpoint, open_checkpoint
@@ -83,7 +83,7 @@ class EPShards:
         path = self.root / rank_dir(rank, self.ep) / "config.json"
         try:
             config = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (OSError, *JSON_ERRORS) as e:
             raise MoetoolError(f"{path}: cannot be read as JSON ({e})") from None
         if not isinstance(config, dict):
             raise MoetoolError(f"{path}: not a JSON object")
@@ -114,7 +114,7 @@ def _refuse_rank_folder(root: Path) -> None:
         return
     try:
         config = json.loads((root / "config.json").read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    except (OSError, *JSON_ERRORS):
         return
     if isinstance(config, dict) and isinstance(config.get("moetool_ep"), dict):
         raise MoetoolError(f"{root}: is one rank folder of a moetool shard output; give the shard folder that holds "

@@ -31,7 +31,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from moetool.errors import MoetoolError
+from moetool.errors import JSON_ERRORS, MoetoolError
 from moetool.formats.registry import FORMATS
 from moetool.model.families import describe, family_for
 from moetool.read.checkpoint import open_checkpoint
@@ -438,7 +438,7 @@ def check_reference(shards: EPShards, ref_ckpt, spec, ref, *, routers: bool = Fa
     try:
         shard_config = json.loads((shards.root / shards.manifest["ranks"][0] / "config.json").read_text())
         shard_arch = family_for(shard_config).name
-    except (OSError, KeyError, IndexError, TypeError, ValueError, MoetoolError):
+    except (OSError, KeyError, IndexError, TypeError, MoetoolError, *JSON_ERRORS):
         shard_arch = "unknown architecture"
     theirs = sorted((int(l["layer"]), int(l["num_experts"]), int(l["hidden"]), int(l["intermediate"]))
                     for l in shards.manifest["layers"])

@@ -435,7 +435,8 @@ def test_shard_errors(sources, cli, tmp_path, case):
                         f"--expert-load {tmp_path / 'load.json'}: layer 2 has 7 counts for 8 experts"),
         "load_negative": (["--ep", "2", "--redundant-experts", "1",
                            "--expert-load", {"1": ok, "2": [1, -1] * 4}],
-                          f"--expert-load {tmp_path / 'load.json'}: layer 2 has a negative count"),
+                          f"--expert-load {tmp_path / 'load.json'}: layer 2 expert 1: -1 is not a count (a finite "
+                          "number >= 0)"),
         "load_json": (["--ep", "2", "--redundant-experts", "1", "--expert-load", tmp_path / "bad.json"], None),
         "no_load": (["--ep", "2", "--redundant-experts", "1"],
                     "--redundant-experts needs --expert-load FILE (per-layer token counts per expert)"),
@@ -456,6 +457,37 @@ def test_shard_errors(sources, cli, tmp_path, case):
         assert r.error_line.startswith(f"--expert-load {tmp_path / 'bad.json'}: invalid JSON (")
     else:
         assert r.error_line == message
+    assert not (tmp_path / "out").exists()
+
+
+#: load files that parse as JSON (Python's reading of it) but hold no counts: each once gave a
+#: placement (NaN sums put every replica on expert 0) or a traceback
+BAD_LOADS = {
+    "nan": ('{"1": [NaN, 1, 1, 1, 1, 1, 1, 1], "2": [1, 1, 1, 1, 1, 1, 1, 1]}', "invalid JSON (NaN is not a count)"),
+    "infinity": ('{"1": [Infinity, 1, 1, 1, 1, 1, 1, 1]}', "invalid JSON (Infinity is not a count)"),
+    "overflow": ('{"1": [1e400, 1, 1, 1, 1, 1, 1, 1], "2": [1, 1, 1, 1, 1, 1, 1, 1]}',
+                 "layer 1 expert 0: Infinity is not a count (a finite number >= 0)"),
+    "bool": ('{"1": [true, 1, 1, 1, 1, 1, 1, 1], "2": [1, 1, 1, 1, 1, 1, 1, 1]}',
+             "layer 1 expert 0: true is not a count (a finite number >= 0)"),
+    "string": ('{"1": ["1e3", 1, 1, 1, 1, 1, 1, 1], "2": [1, 1, 1, 1, 1, 1, 1, 1]}',
+               'layer 1 expert 0: "1e3" is not a count (a finite number >= 0)'),
+    "digits": ('{"1": "12345678", "2": [1, 1, 1, 1, 1, 1, 1, 1]}', "layer 1 needs a list of counts, one per expert"),
+    "twice": ('{"1": [1, 1, 1, 1, 1, 1, 1, 1], "2": [1, 1, 1, 1, 1, 1, 1, 1], "2": [9, 1, 1, 1, 1, 1, 1, 1]}',
+              'invalid JSON (key "2" appears twice)'),
+    "leading-zero": ('{"1": [1, 1, 1, 1, 1, 1, 1, 1], "02": [1, 1, 1, 1, 1, 1, 1, 1]}',
+                     'layer key "02" is not a layer index'),
+    "huge-int": ('{"1": [' + "9" * 5000 + ']}', "invalid JSON (Exceeds the limit (4300 digits)"),
+    "deep": ("[" * 100000 + "]" * 100000, "invalid JSON (maximum recursion depth exceeded"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_LOADS)
+def test_a_load_file_of_no_counts_is_refused(sources, cli, tmp_path, case):
+    text, message = BAD_LOADS[case]
+    (tmp_path / "load.json").write_text(text)
+    r = cli("shard", sources["bf16"], tmp_path / "out", "--ep", "2", "--redundant-experts", "1",
+            "--expert-load", tmp_path / "load.json", "--quiet")
+    assert r.code == 2 and r.error_line.startswith(f"--expert-load {tmp_path / 'load.json'}: {message}"), r
     assert not (tmp_path / "out").exists()
 
 

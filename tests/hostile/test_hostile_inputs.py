@@ -334,6 +334,61 @@ def _(c):
     return quantize(c, ck), [ck], f"{ck / 'config.json'}: invalid JSON"
 
 
+# -- JSON that Python's parser gives up on: an integer past its digit limit, nesting past the
+# recursion limit (each once a traceback and exit 1)
+
+HUGE_INT = "9" * 5000
+DEEP = "[" * 100000 + "]" * 100000
+
+
+@row("config-integer-of-5000-digits")
+def _(c):
+    ck = c.copy()
+    (ck / "config.json").write_text(json.dumps(json.loads((ck / "config.json").read_text()))[:-1]
+                                    + f', "vocab_size_bomb": {HUGE_INT}}}')
+    return quantize(c, ck), [ck], f"{ck / 'config.json'}: invalid JSON (Exceeds the limit (4300 digits)"
+
+
+@row("config-nested-too-deeply")
+def _(c):
+    ck = c.copy()
+    (ck / "config.json").write_text(DEEP)
+    return quantize(c, ck), [ck], f"{ck / 'config.json'}: invalid JSON (maximum recursion depth exceeded"
+
+
+@row("index-nested-too-deeply")
+def _(c):
+    ck = c.copy()
+    (ck / INDEX).write_text('{"weight_map": ' + DEEP + "}")
+    return quantize(c, ck), [ck], f"{ck / INDEX}: invalid index"
+
+
+@row("header-nested-too-deeply")
+def _(c):
+    ck = c.copy()
+    f = ck / SHARD1
+    header, data = read_raw(f)
+    text = json.dumps(header)[:-1] + ', "__bomb__": ' + DEEP + "}"
+    f.write_bytes(struct.pack("<Q", len(text)) + text.encode() + data)
+    return quantize(c, ck), [ck], f"{f}: corrupt safetensors header (RecursionError)"
+
+
+@row("header-integer-of-5000-digits")
+def _(c):
+    ck = c.copy()
+    f = ck / SHARD1
+    header, data = read_raw(f)
+    text = json.dumps(header)[:-1] + f', "__bomb__": {HUGE_INT}}}'
+    f.write_bytes(struct.pack("<Q", len(text)) + text.encode() + data)
+    return quantize(c, ck), [ck], f"{f}: corrupt safetensors header (ValueError)"
+
+
+@row("verify-manifest-nested-too-deeply")
+def _(c):
+    args, inputs, path = _manifest_row(c, lambda m: DEEP)
+    return args, inputs, f"{path}: not a valid manifest (not JSON: maximum recursion depth exceeded"
+
+
 # -- B: config values of the wrong type (new)
 
 
