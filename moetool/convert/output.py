@@ -29,7 +29,7 @@ from moetool.errors import JSON_ERRORS, MoetoolError
 from moetool.read.manifest import (INCOMPLETE, JOURNAL_NAME, LOCK_NAME, MANIFEST_NAME, RANK_DIR_RE, made_by_moetool,
                                    read_json_object, sha256_file)
 from moetool.read.safetensors import TensorSpec, safetensors_header
-from moetool.convert.sink import HashingSink
+from moetool.convert.sink import HashingSink, naming_file, pwrite_all
 
 if TYPE_CHECKING:  # this module loads without torch: byte-copy shard / repack use OutputDir too
     import torch
@@ -259,10 +259,13 @@ class OutputDir:
     # -- writing ------------------------------------------------------------------------
     def _write_atomic(self, name: str, data: bytes) -> FileRecord:
         final, tmp = self.root / name, self.incomplete_path(name)
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:  # ENOSPC, EIO of a write, fsync or close: the error names the file
+            raise naming_file(e, tmp) from None
         _rename_over(tmp, final)
         _fsync_dir(final.parent)
         return FileRecord(hashlib.sha256(data).hexdigest(), len(data))
@@ -440,11 +443,25 @@ class FolderLock:
     __del__ = release
 
 
+#: bytes a side-file copy reads and writes at a time
+COPY_CHUNK = 1 << 20
+
+
 def _copy_durably(src: Path, dst: Path) -> None:
     """``src``'s bytes into a new file ``dst``, fsync'd."""
-    shutil.copyfile(src, dst)
-    with open(dst, "rb+") as f:
-        os.fsync(f.fileno())
+    with open(src, "rb") as fin:  # a read error names ``src`` (shutil's copy names it for a full disk too)
+        fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            offset = 0
+            while chunk := fin.read(COPY_CHUNK):
+                pwrite_all(fd, memoryview(chunk), offset, dst)
+                offset += len(chunk)
+            try:
+                os.fsync(fd)
+            except OSError as e:
+                raise naming_file(e, dst) from None
+        finally:
+            os.close(fd)
 
 
 def _version() -> str:

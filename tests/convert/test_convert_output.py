@@ -357,3 +357,50 @@ def test_an_input_rewritten_while_it_is_read_leaves_the_output_unfinished(tmp_pa
     assert r.err.strip().splitlines()[-1] == (f"error: {changed}: changed while moetool read it (size, modification time or inode); "
                              "the output is left unfinished: re-run with --force to convert it again"), r.err
     assert not (tmp_path / "out" / MANIFEST_NAME).exists() and (tmp_path / "out" / JOURNAL_NAME).exists()
+
+
+@pytest.mark.parametrize("step", ["write", "fsync"])
+@pytest.mark.parametrize("kind", ["json", "copy"])
+def test_a_small_file_s_write_error_names_the_file(tmp_path, monkeypatch, step, kind):
+    """ENOSPC or EIO while writing config.json, the index, the journal or manifest.json (or
+    copying a side file) used to print only ``[Errno 28] No space left on device``."""
+    import errno
+    import os
+
+    import moetool.convert.output as output
+
+    out = OutputDir(tmp_path / "o")
+    (tmp_path / "side.txt").write_text("tokens")
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def failing(*args, **kw):
+        raise full
+
+    if step == "fsync":
+        monkeypatch.setattr(os, "fsync", failing)
+    elif kind == "copy":
+        monkeypatch.setattr(os, "pwrite", failing)
+    else:
+        class Full:  # a buffered file whose write finds the disk full
+            def __init__(self, path, mode):
+                self.f = open(path, mode)
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                self.f.close()
+
+            def write(self, data):
+                raise full
+
+        monkeypatch.setattr(output, "open", Full, raising=False)
+    with pytest.raises(OSError) as e:
+        if kind == "json":
+            out.write_json("config.json", {"a": 1})
+        else:
+            out.copy_file(tmp_path / "side.txt", "tokenizer.json")
+    monkeypatch.undo()
+    name = "config.json" if kind == "json" else "tokenizer.json"
+    assert e.value.filename == str(tmp_path / "o" / (name + INCOMPLETE)) and e.value.errno == errno.ENOSPC
+    assert not (tmp_path / "o" / name).exists()
