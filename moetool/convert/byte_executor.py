@@ -129,9 +129,9 @@ def run_byte_plan(plan: Plan, files: list[ByteFile], ckpt: Checkpoint, out: Outp
     The kernel reads the input ahead meanwhile (``prefetch``): from a cold page cache, 256 KiB
     reads missing the cache one after another left shard at 1.02x a cp on an H100 host."""
     prefetch(ckpt.root)
+    bar = None
     try:
         t0 = time.perf_counter()
-        bar = None
         if progress:
             from tqdm import tqdm
 
@@ -149,8 +149,6 @@ def run_byte_plan(plan: Plan, files: list[ByteFile], ckpt: Checkpoint, out: Outp
             if not check.agrees():
                 for name, _ in pending:
                     out.incomplete_path(name)  # removes the copy
-                if bar is not None:
-                    bar.close()
                 return None
             plan = dataclasses.replace(plan, out_format=check.format_name,
                                        manifest_extra={**plan.manifest_extra, **check.format_entries})
@@ -166,6 +164,8 @@ def run_byte_plan(plan: Plan, files: list[ByteFile], ckpt: Checkpoint, out: Outp
             bar.close()
         finish_plan(plan, out)
     finally:
+        if bar is not None:  # cleared before an error is printed, so "error:" starts its line
+            bar.close()
         out.close()  # the folder is released either way; without a manifest it stays unfinished
         if check is not None:
             check.close()

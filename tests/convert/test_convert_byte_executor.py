@@ -418,3 +418,26 @@ def test_progress_counts_resumed_files_like_written_ones(tmp_path):
             bytecopy.copy_files(files, tmp_path / "in", out, workers=1, on_bytes=lambda k: n.__setitem__(0, n[0] + k))
         counted.append(n[0])
     assert counted == [1900, 1900]
+
+
+@pytest.mark.parametrize("command", ["shard", "quantize"])
+def test_an_error_while_writing_is_printed_after_the_bar_is_cleared(tiny, cli, tmp_path, monkeypatch, command):
+    """A disk filling up mid-file: the progress bar's clearing (``\\r`` spaces ``\\r``) came
+    after shard's error line, so a terminal erased the error it had just shown."""
+    import errno
+    import os
+
+    src = tiny("mixtral")
+    real = os.pwrite
+
+    def full(fd, data, offset):  # the data files' writes only (the lock's owner line goes on)
+        if os.readlink(f"/proc/self/fd/{fd}").endswith(".safetensors.incomplete"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", full)
+    args = ["--ep", "2"] if command == "shard" else ["--fp8-block"]
+    r = cli(command, src, tmp_path / "out", *args)
+    assert r.code == 2
+    shown = r.err.rstrip("\n").split("\n")[-1].split("\r")[-1]  # what a terminal shows on the last line
+    assert shown.startswith("error: ") and "No space left on device" in shown, repr(r.err[-300:])
