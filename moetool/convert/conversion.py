@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from moetool.convert.byte_check import checkpoint_profile
-from moetool.convert.output import OutputDir
+from moetool.convert.output import OutputDir, refuse_output
 from moetool.convert.plan import QUANTIZED_ONLY_SUFFIXES, Copy, Dequant, Group, Layout, Plan, SharedLinear, Summary
 from moetool.convert.profile import PROFILE_KEY
 from moetool.convert.planning import checkpoint_files, checkpoint_plan, non_expert_tensors, plan_id, shard_plan
@@ -152,12 +152,13 @@ def convert_checkpoint(
             raise MoetoolError("--include-shared-experts needs a target format different from the input's")
         plan = build_plan(src, layout=layout, include_shared=include_shared, max_shard_size=max_shard_size,
                           changed_format=not src.passthrough)
+        pid = plan_id(ckpt, fmt=src.out_fmt.name, params=vars(src.out_fmt), layout=layout, shared=include_shared,
+                      max=max_shard_size)
         if dry_run:
+            refuse_output(Path(out), inputs=[ckpt.root], force=force, plan_id=pid)
             return plan
         prefetch(ckpt.root)  # quantize's command asked already, before importing torch: cached by now, or queued
-        outdir = OutputDir(Path(out), inputs=[ckpt.root], sources=[ckpt], force=force,
-                           plan_id=plan_id(ckpt, fmt=src.out_fmt.name, params=vars(src.out_fmt), layout=layout,
-                                           shared=include_shared, max=max_shard_size))
+        outdir = OutputDir(Path(out), inputs=[ckpt.root], sources=[ckpt], force=force, plan_id=pid)
         # a quantized output keeps the torch executor's profile of it: its shard is then checked
         # without torch (``moetool.convert.profile``)
         profile = (lambda: _profile_entry(outdir.root)) if src.out_fmt.quantized and layout != "fused" else None
@@ -189,6 +190,7 @@ def shard_checkpoint(ckpt, spec: ModelSpec, out, ep: int, placements: dict[int, 
     src = Source(ckpt, spec, None, ErrorStats())
     plan = build_shard_plan(src, ep, placements, layout, max_shard_size, placement_name, redundant)
     if dry_run:
+        refuse_output(Path(out), inputs=[ckpt.root], force=force, plan_id=plan_id)
         return plan
     prefetch(ckpt.root)
     outdir = OutputDir(Path(out), inputs=[ckpt.root], sources=[ckpt], force=force, plan_id=plan_id)

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from moetool.convert.conversion import non_expert_groups
-from moetool.convert.output import OutputDir
+from moetool.convert.output import OutputDir, refuse_output
 from moetool.convert.plan import ROLES, ExpertLinear, Fused, MergeLayout, Plan, Stacked, Summary
 from moetool.convert.planning import assign_files, other_files
 from moetool.convert.torch_executor import ErrorStats, Planner, Source, run_plan
@@ -75,13 +75,14 @@ def merge(shards_dir, out, *, layout: MergeLayout | None = None, max_shard_size:
         plan = Plan(files, cfg, man["format"], out_layout, other_files=other_files(src0.ckpt.root),
                     json_files={"config.json": cfg},
                     manifest_extra={"kind": "checkpoint", "format": man["format"], "layout": out_layout})
-        if dry_run:
-            return plan
         # the whole manifest (every file's sha256) and the options: a journal of a merge of other
         # shards, or into other files, is not resumed
         key = json.dumps({"manifest": man, "layout": out_layout, "max": max_shard_size}, sort_keys=True)
-        outdir = OutputDir(Path(out), inputs=[shards.root], sources=[ck for ck, _ in opened], force=force,
-                           plan_id=f"merge:{hashlib.sha256(key.encode()).hexdigest()[:16]}")
+        pid = f"merge:{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+        if dry_run:
+            refuse_output(Path(out), inputs=[shards.root], force=force, plan_id=pid)
+            return plan
+        outdir = OutputDir(Path(out), inputs=[shards.root], sources=[ck for ck, _ in opened], force=force, plan_id=pid)
         bytes_in = sum(v["size"] for v in man["files"].values())
         return run_plan(plan, sources, outdir, bytes_in=bytes_in, progress=progress)
     finally:

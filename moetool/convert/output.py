@@ -17,7 +17,6 @@ import fcntl
 import hashlib
 import json
 import os
-import shutil
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,21 +116,8 @@ class OutputDir:
 
     def _refuse_foreign(self) -> None:
         """Raise unless the folder is empty or holds our unfinished output of this same plan."""
-        journal = self.root / JOURNAL_NAME
-        if journal.exists():
-            if _journal_plan(journal) == self.plan_id:
-                return
-            raise MoetoolError(f"{self.root}: holds the unfinished output of another moetool run (other input or "
-                               f"options, see {JOURNAL_NAME}); re-run that command to finish it, or use --force "
-                               f"to replace it")
-        stray_journal = self.root / (JOURNAL_NAME + INCOMPLETE)  # a run stopped while writing its first journal
-        if stray_journal.is_file() and not stray_journal.is_symlink():
-            stray_journal.unlink()
-        found = sorted(p.name for p in self.root.iterdir() if p.name != LOCK_NAME)
-        if found:
-            raise MoetoolError(f"{self.root}: is not empty and holds no unfinished moetool output (found {found[0]}"
-                               f"{f' and {len(found) - 1} more' if len(found) > 1 else ''}); choose an empty "
-                               f"folder, or use --force to write into it")
+        if _refuse_foreign_files(self.root, self.plan_id):
+            (self.root / (JOURNAL_NAME + INCOMPLETE)).unlink()
 
     def close(self) -> None:
         """Release the folder (idempotent). :meth:`finish` does it once the manifest is
@@ -367,6 +353,42 @@ class OutputDir:
             path = self._inside(name + INCOMPLETE)
             if path is not None and (path.is_file() or path.is_symlink()):
                 path.unlink()
+
+
+def _refuse_foreign_files(root: Path, plan_id: str) -> bool:
+    """Raise unless ``root`` is empty or holds our unfinished output of plan ``plan_id``; True
+    when it holds only the first journal's temporary file of a run stopped while writing it
+    (the caller removes it)."""
+    journal = root / JOURNAL_NAME
+    if journal.exists():
+        if _journal_plan(journal) == plan_id:
+            return False
+        raise MoetoolError(f"{root}: holds the unfinished output of another moetool run (other input or "
+                           f"options, see {JOURNAL_NAME}); re-run that command to finish it, or use --force "
+                           f"to replace it")
+    stray_journal = root / (JOURNAL_NAME + INCOMPLETE)
+    stray = stray_journal.is_file() and not stray_journal.is_symlink()
+    found = sorted(p.name for p in root.iterdir() if p.name != LOCK_NAME and not (stray and p == stray_journal))
+    if found:
+        raise MoetoolError(f"{root}: is not empty and holds no unfinished moetool output (found {found[0]}"
+                           f"{f' and {len(found) - 1} more' if len(found) > 1 else ''}); choose an empty "
+                           f"folder, or use --force to write into it")
+    return stray
+
+
+def refuse_output(root: Path, *, inputs: Iterable[Path] = (), force: bool = False, plan_id: str = "") -> None:
+    """Raise what :class:`OutputDir` would refuse for these arguments, writing nothing: what
+    ``--dry-run`` checks of its output folder (a second run's lock aside)."""
+    root = Path(root)
+    for inp in inputs:
+        _refuse_nesting(root, Path(inp))
+    if root.exists() and not root.is_dir():
+        raise MoetoolError(f"{root}: exists and is not a folder; choose an output folder")
+    if force or not root.is_dir():
+        return
+    if (root / MANIFEST_NAME).exists():
+        raise MoetoolError(f"{root}: already holds a complete output ({MANIFEST_NAME}); use --force to overwrite")
+    _refuse_foreign_files(root, plan_id)
 
 
 def _rename_over(tmp: Path, final: Path) -> None:

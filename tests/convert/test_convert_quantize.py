@@ -24,6 +24,7 @@ from moetool.read.experts import ExpertReader
 from moetool.read.checkpoint import expert_tensor_names
 from moetool.formats import TOLERANCES, Fp8Block, Fp8Channel, Int4Group, get_format
 from moetool.read.manifest import JOURNAL_NAME, MANIFEST_NAME, sha256_file
+from moetool.errors import MoetoolError
 from moeutil import bit_equal, file_of, read_tensors, rewrite_file, tensor_files, tree_hashes
 
 FORMATS = {
@@ -374,6 +375,45 @@ def test_dry_run_writes_nothing(tiny, cli, tmp_path):
     assert r.out.startswith("plan: 2 file(s), format fp8-block, layout per-expert")
     assert "model-00001-of-00002.safetensors" in r.out
     assert not out.exists()
+
+
+@pytest.mark.parametrize("case", ["the-input", "inside-the-input", "foreign-files", "complete", "another-plan"])
+@pytest.mark.parametrize("command", ["quantize", "shard", "merge"])
+def test_dry_run_refuses_what_the_run_refuses(tiny, cli, tmp_path, copy_ckpt, monkeypatch, command, case):
+    """--dry-run printed a plan, exit 0, for outputs the real run refuses; it now says what the
+    run would say, still writing nothing."""
+    from moetool.convert.shard import shard
+
+    src = copy_ckpt(tiny("mixtral"))
+    if command == "merge":
+        ranks = tmp_path / "ranks"
+        shard(src, ranks, 2, progress=False)
+        src = ranks
+    args = {"quantize": ["quantize", src], "shard": ["shard", src], "merge": ["shard", "--merge", src]}[command]
+    option, other = {"quantize": (["--fp8-block"], ["--int4"]), "shard": (["--ep", "2"], ["--ep", "4"]),
+                     "merge": ([], ["--max-shard-size", "1MB"])}[command]
+    run = lambda out, *more: cli(*args, out, "--quiet", *more)  # noqa: E731
+    out = {"the-input": src, "inside-the-input": src / "sub"}.get(case, tmp_path / "out")
+    if case == "foreign-files":
+        out.mkdir()
+        (out / "notes.txt").write_text("mine")
+    elif case == "complete":
+        assert run(out, *option).code == 0
+    elif case == "another-plan":  # an unfinished output of the same command with other options
+        from moetool.convert.output import OutputDir
+
+        def stopped(self, *args, **kw):
+            raise MoetoolError("stopped before its manifest")
+
+        with monkeypatch.context() as m:
+            m.setattr(OutputDir, "finish", stopped)
+            r = run(out, *other)
+            assert r.code == 2 and r.error_line == "stopped before its manifest", r
+    before = tree_hashes(tmp_path)
+    real = run(out, *option)
+    dry = run(out, *option, "--dry-run")
+    assert real.code == dry.code == 2 and dry.error_line == real.error_line, (real, dry)
+    assert tree_hashes(tmp_path) == before
 
 
 def test_complete_output_refused_without_force(tiny, cli, tmp_path):
