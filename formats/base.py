@@ -80,6 +80,10 @@ class CliParam:
     positive: bool = False
 
 
+#: the float8 dtypes safetensors stores (detected by dtype, never by element size)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 class WeightFormat:
     """One weight format. Subclasses are registered in ``moetool.formats.FORMATS``."""
 

@@ -173,6 +173,17 @@ class Fp8Channel(CompressedTensors, WeightFormat):
         }
 
     @classmethod
+    def params_from_config(cls, config: dict) -> dict | None:
+        params = super().params_from_config(config)
+        if params is not None:
+            activations = next(iter(config["config_groups"].values())).get("input_activations")
+            if isinstance(activations, dict) and activations.get("dynamic") is False:
+                # served as dynamic per-token fp8 (``activation_quant``); static scales are not kept
+                raise MoetoolError("unsupported compressed-tensors fp8 with static activation scales "
+                                   "(input_activations dynamic false); moetool reads dynamic activations")
+        return params
+
+    @classmethod
     def params_from_weights(cls, weights: dict) -> dict:
         if weights.get("symmetric", True) is not True:
             raise MoetoolError("unsupported compressed-tensors fp8 weights with zero points")

@@ -524,8 +524,8 @@ class Int4Group(CompressedTensors, WeightFormat):
             raise MoetoolError(f"int4-group: cannot concatenate parts of different K: {shapes}")
         rows = [n for n, _ in shapes]
         t = cat_row_blocked(self.name, parts, rows, self._row_blocks())
-        t["weight_shape"] = torch.tensor(
-            [sum(rows), shapes[0][1]], dtype=torch.int32, device=t["weight_packed"].device
+        t["weight_shape"] = torch.tensor(  # in the parts' dtype: compressed-tensors writes int64
+            [sum(rows), shapes[0][1]], dtype=parts[0]["weight_shape"].dtype, device=t["weight_packed"].device
         )
         return {suffix: t[suffix] for suffix in self.suffixes}
 
@@ -534,7 +534,7 @@ class Int4Group(CompressedTensors, WeightFormat):
         parts = split_row_blocked(self.name, t, n, sizes, self._row_blocks())
         for part, size in zip(parts, sizes, strict=True):
             part["weight_shape"] = torch.tensor(
-                [size, k], dtype=torch.int32, device=t["weight_packed"].device
+                [size, k], dtype=t["weight_shape"].dtype, device=t["weight_packed"].device
             )
         return [{suffix: part[suffix] for suffix in self.suffixes} for part in parts]
 

@@ -22,7 +22,7 @@ from types import ModuleType
 
 import moetool.formats as _package
 import torch
-from moetool.formats.base import FORMATS, CliParam, Tensors, WeightFormat, register
+from moetool.formats.base import FORMATS, FP8_DTYPES, CliParam, Tensors, WeightFormat, register
 
 from moetool.errors import MoetoolError
 
@@ -199,6 +199,9 @@ def detect_format(
         if quantization_config is not None
         else "config.json has no quantization_config (dense)"
     )
+    if not fmt.quantized and weight_dtype in FP8_DTYPES:  # no format keeps fp8 with an implied scale of 1
+        raise MoetoolError(f"{declared} but the weights are {_dtype_name(weight_dtype)} with no scale tensors "
+                           "(weight_scale_inv, weight_scale...): their values cannot be read")
     missing = [s for s in fmt.suffixes if s not in suffixes]
     if missing:
         raise MoetoolError(f"{declared} but no tensor ends in {', '.join(missing)}")

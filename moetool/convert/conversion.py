@@ -15,16 +15,13 @@ from moetool.convert.profile import PROFILE_KEY
 from moetool.convert.planning import checkpoint_files, checkpoint_plan, non_expert_tensors, plan_id, shard_plan
 from moetool.convert.torch_executor import ErrorStats, Planner, Source, run_plan
 from moetool.errors import MoetoolError
-from moetool.formats.base import WeightFormat
+from moetool.formats.base import FP8_DTYPES, WeightFormat
 from moetool.model.families import ModelSpec, describe
 from moetool.model.spec import ExpertPlacement
 from moetool.read.checkpoint import open_checkpoint
 from moetool.read.manifest import QUANTIZED_KEY
 from moetool.read.prefetch import prefetch
 from moetool.read.safetensors import TensorSpec
-
-
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def non_expert_groups(src: Source, *, include_shared: bool) -> tuple[list[Group], list[str]]:

@@ -268,9 +268,17 @@ def detect_expert_format(ckpt: Checkpoint, spec: ModelSpec) -> WeightFormat:
         return fmt
     info = ckpt.tensors.get(main)
     try:
-        return detect_format(ckpt.config, sufs, info.dtype if info else None)
+        fmt = detect_format(ckpt.config, sufs, info.dtype if info else None)
     except MoetoolError as err:
         raise MoetoolError(f"{ckpt.root}: experts of {layer.prefix}: {err}") from None
+    # a tensor of the linear that the format does not read would be dropped from every output
+    # (a static activation scale, input_scale, that the kept config still declares)
+    unread = sorted(sufs - set(fmt.suffixes) - {"bias"})
+    if unread:
+        stored = f"{base}.{unread[0]}" if st.kind == "per-expert" else f"{st.gate_up}_{unread[0]}"
+        raise MoetoolError(f"{stored}: a tensor of the experts that {fmt.name} does not read (it holds "
+                           f"{', '.join(fmt.suffixes)}); moetool would drop it")
+    return fmt
 
 
 def _fused_format(ckpt: Checkpoint, layer: MoELayerSpec) -> WeightFormat:

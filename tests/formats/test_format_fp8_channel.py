@@ -85,3 +85,17 @@ def test_config_is_compressed_tensors_fp8_dynamic():
     assert group["input_activations"] == {
         "num_bits": 8, "type": "float", "strategy": "token", "symmetric": True, "dynamic": True
     }
+
+
+def test_static_activation_scales_are_refused():
+    """A W8A8 checkpoint with static per-tensor activation scales (``input_scale``): moetool
+    serves dynamic per-token activations and does not keep those scales, so it is refused
+    rather than written with a config still declaring them."""
+    from moetool.errors import MoetoolError
+    from moetool.formats import read_format_params
+
+    config = Fp8Channel().quantization_config([])
+    assert read_format_params(config) == ("fp8-channel", {})
+    config["config_groups"]["group_0"]["input_activations"].update(strategy="tensor", dynamic=False)
+    with pytest.raises(MoetoolError, match=r"^unsupported compressed-tensors fp8 with static activation scales"):
+        read_format_params(config)

@@ -412,3 +412,19 @@ def test_cli_int4_clip_mse(cli, tiny, tmp_path, flags):
         want = fmt.quantize(ck.get(f"{base}.weight").float(), torch.bfloat16)
     got = read_tensors(out)
     assert all(torch.equal(got[f"{base}.{s}"], t) for s, t in want.items())
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_stacking_keeps_the_weight_shape_dtype(dtype):
+    """compressed-tensors writes ``weight_shape`` as int64: a repack to stacked and back (or a
+    shard and its merge) must give the same bytes, not int32."""
+    fmt = Int4Group(group_size=16)
+    g = torch.Generator().manual_seed(0)
+    parts = [fmt.quantize(torch.randn(n, 32, generator=g), torch.bfloat16) for n in (16, 8)]
+    for p in parts:
+        p["weight_shape"] = p["weight_shape"].to(dtype)
+    joined = fmt.cat_rows(parts)
+    assert joined["weight_shape"].dtype == dtype and joined["weight_shape"].tolist() == [24, 32]
+    back = fmt.split_rows(joined, [16, 8])
+    for got, want in zip(back, parts):
+        assert all(got[s].dtype == want[s].dtype and torch.equal(got[s], want[s]) for s in fmt.suffixes)

@@ -436,6 +436,34 @@ def _(c):
             "has 4 experts (config.json)")
 
 
+@row("an-expert-tensor-the-format-does-not-read")
+def _(c):
+    # compressed-tensors' static activation scale beside a linear: dropped from every output
+    import torch
+    from moeutil import file_of, rewrite_file
+
+    ck = c.copy()
+    name = "model.layers.0.block_sparse_moe.experts.0.w1.weight"
+    rewrite_file(file_of(ck, name), lambda t: t.__setitem__(name.replace(".weight", ".input_scale"),
+                                                            torch.ones(1, dtype=torch.float32)))
+    return (quantize(c, ck), [ck], "model.layers.0.block_sparse_moe.experts.0.w1.input_scale: a tensor of the experts "
+            "that dense does not read (it holds weight); moetool would drop it")
+
+
+@row("fp8-experts-without-scales-or-config")
+def _(c):
+    # e4m3 codes read as values (rel err ~1800 against the model), with no error
+    from moeutil import rewrite_file
+
+    ck = c.copy("fp8")
+    edit_config(ck, quantization_config=_DROP)
+    for f in sorted(ck.glob("*.safetensors")):
+        rewrite_file(f, lambda t: [t.pop(k) for k in [k for k in t if ".experts." in k and k.endswith("_scale_inv")]])
+    return (["quantize", ck, c.out, "--int4", "--quiet"], [ck], "experts of model.layers.0.block_sparse_moe: "
+            "config.json has no "
+            "quantization_config (dense) but the weights are float8_e4m3fn with no scale tensors")
+
+
 @row("config-expert-count-a-string")
 def _(c):
     ck = c.copy("deepseek")
