@@ -20,6 +20,7 @@ values, formats/mxfp4.py), gate and up rows interleaved as in the dense tensor; 
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Literal
@@ -62,7 +63,9 @@ _MISSING = object()
 
 def _shown(v) -> str:
     """A config value as JSON with its kind: '"16" (a string)', '2.0 (a number)'."""
-    kind = ("a boolean" if isinstance(v, bool) else "a number" if isinstance(v, (int, float)) else
+    kind = ("a boolean" if isinstance(v, bool) else
+            "not a finite number" if isinstance(v, float) and not math.isfinite(v) else
+            "a number" if isinstance(v, (int, float)) else
             "a string" if isinstance(v, str) else "a list" if isinstance(v, list) else
             "an object" if isinstance(v, dict) else "null" if v is None else type(v).__name__)
     text = json.dumps(v)
@@ -112,8 +115,8 @@ class ConfigReader:
         v = self.data.get(key)
         if v is None:
             return float(default)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v in (float("inf"), float("-inf")):
-            raise self._bad(key, "a number", v)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise self._bad(key, "a finite number", v)
         if positive and v <= 0:
             raise self._bad(key, "a number above 0", v)
         return float(v)
