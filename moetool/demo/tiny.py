@@ -117,28 +117,34 @@ def tiny_tensors(family: str, cfg: dict, *, seed: int = 0, layout: str = "origin
 
     t: dict[str, torch.Tensor] = {"model.embed_tokens.weight": rnd(cfg["vocab_size"], H, scale=1.0)}
     moe = set(moe_layer_indices(cfg))
-    for i in range(cfg["num_hidden_layers"]):
+    n_layers, mtp = cfg["num_hidden_layers"], cfg.get("num_nextn_predict_layers", 0)
+    # the multi-token-prediction layers draw from a generator of their own: the decoder
+    # layers' values do not depend on whether they are written
+    g_mtp = torch.Generator().manual_seed(seed + (2 << 32))
+    for i in range(n_layers + mtp):
+        gi, ga = (g, g_attn) if i < n_layers else (g_mtp, g_mtp)
+        r = partial(rnd, gen=gi)
         p = f"model.layers.{i}"
         t[f"{p}.input_layernorm.weight"] = torch.ones(H, dtype=dtype)
         t[f"{p}.post_attention_layernorm.weight"] = torch.ones(H, dtype=dtype)
         for _ in range(4):  # the first writer's q, k, v, o [H, H] (see g_attn)
-            torch.randn(H, H, generator=g)
-        t.update(_attention(family, cfg, f"{p}.self_attn", partial(rnd, gen=g_attn)))
-        if i not in moe:
+            torch.randn(H, H, generator=gi)
+        t.update(_attention(family, cfg, f"{p}.self_attn", partial(rnd, gen=ga)))
+        if i < n_layers and i not in moe:
             inter = cfg["intermediate_size"]
-            t[f"{p}.mlp.gate_proj.weight"] = rnd(inter, H)
-            t[f"{p}.mlp.up_proj.weight"] = rnd(inter, H)
-            t[f"{p}.mlp.down_proj.weight"] = rnd(H, inter)
+            t[f"{p}.mlp.gate_proj.weight"] = r(inter, H)
+            t[f"{p}.mlp.up_proj.weight"] = r(inter, H)
+            t[f"{p}.mlp.down_proj.weight"] = r(H, inter)
             continue
         m = f"{p}.{moe_module}"
-        t[f"{m}.{router_module}.weight"] = rnd(E, H, scale=4 / math.sqrt(H))
+        t[f"{m}.{router_module}.weight"] = r(E, H, scale=4 / math.sqrt(H))
         if family == "deepseek_v3":
-            t[f"{m}.{router_module}.e_score_correction_bias"] = (torch.randn(E, generator=g) * 0.1).float()
+            t[f"{m}.{router_module}.e_score_correction_bias"] = (torch.randn(E, generator=gi) * 0.1).float()
         if family == "gpt_oss":
-            t[f"{m}.router.bias"] = rnd(E, scale=0.1)
+            t[f"{m}.router.bias"] = r(E, scale=0.1)
         if linears is None:  # fused on disk in both layouts
-            gu = torch.stack([torch.cat([rnd(N, H), rnd(N, H)]) for _ in range(E)])  # [E, 2N, H]
-            dn = torch.stack([rnd(H, N) for _ in range(E)])  # [E, H, N]
+            gu = torch.stack([torch.cat([r(N, H), r(N, H)]) for _ in range(E)])  # [E, 2N, H]
+            dn = torch.stack([r(H, N) for _ in range(E)])  # [E, H, N]
             if family in ("llama4", "gpt_oss"):
                 if family == "gpt_oss":  # interleave gate/up rows
                     gu = torch.stack([gu[:, :N], gu[:, N:]], dim=2).reshape(E, 2 * N, H)
@@ -146,10 +152,10 @@ def tiny_tensors(family: str, cfg: dict, *, seed: int = 0, layout: str = "origin
             t[f"{m}.experts.gate_up_proj"] = gu
             t[f"{m}.experts.down_proj"] = dn
             if family == "gpt_oss":
-                t[f"{m}.experts.gate_up_proj_bias"] = rnd(E, 2 * N, scale=0.01)
-                t[f"{m}.experts.down_proj_bias"] = rnd(E, H, scale=0.01)
+                t[f"{m}.experts.gate_up_proj_bias"] = r(E, 2 * N, scale=0.01)
+                t[f"{m}.experts.down_proj_bias"] = r(E, H, scale=0.01)
         else:  # the same experts in both layouts: per expert, or fused as transformers v5 saves them
-            experts = [(rnd(N, H), rnd(N, H), rnd(H, N)) for _ in range(E)]  # (gate, up, down)
+            experts = [(r(N, H), r(N, H), r(H, N)) for _ in range(E)]  # (gate, up, down)
             if layout == "v5":
                 t[f"{m}.experts.gate_up_proj"] = torch.stack([torch.cat([g_, u_]) for g_, u_, _ in experts])
                 t[f"{m}.experts.down_proj"] = torch.stack([d_ for _, _, d_ in experts])
@@ -163,11 +169,16 @@ def tiny_tensors(family: str, cfg: dict, *, seed: int = 0, layout: str = "origin
                   "llama4": ("shared_expert", N)}.get(family)
         if shared:
             name, inter = shared
-            t[f"{m}.{name}.gate_proj.weight"] = rnd(inter, H)
-            t[f"{m}.{name}.up_proj.weight"] = rnd(inter, H)
-            t[f"{m}.{name}.down_proj.weight"] = rnd(H, inter)
+            t[f"{m}.{name}.gate_proj.weight"] = r(inter, H)
+            t[f"{m}.{name}.up_proj.weight"] = r(inter, H)
+            t[f"{m}.{name}.down_proj.weight"] = r(H, inter)
             if family == "qwen2_moe":
-                t[f"{m}.shared_expert_gate.weight"] = rnd(1, H)
+                t[f"{m}.shared_expert_gate.weight"] = r(1, H)
+        if i >= n_layers:  # DeepSeek-V3's MTP module around the decoder layer
+            t.update({f"{p}.embed_tokens.weight": r(cfg["vocab_size"], H, scale=1.0),
+                      f"{p}.enorm.weight": torch.ones(H, dtype=dtype), f"{p}.hnorm.weight": torch.ones(H, dtype=dtype),
+                      f"{p}.eh_proj.weight": r(H, 2 * H), f"{p}.shared_head.norm.weight": torch.ones(H, dtype=dtype),
+                      f"{p}.shared_head.head.weight": r(cfg["vocab_size"], H)})
     t["model.norm.weight"] = torch.ones(H, dtype=dtype)
     t["lm_head.weight"] = rnd(cfg["vocab_size"], H)
     return t
@@ -234,7 +245,13 @@ def write_checkpoint(path: Path, config: dict, tensors: dict[str, torch.Tensor],
 
 def make_tiny_checkpoint(path: Path, family: str = "deepseek_v3", *, hidden: int = 256, intermediate: int = 192,
                          experts: int = 16, top_k: int = 4, layers: int = 3, dtype: torch.dtype = torch.bfloat16,
-                         shards: int = 2, seed: int = 0, layout: str = "original") -> Path:
+                         shards: int = 2, seed: int = 0, layout: str = "original", mtp: int = 0) -> Path:
+    """``mtp``: DeepSeek-V3 multi-token-prediction layers after the ``layers`` decoder layers
+    (``num_nextn_predict_layers``), stored as DeepSeek's releases store layer 61."""
     cfg = tiny_config(family, hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k, layers=layers,
                       dtype=dtype)
+    if mtp:
+        if family != "deepseek_v3":
+            raise ValueError(f"mtp layers: DeepSeek-V3 only, not {family}")
+        cfg["num_nextn_predict_layers"] = mtp
     return write_checkpoint(path, cfg, tiny_tensors(family, cfg, seed=seed, layout=layout), shards=shards)

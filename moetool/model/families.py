@@ -55,6 +55,10 @@ class Family:
     moe_module_aliases: tuple[str, ...] = ()
     #: the experts' activation from the config (default: ``hidden_act``, SwiGLU)
     activation: Callable[["ConfigReader"], ExpertActivation] | None = None
+    #: the config key counting the multi-token-prediction layers stored after the decoder
+    #: layers (DeepSeek-V3's ``num_nextn_predict_layers``: layer 61 of 61), MoE blocks like
+    #: the others that transformers does not run and vLLM's MTP drafter does
+    mtp_key: str | None = None
     notes: str = ""
 
 
@@ -292,7 +296,8 @@ FAMILIES: list[Family] = [
     Family("deepseek-v3", ("deepseek_v3", "kimi_k2"), "mlp", "gate", ("gate_proj", "up_proj", "down_proj"),
            ("n_routed_experts",), ("moe_intermediate_size",), _deepseek_v3_router, _deepseek_v3_layers,
            shared_module="shared_experts",
-           shared_intermediate=lambda c: c.int("moe_intermediate_size") * c.int("n_shared_experts", 1, minimum=0)),
+           shared_intermediate=lambda c: c.int("moe_intermediate_size") * c.int("n_shared_experts", 1, minimum=0),
+           mtp_key="num_nextn_predict_layers"),
     Family("llama4", ("llama4_text", "llama4"), "feed_forward", "router", ("gate_proj", "up_proj", "down_proj"),
            ("num_local_experts",), ("intermediate_size",), _llama4_router, _llama4_layers,
            shared_module="shared_expert", shared_intermediate=lambda c: c.int("intermediate_size"),
@@ -474,7 +479,7 @@ def describe(config: dict, tensors: dict, stored_experts: dict[int, int] | None 
     n_layers = conf.first_int(("num_hidden_layers",), "num_hidden_layers")
     router = family.router(conf)
     activation = (family.activation or _hidden_act)(conf)
-    moe_indices = family.moe_layers(conf)
+    moe_indices = family.moe_layers(conf) + _mtp_layers(family, conf, names, n_layers)
     if router.top_k < 1 or router.top_k > num_experts:
         raise MoetoolError(f"config.json: top-k {router.top_k} must be between 1 and the expert count {num_experts}")
     if router.apply_weight_on_input and router.top_k != 1:
@@ -544,10 +549,29 @@ def describe(config: dict, tensors: dict, stored_experts: dict[int, int] | None 
         raise MoetoolError(f"config.json: {family.name} model has no MoE layers")
     dense = [i for i in range(n_layers) if i not in set(moe_indices)]
     _check_dense_layers(family, names, dense)
+    _check_dense_layers(family, names, _layers_after(family, conf, n_layers, moe_indices), mtp=True)
     return ModelSpec(family, cfg.get("model_type", ""), n_layers, hidden, layers, dense)
 
 
-def _check_dense_layers(family: Family, names: set[str], dense: list[int]) -> None:
+def _mtp_layers(family: Family, config: ConfigReader, names: set[str], n_layers: int) -> list[int]:
+    """The multi-token-prediction layers the checkpoint stores: of the config's count after
+    the decoder layers, those holding a router (transformers saves none; DeepSeek's releases
+    keep theirs). Their experts are converted, sharded and verified as any MoE layer's."""
+    if family.mtp_key is None:
+        return []
+    count = config.int(family.mtp_key, 0, minimum=0, maximum=MAX_LAYERS)
+    return [i for i in range(n_layers, n_layers + count)
+            if _moe_prefix(family, _layer_prefix(names, i), names) + f".{family.router_module}.weight" in names]
+
+
+def _layers_after(family: Family, config: ConfigReader, n_layers: int, moe: list[int]) -> list[int]:
+    """The MTP layers of the config's count that are not MoE layers here (none stored, or one
+    holding experts without its router: refused by :func:`_check_dense_layers`)."""
+    count = config.int(family.mtp_key, 0, minimum=0, maximum=MAX_LAYERS) if family.mtp_key else 0
+    return [i for i in range(n_layers, n_layers + count) if i not in moe]
+
+
+def _check_dense_layers(family: Family, names: set[str], dense: list[int], mtp: bool = False) -> None:
     """A layer the config makes dense holds no router and no experts: left as plain tensors they
     would be copied unquantized into every rank and never checked (transformers' DeepSeek
     saves experts in every layer from ``first_k_dense_replace`` on, whatever
@@ -562,6 +586,9 @@ def _check_dense_layers(family: Family, names: set[str], dense: list[int]) -> No
         if m:
             by_layer.setdefault(int(m[1]), name)
     for i in dense:
+        if i in by_layer and mtp:
+            raise MoetoolError(f"{by_layer[i]}: layer {i}, a multi-token-prediction layer, holds experts but not "
+                               f"its router (.{family.moe_module}.{family.router_module}.weight)")
         if i in by_layer:
             raise MoetoolError(f"{by_layer[i]}: layer {i} holds MoE tensors, but config.json makes it a dense layer "
                                f"(its MoE layers: first_k_dense_replace, moe_layer_freq, decoder_sparse_step, "

@@ -44,6 +44,7 @@ def inspect_checkpoint(ckpt: Checkpoint) -> dict:
         "model_type": spec.model_type,
         "layers": spec.num_layers,
         "moe_layers": [m.index for m in spec.moe_layers],
+        "mtp_layers": [m.index for m in spec.moe_layers if m.index >= spec.num_layers],
         "dense_layers": spec.dense_layers,
         "experts": first.num_experts,
         "top_k": first.router.top_k,
@@ -188,13 +189,15 @@ def render_shards(info: dict) -> str:
 
 
 def render(info: dict) -> str:
-    moe = info["moe_layers"]
+    mtp = info.get("mtp_layers") or []
+    moe = [i for i in info["moe_layers"] if i not in mtp]
     moe_text = f"{len(moe)} ({moe[0]}..{moe[-1]})" if len(moe) > 1 else str(moe)
+    mtp_text = f", multi-token prediction {mtp} (MoE)" if mtp else ""
     shared = info["shared_experts"]
     rows = [
         ("checkpoint", info["path"]),
         ("architecture", f"{info['architecture']} (model_type {info['model_type']})"),
-        ("layers", f"{info['layers']} total, MoE {moe_text}, dense {len(info['dense_layers'])}"),
+        ("layers", f"{info['layers']} total, MoE {moe_text}, dense {len(info['dense_layers'])}{mtp_text}"),
         ("experts", f"{info['experts']} per layer, top-{info['top_k']}"),
         ("dims", f"hidden {info['hidden_size']}, expert intermediate {info['expert_intermediate_size']}"),
         ("router", info["router"]),

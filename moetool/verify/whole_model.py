@@ -170,6 +170,9 @@ class WholeModelReport:
     #: ended each of its steps (rank_start_s, rank_built_s, rank_layer_<i>_s, rank_head_s,
     #: rank_checked_s: its files' sha256 passed)
     timings_s: dict = field(default_factory=dict)
+    #: MoE layers after the decoder (DeepSeek-V3's multi-token prediction), which transformers
+    #: does not run: the MoE-only check covers their blocks
+    mtp_layers: list[int] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -184,7 +187,7 @@ class WholeModelReport:
                 "passed": self.passed, "first_divergent": self.first_divergent, "failures": self.failures,
                 "options": self.options, "thresholds": self.thresholds, "tokens": self.tokens,
                 "rows": [asdict(r) for r in self.rows], "logits": self.logits, "ranks": self.ranks,
-                "timings_s": self.timings_s}
+                "timings_s": self.timings_s, "mtp_layers": self.mtp_layers}
 
     def render(self) -> str:
         o, t = self.options, self.tokens
@@ -214,6 +217,9 @@ class WholeModelReport:
             lines.append(f"memory: weights held at once at most {most('converted_weights_peak_mb'):.3g} MiB converted, "
                          f"{most('reference_weights_peak_mb'):.3g} MiB reference; peak RSS of a rank "
                          f"{most('rss_peak_mb'):.0f} MiB")
+        if self.mtp_layers:
+            lines.append(f"not run: multi-token-prediction layer(s) {self.mtp_layers} (transformers has no module "
+                         "for them; verify without --whole-model checks their MoE blocks)")
         if self.passed:
             lines.append("PASSED: every layer and the logits within the thresholds of " + self.format)
         else:
@@ -570,6 +576,7 @@ def _run(rank, topo, shards, ckpt, spec, ref_ckpt, ids, job, dispatcher, experts
             "shared_quantized": any(m.shared_bases is not None and reader.linear_format(m.shared_bases[0]).name != "dense"
                                     for m in spec.moe_layers),
             "kinds": {str(i): ("moe" if i in conv.moe_index else "dense") for i in range(len(conv.layers))},
+            "mtp_layers": [m.index for m in spec.moe_layers if m.index >= len(conv.layers)],
             "timings_s": clock.s,
             "row_timings_s": clock.rows,
             "timeline": clock.marks,
@@ -877,7 +884,7 @@ def build_report(shards: str, ref: str, fmt: str, opts: WholeModelOptions, backe
     dp, B, S = ids.shape
     return WholeModelReport(shards, ref, fmt, {**asdict(opts), "backend": backend}, th,
                             {"source": source, "dp_groups": dp, "sequences": B, "seq_len": S}, rows, logits,
-                            failures)
+                            failures, mtp_layers=groups[0].get("mtp_layers", []))
 
 
 def save_json(report: WholeModelReport, path: Path) -> None:

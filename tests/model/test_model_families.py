@@ -267,3 +267,25 @@ def test_llama4_multimodal_wrapper_and_interleaved_moe():
 def test_every_family_has_a_model_type():
     assert {t for f in FAMILIES for t in f.model_types} >= {
         "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "llama4_text", "gpt_oss"}
+
+
+def test_deepseek_v3_mtp_layers_are_moe_layers_where_stored(tmp_path):
+    """DeepSeek's releases store the multi-token-prediction layer after the decoder (layer 61
+    of 61, ``num_nextn_predict_layers`` 1); transformers saves none (its config still says 1)."""
+    from moetool.demo.tiny import make_tiny_checkpoint
+    from moetool.read.checkpoint import open_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path / "m", "deepseek_v3", hidden=64, intermediate=32, experts=8, top_k=2,
+                                layers=2, shards=1, mtp=1)
+    with open_checkpoint(path) as ck:
+        spec = describe(ck.config, ck.tensors)
+        assert [m.index for m in spec.moe_layers] == [1, 2] and spec.num_layers == 2 and spec.dense_layers == [0]
+        assert spec.layer(2).prefix == "model.layers.2.mlp" and spec.layer(2).shared is not None
+        config, tensors = dict(ck.config), dict(ck.tensors)
+    without = {n: v for n, v in tensors.items() if not n.startswith("model.layers.2.")}
+    assert [m.index for m in describe(config, without).moe_layers] == [1]  # none stored: no MTP layer
+    assert [m.index for m in describe({**config, "num_nextn_predict_layers": 0}, without).moe_layers] == [1]
+    no_router = {n: v for n, v in tensors.items() if not n.startswith("model.layers.2.mlp.gate.")}
+    with pytest.raises(MoetoolError, match=r"layer 2, a multi-token-prediction layer, holds experts but not its "
+                                           r"router \(\.mlp\.gate\.weight\)$"):
+        describe(config, no_router)

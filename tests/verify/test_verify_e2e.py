@@ -141,6 +141,25 @@ def _w13_halves_job(root: Path) -> tuple:
     return root / "s", model, _opts(ep=2, dp=1, dispatch="all2all")
 
 
+#: DeepSeek-V3's multi-token-prediction layer: after decoder layers 0 (dense) and 1, layer 2
+MTP = 2
+
+
+def _mtp_jobs(root: Path) -> list[tuple]:
+    """A DeepSeek-V3 with its MTP layer stored, as DeepSeek's releases store layer 61:
+    quantized and sharded, then the same shards with two of the MTP layer's experts swapped."""
+    model = make_tiny_checkpoint(root / "m", "deepseek_v3", hidden=64, intermediate=32, experts=8, top_k=2,
+                                 layers=2, shards=1, mtp=1)
+    quantize(model, root / "q", "fp8-block", progress=False)
+    shard(root / "q", root / "s", 2, layout="stacked", progress=False)
+    shard(root / "q", root / "bad", 2, layout="stacked", progress=False)
+    prefix = f"model.layers.{MTP}.mlp.experts"
+    _corrupt(root / "bad", 0, 2, f"{prefix}.w13_weight", lambda t: (_swap_slots(t, f"{prefix}.w13", 0, 3),
+                                                                    _swap_slots(t, f"{prefix}.w2", 0, 3)))
+    return [(root / "s", model, _opts(ep=2, dp=1, dispatch="all2all")),
+            (root / "bad", model, _opts(ep=2, dp=1, dispatch="allgather"))]
+
+
 @pytest.fixture(scope="module")
 def ep2_world(verify_chain, verify_shards, tmp_path_factory) -> dict:
     """Every ep 2 verification of this module, run by one set of rank processes:
@@ -151,6 +170,7 @@ def ep2_world(verify_chain, verify_shards, tmp_path_factory) -> dict:
         "unmodified": _unmodified_jobs(verify_chain, verify_shards, 2, 1),
         "faults": [(sh, model, _opts(ep=2, dp=1, dispatch=BACKENDS[i % 2])) for i, (sh, _, _) in enumerate(cases.values())],
         "w13": [_w13_halves_job(tmp_path_factory.mktemp("w13"))],
+        "mtp": _mtp_jobs(tmp_path_factory.mktemp("mtp")),
     }
     reports = iter(verify_many([job for jobs in groups.values() for job in jobs]))
     return {name: [(job, next(reports)) for job in jobs] for name, jobs in groups.items()} | {"cases": cases}
@@ -212,3 +232,23 @@ def test_fp8_block_w13_halves_that_look_like_one_linear(ep2_world):
     must read it right (a guess would scale the up rows with the gate's scales)."""
     ((_, rep),) = ep2_world["w13"]
     assert rep.passed, rep.render()
+
+
+def test_the_mtp_layer_is_quantized_sharded_and_verified(ep2_world):
+    """DeepSeek-V3's MTP layer (61 of 61) is a MoE block that transformers does not run and
+    vLLM's drafter loads with the model's quantization: its experts are converted (not left in
+    the ignore list, nor copied whole into every rank's common files) and verified; two of
+    its experts swapped fail naming the layer."""
+    (shards, model, _), good = ep2_world["mtp"][0]
+    (_, _, _), bad = ep2_world["mtp"][1]
+    assert good.passed and [l.layer for l in good.layers] == [1, MTP], good.render()
+    config = json.loads((shards.parent / "q" / "config.json").read_text())
+    ignored = config["quantization_config"]["ignored_layers"]
+    assert f"model.layers.{MTP}.eh_proj" in ignored and not any(f"layers.{MTP}.mlp.experts" in n for n in ignored)
+    for rank in range(2):
+        rank_dir = shards / f"rank-{rank:05d}-of-00002"
+        weight_map = json.loads((rank_dir / "model.safetensors.index.json").read_text())["weight_map"]
+        assert not weight_map[f"model.layers.{MTP}.mlp.experts.w13_weight"].startswith("model-common")
+    layer = next(l for l in bad.layers if l.layer == MTP)
+    assert not bad.passed and not layer.passed and layer.worst_expert in {0, 3}, bad.render()
+    assert next(l for l in bad.layers if l.layer == 1).passed

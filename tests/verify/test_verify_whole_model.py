@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from moetool.demo.tiny import make_tiny_checkpoint
 from moeutil import edited_copy, file_of, rewrite_file, save_hf_model
 
 pytest.importorskip("transformers")
@@ -146,6 +147,10 @@ def world(tmp_path_factory):
             f"{L}.1.mlp.experts.3.down_proj.weight_scale_inv", t[f"{L}.1.mlp.experts.3.down_proj.weight_scale_inv"] * 2),
             None),
     }
+    mtp = make_tiny_checkpoint(root / "deepseek_v3-mtp", "deepseek_v3", hidden=64, intermediate=32, experts=8,
+                               top_k=2, layers=3, shards=1, mtp=1)
+    quantize(mtp, root / "deepseek_v3-mtp-fp8", "fp8-block", progress=False)
+    add("honest-deepseek_v3-mtp", root / "deepseek_v3-mtp-fp8", mtp)
     for name, (src, mutate, config) in faults.items():
         ref = models["mixtral"] if name.endswith("mixtral") else ds
         add(name, edited_copy(src, root / f"broken-{name}", mutate, config), ref)
@@ -170,6 +175,15 @@ def test_honest_family_passes(world, family):
             assert row.attn_rel_err == 0.0, (row, report.render())
         if row.kind == "moe":
             assert 0 < row.mlp_rel_err < 0.01, (row, report.render())  # bf16 rounding only
+
+
+def test_an_mtp_layer_is_named_as_not_run(world):
+    """transformers has no module for DeepSeek-V3's multi-token-prediction layer: the report
+    covers the decoder and says which MoE layer it left to the MoE-only check."""
+    report, _ = world["honest-deepseek_v3-mtp"]
+    assert report.passed and report.mtp_layers == [3], report.render()
+    assert [r.name for r in report.rows] == ["embed", "0", "1", "2", "head"]
+    assert "not run: multi-token-prediction layer(s) [3]" in report.render()
 
 
 def test_kimi_k2_runs_as_deepseek_v3(world):
