@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import errno
 import json
 import os
 import threading
@@ -384,6 +385,9 @@ def refuse_output(root: Path, *, inputs: Iterable[Path] = (), force: bool = Fals
         _refuse_nesting(root, Path(inp))
     if root.exists() and not root.is_dir():
         raise MoetoolError(f"{root}: exists and is not a folder; choose an output folder")
+    above = next(p for p in (root, *root.absolute().parents) if os.path.lexists(p))
+    if not above.is_dir():
+        raise MoetoolError(f"{root}: cannot create the output folder ({os.strerror(errno.ENOTDIR)})")
     if force or not root.is_dir():
         return
     if (root / MANIFEST_NAME).exists():

@@ -122,11 +122,15 @@ def plan_placements(spec: ModelSpec, ep: int, placement: str, redundant: int,
         raise MoetoolError("--redundant-experts needs --expert-load FILE (per-layer token counts per expert)")
     if load_file is not None and not redundant:
         raise MoetoolError("--expert-load is only used with --redundant-experts R (R > 0)")
-    loads = read_expert_load(load_file, {m.index: m.num_experts for m in spec.moe_layers}) if load_file else {}
+    # the multi-token-prediction layers may be left out of the load file (an engine's statistics
+    # of the decoder): they then get no replicas
+    mtp = {m.index for m in spec.moe_layers if m.index >= spec.num_layers}
+    loads = read_expert_load(load_file, {m.index: m.num_experts for m in spec.moe_layers},
+                             optional=mtp) if load_file else {}
     out = {}
     for layer in spec.moe_layers:
         p = make_placement(placement, layer.num_experts, ep)
-        if redundant:
+        if redundant and layer.index in loads:
             p = add_redundant(p, loads[layer.index], redundant)
         out[layer.index] = p
     return out

@@ -57,7 +57,8 @@ class Family:
     activation: Callable[["ConfigReader"], ExpertActivation] | None = None
     #: the config key counting the multi-token-prediction layers stored after the decoder
     #: layers (DeepSeek-V3's ``num_nextn_predict_layers``: layer 61 of 61), MoE blocks like
-    #: the others that transformers does not run and vLLM's MTP drafter does
+    #: the others that the causal LM does not run and an MTP drafter (vLLM's, transformers'
+    #: ``generate(use_mtp=True)``) does
     mtp_key: str | None = None
     notes: str = ""
 
@@ -119,7 +120,11 @@ class ConfigReader:
         v = self.data.get(key)
         if v is None:
             return float(default)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        try:
+            finite = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+        except OverflowError:  # an integer past a float's range
+            finite = False
+        if not finite:
             raise self._bad(key, "a finite number", v)
         if positive and v <= 0:
             raise self._bad(key, "a number above 0", v)
@@ -479,7 +484,11 @@ def describe(config: dict, tensors: dict, stored_experts: dict[int, int] | None 
     n_layers = conf.first_int(("num_hidden_layers",), "num_hidden_layers")
     router = family.router(conf)
     activation = (family.activation or _hidden_act)(conf)
-    moe_indices = family.moe_layers(conf) + _mtp_layers(family, conf, names, n_layers)
+    moe_indices = family.moe_layers(conf)
+    mtp_indices = _mtp_layers(family, conf, names, n_layers)
+    if stored_experts is not None:  # a rank folder of a shard made before MTP layers were MoE layers
+        mtp_indices = [i for i in mtp_indices if i in stored_experts]
+    moe_indices = moe_indices + mtp_indices
     if router.top_k < 1 or router.top_k > num_experts:
         raise MoetoolError(f"config.json: top-k {router.top_k} must be between 1 and the expert count {num_experts}")
     if router.apply_weight_on_input and router.top_k != 1:
@@ -545,12 +554,33 @@ def describe(config: dict, tensors: dict, stored_experts: dict[int, int] | None 
         layers.append(MoELayerSpec(i, prefix, num_experts, hidden, intermediate, router, router_weight, bias, storage,
                                    shared, shared_bases, shared_gate, router_bias,
                                    stored_experts=-1 if stored_experts is None else n_stored, activation=activation))
+    layers = _without_mtp_of_another_format(layers, n_layers, names)
+    moe_indices = [m.index for m in layers]
     if not layers:
         raise MoetoolError(f"config.json: {family.name} model has no MoE layers")
     dense = [i for i in range(n_layers) if i not in set(moe_indices)]
     _check_dense_layers(family, names, dense)
-    _check_dense_layers(family, names, _layers_after(family, conf, n_layers, moe_indices), mtp=True)
+    _check_dense_layers(family, names, _layers_after(family, conf, names, n_layers, moe_indices), mtp=True)
     return ModelSpec(family, cfg.get("model_type", ""), n_layers, hidden, layers, dense)
+
+
+def _without_mtp_of_another_format(layers: list[MoELayerSpec], n_layers: int, names: set[str]) -> list[MoELayerSpec]:
+    """``layers`` less the MTP layers whose experts are stored with other tensors than the
+    decoder's (a quantized output of moetool before 0.1's MTP handling kept them unquantized,
+    in its ignore list): as then, they are plain tensors, copied as they are."""
+    decoder = [m for m in layers if m.index < n_layers]
+    if not decoder:
+        return layers
+    kept = _expert_suffixes(decoder[0], names)
+    return [m for m in layers if m.index < n_layers or _expert_suffixes(m, names) == kept]
+
+
+def _expert_suffixes(layer: MoELayerSpec, names: set[str]) -> frozenset[str]:
+    """What expert 0's first linear stores (``weight``, ``weight_scale_inv``...; stacked: the
+    ``w13_*`` tensors), which says its format."""
+    st = layer.storage
+    base, sep = (st.per_expert_bases(0)[0], ".") if st.kind == "per-expert" else (st.gate_up, "_")
+    return frozenset(n[len(base) + 1:] for n in names if n.startswith(base + sep) and "." not in n[len(base) + 1:])
 
 
 def _mtp_layers(family: Family, config: ConfigReader, names: set[str], n_layers: int) -> list[int]:
@@ -559,16 +589,17 @@ def _mtp_layers(family: Family, config: ConfigReader, names: set[str], n_layers:
     keep theirs). Their experts are converted, sharded and verified as any MoE layer's."""
     if family.mtp_key is None:
         return []
-    count = config.int(family.mtp_key, 0, minimum=0, maximum=MAX_LAYERS)
+    count = config.int(family.mtp_key, 1, minimum=0, maximum=MAX_LAYERS)  # transformers' num_mtp_layers: 1
     return [i for i in range(n_layers, n_layers + count)
             if _moe_prefix(family, _layer_prefix(names, i), names) + f".{family.router_module}.weight" in names]
 
 
-def _layers_after(family: Family, config: ConfigReader, n_layers: int, moe: list[int]) -> list[int]:
-    """The MTP layers of the config's count that are not MoE layers here (none stored, or one
-    holding experts without its router: refused by :func:`_check_dense_layers`)."""
-    count = config.int(family.mtp_key, 0, minimum=0, maximum=MAX_LAYERS) if family.mtp_key else 0
-    return [i for i in range(n_layers, n_layers + count) if i not in moe]
+def _layers_after(family: Family, config: ConfigReader, names: set[str], n_layers: int, moe: list[int]) -> list[int]:
+    """The MTP layers of the config's count that are no MoE layers here and hold no router
+    (none stored, or experts without their router: refused by :func:`_check_dense_layers`)."""
+    count = config.int(family.mtp_key, 1, minimum=0, maximum=MAX_LAYERS) if family.mtp_key else 0
+    return [i for i in range(n_layers, n_layers + count) if i not in moe
+            and _moe_prefix(family, _layer_prefix(names, i), names) + f".{family.router_module}.weight" not in names]
 
 
 def _check_dense_layers(family: Family, names: set[str], dense: list[int], mtp: bool = False) -> None:

@@ -77,10 +77,11 @@ def add_redundant(placement: ExpertPlacement, load: list[float], redundant: int)
     return ExpertPlacement(E, R, reps)
 
 
-def read_expert_load(path: Path, moe_layers: dict[int, int]) -> dict[int, list[float]]:
+def read_expert_load(path: Path, moe_layers: dict[int, int], optional: set[int] = frozenset()) -> dict[int, list[float]]:
     """Load file: JSON ``{"layers": {"<layer>": [tokens per expert, ...], ...}}`` (or the
-    inner mapping alone), one entry per MoE layer (its index in decimal, once), one count per
-    expert: a finite JSON number >= 0 (no NaN, Infinity, string or boolean)."""
+    inner mapping alone), one entry per MoE layer (its index in decimal, once; the layers of
+    ``optional`` may be left out), one count per expert: a finite JSON number >= 0 (no NaN,
+    Infinity, string or boolean)."""
     try:
         data = json.loads(Path(path).read_text(), parse_constant=_not_a_count, object_pairs_hook=_unique_keys)
     except FileNotFoundError:
@@ -97,12 +98,12 @@ def read_expert_load(path: Path, moe_layers: dict[int, int]) -> dict[int, list[f
         if not isinstance(counts, list):
             raise MoetoolError(f"--expert-load {path}: layer {key} needs a list of counts, one per expert")
         for e, c in enumerate(counts):
-            if type(c) not in (int, float) or not math.isfinite(c) or c < 0:
+            if type(c) not in (int, float) or not _finite(c) or c < 0:
                 raise MoetoolError(f"--expert-load {path}: layer {key} expert {e}: {json.dumps(c)[:40]} is not a "
                                    "count (a finite number >= 0)")
         loads[int(key)] = [float(c) for c in counts]
-    if set(loads) != set(moe_layers):
-        missing = sorted(set(moe_layers) - set(loads))
+    if not set(moe_layers) - set(optional) <= set(loads) <= set(moe_layers):
+        missing = sorted(set(moe_layers) - set(optional) - set(loads))
         extra = sorted(set(loads) - set(moe_layers))
         raise MoetoolError(f"--expert-load {path}: layers do not match the model's MoE layers "
                            f"(missing {missing}, not MoE layers {extra})")
@@ -110,6 +111,14 @@ def read_expert_load(path: Path, moe_layers: dict[int, int]) -> dict[int, list[f
         if len(counts) != moe_layers[layer]:
             raise MoetoolError(f"--expert-load {path}: layer {layer} has {len(counts)} counts for {moe_layers[layer]} experts")
     return loads
+
+
+def _finite(x: float) -> bool:
+    """``x`` is a float's worth of a finite number (an integer of 400 digits is not)."""
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
 
 
 def _not_a_count(constant: str):

@@ -42,12 +42,12 @@ class Checkpoint:
     """
 
     def __init__(self, root: Path, config: dict, tensors: dict[str, TensorInfo], files: list[str],
-                 opened_as: dict[str, tuple[int, int, int]] | None = None):
+                 opened_as: dict[str, tuple[int, int, int, int]] | None = None):
         self.root = root
         self.config = config
         self.tensors = tensors
         self.files = files
-        #: {file name: (size, mtime_ns, inode)} of config.json and each shard, taken before
+        #: {file name: (size, mtime_ns, ctime_ns, inode)} of config.json and each shard, taken before
         #: they were read (:meth:`check_unchanged`)
         self.opened_as = opened_as or {}
         self._fds: dict[str, int] = {}
@@ -56,17 +56,19 @@ class Checkpoint:
         self._suffix_index: dict[str, set[str]] | None = None
 
     def check_unchanged(self) -> None:
-        """Raise unless config.json and every shard still have the size, modification time and
-        inode they had when the checkpoint was opened: an input rewritten while a conversion
-        read it gives an output of neither version, which must not be marked complete."""
+        """Raise unless config.json and every shard still have the size, modification and status
+        change times and inode they had when the checkpoint was opened: an input rewritten while
+        a conversion read it gives an output of neither version, which must not be marked
+        complete."""
         for name, before in self.opened_as.items():
             try:
                 now = file_identity(self.root / name)
             except OSError:
                 now = None
             if now != before:
-                raise MoetoolError(f"{self.root / name}: changed while moetool read it (size, modification time or "
-                                   "inode); the output is left unfinished: re-run with --force to convert it again")
+                raise MoetoolError(f"{self.root / name}: changed while moetool read it (size, modification or status "
+                                   "change time, or inode); the output is left unfinished: re-run with --force to "
+                                   "convert it again")
 
     # -- reading ---------------------------------------------------------------------------
     def suffixes(self, base: str, sep: str = ".") -> set[str]:
@@ -238,11 +240,12 @@ def refuse_shard_output(root: Path, config: dict | None = None) -> None:
         + (f" ({parent})" if parent is not None else ""), parent or root, root)
 
 
-def file_identity(path: Path) -> tuple[int, int, int]:
-    """(size, mtime_ns, inode) of ``path``, through a link: what a rewrite in place or a file
-    renamed over it changes."""
+def file_identity(path: Path) -> tuple[int, int, int, int]:
+    """(size, mtime_ns, ctime_ns, inode) of ``path``, through a link: what a rewrite in place
+    or a file renamed over it changes (the status change time also when the old mtime is put
+    back: ``cp -p``, ``touch -r``; moetool never links or renames an input)."""
     st = os.stat(path)
-    return st.st_size, st.st_mtime_ns, st.st_ino
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
 
 
 def open_checkpoint(source: str | os.PathLike, revision: str | None = None, *,

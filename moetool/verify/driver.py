@@ -442,7 +442,7 @@ def check_reference(shards: EPShards, ref_ckpt, spec, ref, *, routers: bool = Fa
         shard_arch = "unknown architecture"
     theirs = sorted((int(l["layer"]), int(l["num_experts"]), int(l["hidden"]), int(l["intermediate"]))
                     for l in shards.manifest["layers"])
-    ours = [(m.index, m.num_experts, m.hidden, m.intermediate) for m in spec.moe_layers]
+    ours = [(m.index, m.num_experts, m.hidden, m.intermediate) for m in _checkable_layers(shards, spec)]
     if shard_arch != spec.family.name or theirs != ours:
         raise MoetoolError(f"--ref {ref}: is {_model_text(spec.family.name, ours)}, but the shards in {shards.root} "
                            f"hold {_model_text(shard_arch, theirs)}; --ref must be the model they were made from")
@@ -474,9 +474,17 @@ def check_reference(shards: EPShards, ref_ckpt, spec, ref, *, routers: bool = Fa
                            "give the original checkpoint")
 
 
+def _checkable_layers(shards: EPShards, spec) -> list:
+    """The reference's MoE layers that the shards must hold: each decoder layer's, and the
+    multi-token-prediction layers the shards placed (a shard made before they were MoE
+    layers copied their experts whole into every rank, unchecked then as now)."""
+    return [m for m in spec.moe_layers if m.index < spec.num_layers or m.index in shards.placements]
+
+
 def _layers_to_check(shards: EPShards, spec, opts: VerifyOptions) -> list[int]:
     # each layer once: its outputs and reference meet under its index
-    layer_ids = list(dict.fromkeys(opts.layers)) if opts.layers else [m.index for m in spec.moe_layers]
+    layer_ids = (list(dict.fromkeys(opts.layers)) if opts.layers
+                 else [m.index for m in _checkable_layers(shards, spec)])
     for i in layer_ids:
         layer = spec.layer(i)
         if i not in shards.placements:

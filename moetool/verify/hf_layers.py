@@ -118,8 +118,9 @@ class Skeleton:
             if "rotary" in name:
                 setattr(base, name, type(mod)(config=self.cfg).to(self.device))
         self.layers: nn.ModuleList = base.layers
-        # the decoder's MoE layers: transformers runs no multi-token-prediction layer (DeepSeek-V3's
-        # layer 61), which MoE-only verify checks as a block
+        # the decoder's MoE layers: the causal LM neither loads nor runs a multi-token-prediction
+        # layer (DeepSeek-V3's layer 61; only generate(use_mtp=True)'s MtpModel does), which
+        # MoE-only verify checks as a block
         self.moe_index = {m.index: m for m in spec.moe_layers if m.index < len(self.layers)}
         #: bytes of weights filled now, and the most at any time (the memory bound, measured)
         self.held_bytes = self.peak_bytes = 0

@@ -170,8 +170,8 @@ class WholeModelReport:
     #: ended each of its steps (rank_start_s, rank_built_s, rank_layer_<i>_s, rank_head_s,
     #: rank_checked_s: its files' sha256 passed)
     timings_s: dict = field(default_factory=dict)
-    #: MoE layers after the decoder (DeepSeek-V3's multi-token prediction), which transformers
-    #: does not run: the MoE-only check covers their blocks
+    #: MoE layers after the decoder (DeepSeek-V3's multi-token prediction), which the causal
+    #: LM does not run: the MoE-only check covers their blocks
     mtp_layers: list[int] = field(default_factory=list)
 
     @property
@@ -218,8 +218,8 @@ class WholeModelReport:
                          f"{most('reference_weights_peak_mb'):.3g} MiB reference; peak RSS of a rank "
                          f"{most('rss_peak_mb'):.0f} MiB")
         if self.mtp_layers:
-            lines.append(f"not run: multi-token-prediction layer(s) {self.mtp_layers} (transformers has no module "
-                         "for them; verify without --whole-model checks their MoE blocks)")
+            lines.append(f"not run: multi-token-prediction layer(s) {self.mtp_layers} (not part of the causal LM's "
+                         "forward; verify without --whole-model checks their MoE blocks)")
         if self.passed:
             lines.append("PASSED: every layer and the logits within the thresholds of " + self.format)
         else:

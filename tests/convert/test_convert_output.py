@@ -322,11 +322,15 @@ def _rewrite_in_place(path) -> None:
         f.write(bytes([last[0] ^ 0xFF]))
 
 
-@pytest.mark.parametrize("command", ["quantize", "shard", "repack", "merge"])
+@pytest.mark.parametrize("command, old_mtime", [("quantize", False), ("shard", False), ("repack", False),
+                                                ("merge", False), ("quantize", True)])
 def test_an_input_rewritten_while_it_is_read_leaves_the_output_unfinished(tmp_path, tiny, copy_ckpt, monkeypatch,
-                                                                         cli, command):
+                                                                         cli, command, old_mtime):
     """A shard of the input rewritten after the first output file was committed: the output
-    would hold files of both versions; it is not marked complete, and the error names the file."""
+    would hold files of both versions; it is not marked complete, and the error names the file.
+    ``old_mtime``: the rewrite puts the old modification time back (``cp -p``, ``touch -r``)."""
+    import os
+
     from moetool.convert.shard import shard
 
     src = copy_ckpt(tiny("mixtral"))
@@ -348,14 +352,18 @@ def test_an_input_rewritten_while_it_is_read_leaves_the_output_unfinished(tmp_pa
         record = real_commit(self, name, sha256)
         if not done:
             done.append(name)
+            before = changed.stat()
             _rewrite_in_place(changed)
+            if old_mtime:
+                os.utime(changed, ns=(before.st_atime_ns, before.st_mtime_ns))
         return record
 
     monkeypatch.setattr(OutputDir, "commit", commit)
     r = cli(*args)
     assert done and r.code == 2, r
-    assert r.err.strip().splitlines()[-1] == (f"error: {changed}: changed while moetool read it (size, modification time or inode); "
-                             "the output is left unfinished: re-run with --force to convert it again"), r.err
+    assert r.err.strip().splitlines()[-1] == (f"error: {changed}: changed while moetool read it (size, modification or "
+                                              "status change time, or inode); the output is left unfinished: re-run "
+                                              "with --force to convert it again"), r.err
     assert not (tmp_path / "out" / MANIFEST_NAME).exists() and (tmp_path / "out" / JOURNAL_NAME).exists()
 
 

@@ -377,7 +377,8 @@ def test_dry_run_writes_nothing(tiny, cli, tmp_path):
     assert not out.exists()
 
 
-@pytest.mark.parametrize("case", ["the-input", "inside-the-input", "foreign-files", "complete", "another-plan"])
+@pytest.mark.parametrize("case", ["the-input", "inside-the-input", "foreign-files", "complete", "another-plan",
+                                  "under-a-file"])
 @pytest.mark.parametrize("command", ["quantize", "shard", "merge"])
 def test_dry_run_refuses_what_the_run_refuses(tiny, cli, tmp_path, copy_ckpt, monkeypatch, command, case):
     """--dry-run printed a plan, exit 0, for outputs the real run refuses; it now says what the
@@ -393,7 +394,10 @@ def test_dry_run_refuses_what_the_run_refuses(tiny, cli, tmp_path, copy_ckpt, mo
     option, other = {"quantize": (["--fp8-block"], ["--int4"]), "shard": (["--ep", "2"], ["--ep", "4"]),
                      "merge": ([], ["--max-shard-size", "1MB"])}[command]
     run = lambda out, *more: cli(*args, out, "--quiet", *more)  # noqa: E731
-    out = {"the-input": src, "inside-the-input": src / "sub"}.get(case, tmp_path / "out")
+    out = {"the-input": src, "inside-the-input": src / "sub", "under-a-file": tmp_path / "a-file" / "out"}.get(
+        case, tmp_path / "out")
+    if case == "under-a-file":
+        (tmp_path / "a-file").write_text("not a folder")
     if case == "foreign-files":
         out.mkdir()
         (out / "notes.txt").write_text("mine")

@@ -477,6 +477,8 @@ BAD_LOADS = {
     "leading-zero": ('{"1": [1, 1, 1, 1, 1, 1, 1, 1], "02": [1, 1, 1, 1, 1, 1, 1, 1]}',
                      'layer key "02" is not a layer index'),
     "huge-int": ('{"1": [' + "9" * 5000 + ']}', "invalid JSON (Exceeds the limit (4300 digits)"),
+    "past-float": ('{"1": [' + "9" * 400 + ', 1, 1, 1, 1, 1, 1, 1], "2": [1, 1, 1, 1, 1, 1, 1, 1]}',
+                   "layer 1 expert 0: " + "9" * 40 + " is not a count (a finite number >= 0)"),
     "deep": ("[" * 100000 + "]" * 100000, "invalid JSON (maximum recursion depth exceeded"),
 }
 
@@ -657,3 +659,25 @@ def test_force_with_another_ep_leaves_no_stale_ranks(sources, cli, tmp_path):
     assert cli("shard", sources["bf16"], out, "--ep", "2", "--force", "--quiet").code == 0
     assert sorted(p.name for p in out.iterdir()) == [MANIFEST_NAME, rank_dir(0, 2), rank_dir(1, 2)]
     check_shards(sources["bf16"], out, 2, "stacked")
+
+
+def test_a_load_file_may_leave_out_the_mtp_layer(tmp_path):
+    """An engine's load statistics cover the decoder's MoE layers: DeepSeek-V3's MTP layer,
+    left out, gets no replicas; a decoder layer left out is still refused."""
+    from moetool.convert.planning import plan_placements
+    from moetool.demo.tiny import make_tiny_checkpoint
+    from moetool.model.families import describe
+    from moetool.read.checkpoint import open_checkpoint
+
+    path = make_tiny_checkpoint(tmp_path / "m", "deepseek_v3", hidden=64, intermediate=32, experts=8, top_k=2,
+                                layers=2, shards=1, mtp=1)
+    with open_checkpoint(path) as ck:
+        spec = describe(ck.config, ck.tensors)
+    load = tmp_path / "load.json"
+    load.write_text(json.dumps({"layers": {"1": [9, 1, 1, 1, 1, 1, 1, 1]}}))
+    placements = plan_placements(spec, 2, "linear", 1, load)
+    assert sum(map(len, placements[1].slots)) == 9 and sum(map(len, placements[2].slots)) == 8
+    assert len(placements[1].replicas[0]) == 2
+    load.write_text(json.dumps({"layers": {"2": [9, 1, 1, 1, 1, 1, 1, 1]}}))
+    with pytest.raises(MoetoolError, match=r"layers do not match the model's MoE layers \(missing \[1\], "):
+        plan_placements(spec, 2, "linear", 1, load)

@@ -68,6 +68,8 @@ REFUSALS = {
                                r"routed_scaling_factor must be a number above 0, got 0"),
     "deepseek_v3-nan-scaling": ("deepseek_v3", {}, dict(routed_scaling_factor=float("nan")),
                                 r"routed_scaling_factor must be a finite number, got NaN \(not a finite number\)"),
+    "deepseek_v3-scaling-past-float": ("deepseek_v3", {}, dict(routed_scaling_factor=10 ** 400),
+                                       r"routed_scaling_factor must be a finite number, got 1000000"),
     "deepseek_v3-groups": ("deepseek_v3", {}, dict(n_group=3),
                            r"n_group 3 must divide the expert count 8"),
     "llama4-top2": ("llama4", {}, dict(num_experts_per_tok=2),

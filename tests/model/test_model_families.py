@@ -285,6 +285,11 @@ def test_deepseek_v3_mtp_layers_are_moe_layers_where_stored(tmp_path):
     without = {n: v for n, v in tensors.items() if not n.startswith("model.layers.2.")}
     assert [m.index for m in describe(config, without).moe_layers] == [1]  # none stored: no MTP layer
     assert [m.index for m in describe({**config, "num_nextn_predict_layers": 0}, without).moe_layers] == [1]
+    # transformers' num_mtp_layers defaults to 1: a config without the key still has the layer
+    nokey = {k: v for k, v in config.items() if k != "num_nextn_predict_layers"}
+    assert [m.index for m in describe(nokey, tensors).moe_layers] == [1, 2]
+    # a rank folder of a shard made before MTP layers were MoE layers stores none for it
+    assert [m.index for m in describe(config, tensors, stored_experts={1: 8}).moe_layers] == [1]
     no_router = {n: v for n, v in tensors.items() if not n.startswith("model.layers.2.mlp.gate.")}
     with pytest.raises(MoetoolError, match=r"layer 2, a multi-token-prediction layer, holds experts but not its "
                                            r"router \(\.mlp\.gate\.weight\)$"):

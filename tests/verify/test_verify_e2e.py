@@ -156,8 +156,16 @@ def _mtp_jobs(root: Path) -> list[tuple]:
     prefix = f"model.layers.{MTP}.mlp.experts"
     _corrupt(root / "bad", 0, 2, f"{prefix}.w13_weight", lambda t: (_swap_slots(t, f"{prefix}.w13", 0, 3),
                                                                     _swap_slots(t, f"{prefix}.w2", 0, 3)))
+    # an output of a moetool before MTP layers were MoE layers: their experts left in bf16, listed
+    # in the ignore list, and copied whole into every rank's common files
+    from unittest import mock
+
+    with mock.patch("moetool.model.families._mtp_layers", return_value=[]):
+        quantize(model, root / "old-q", "fp8-block", progress=False)
+        shard(root / "old-q", root / "old-s", 2, layout="stacked", progress=False)
     return [(root / "s", model, _opts(ep=2, dp=1, dispatch="all2all")),
-            (root / "bad", model, _opts(ep=2, dp=1, dispatch="allgather"))]
+            (root / "bad", model, _opts(ep=2, dp=1, dispatch="allgather")),
+            (root / "old-s", model, _opts(ep=2, dp=1, dispatch="all2all"))]
 
 
 @pytest.fixture(scope="module")
@@ -252,3 +260,15 @@ def test_the_mtp_layer_is_quantized_sharded_and_verified(ep2_world):
     layer = next(l for l in bad.layers if l.layer == MTP)
     assert not bad.passed and not layer.passed and layer.worst_expert in {0, 3}, bad.render()
     assert next(l for l in bad.layers if l.layer == 1).passed
+
+
+def test_shards_made_before_mtp_layers_were_moe_layers_still_verify(ep2_world):
+    """Their MTP experts are plain tensors of every rank (unchecked then as now): the decoder's
+    layers are verified against the same reference, which now holds an MTP MoE layer."""
+    (shards, model, _), report = ep2_world["mtp"][2]
+    assert report.passed and [l.layer for l in report.layers] == [1], report.render()
+    from moetool.model.families import describe
+    from moetool.read.checkpoint import open_checkpoint
+
+    with open_checkpoint(shards.parent / "old-q") as ck:  # its bf16 MTP experts: plain tensors, as written
+        assert [m.index for m in describe(ck.config, ck.tensors).moe_layers] == [1]

@@ -183,7 +183,7 @@ def test_an_mtp_layer_is_named_as_not_run(world):
     report, _ = world["honest-deepseek_v3-mtp"]
     assert report.passed and report.mtp_layers == [3], report.render()
     assert [r.name for r in report.rows] == ["embed", "0", "1", "2", "head"]
-    assert "not run: multi-token-prediction layer(s) [3]" in report.render()
+    assert "not run: multi-token-prediction layer(s) [3] (not part of the causal LM" in report.render()
 
 
 def test_kimi_k2_runs_as_deepseek_v3(world):
