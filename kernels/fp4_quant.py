@@ -323,9 +323,10 @@ def fp4_dequant(t: dict[str, torch.Tensor]) -> torch.Tensor:
     check_device(_fp4_dequant_kernel, packed, scale)
     group = NVFP4_GROUP if nv else MXFP4_GROUP
     N, K = packed.shape[0], packed.shape[1] * 2
-    if packed.dtype != torch.uint8 or scale.shape != (N, K // group):
+    scale_dtype = torch.float8_e4m3fn if nv else torch.uint8  # e4m3 scales / e8m0 exponents
+    if packed.dtype != torch.uint8 or scale.dtype != scale_dtype or scale.shape != (N, K // group):
         raise MoetoolError(f"fp4 dequant: weight_packed {packed.dtype} {list(packed.shape)} and weight_scale "
-                           f"{list(scale.shape)} are not one {'nv' if nv else 'mx'}fp4 linear")
+                           f"{scale.dtype} {list(scale.shape)} are not one {'nv' if nv else 'mx'}fp4 linear")
     gs = t["weight_global_scale"].float().reshape(-1) if nv else scale
     if nv and gs.numel() != 1:
         raise MoetoolError(f"fp4 dequant: weight_global_scale has {gs.numel()} entries, expected 1")

@@ -6,7 +6,8 @@ p // k, slot p % k), E = local experts, BM = BLOCK_M, EM = padded pair capacity 
 
 :func:`moe_align_block_size`  topk_ids [T, k] -> sorted_ids int32 [EM] (pairs by expert, each
 expert's segment padded to BM with P), expert_ids int32 [EM/BM] (-1 = unused block),
-num_post_pad int32 [1]. Pairs whose id is -1 (expert on another rank) are dropped.
+num_post_pad int32 [1]. Pairs whose id is -1 (expert on another rank), or any other id outside
+[0, E), are dropped.
 :func:`moe_align_block_size_ref` is its plain-loop reference (bit-exact).
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ def align_capacity(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 @triton.jit
-def _align_count_kernel(ids_ptr, counts_ptr, sorted_ids_ptr, P, EM, fill_per_prog,
+def _align_count_kernel(ids_ptr, counts_ptr, sorted_ids_ptr, P, E, EM, fill_per_prog,
                         BLOCK_P: tl.constexpr, E_P2: tl.constexpr, FILL_BLOCK: tl.constexpr):
     """Program c: counts[c, e] = #pairs of expert e in chunk c (pairs [c*BLOCK_P, +BLOCK_P));
     also fills its share of sorted_ids [EM] with the padding value P."""
@@ -33,6 +34,7 @@ def _align_count_kernel(ids_ptr, counts_ptr, sorted_ids_ptr, P, EM, fill_per_pro
     offs = c * BLOCK_P + tl.arange(0, BLOCK_P)
     cols = tl.arange(0, E_P2)
     e = tl.load(ids_ptr + offs, mask=offs < P, other=-1)  # [BP]
+    e = tl.where((e >= 0) & (e < E), e, -1)  # an id outside [0, E) is dropped as -1 is, never placed
     onehot = (e[:, None] == cols[None, :]).to(tl.int32)  # [BP, E_P2]; -1 matches nothing
     tl.store(counts_ptr + c * E_P2 + cols, tl.sum(onehot, axis=0))
     start = c * fill_per_prog
@@ -65,7 +67,8 @@ def _align_scatter_kernel(ids_ptr, counts_ptr, base_ptr, sorted_ids_ptr, expert_
     offs = c * BLOCK_P + tl.arange(0, BLOCK_P)
     valid = offs < P
     e = tl.load(ids_ptr + offs, mask=valid, other=-1)  # [BP]
-    valid = valid & (e >= 0)
+    valid = valid & (e >= 0) & (e < E)
+    e = tl.where(valid, e, -1)
     base = tl.load(base_ptr + c * E_P2 + e, mask=valid, other=0)
     # rank of pair i among this chunk's pairs of the same expert: #{j < i : e_j == e_i}
     j = tl.arange(0, BLOCK_P)
@@ -82,8 +85,9 @@ def _align_scatter_kernel(ids_ptr, counts_ptr, base_ptr, sorted_ids_ptr, expert_
 
 
 def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int):
-    """topk_ids [T, k] (int32/int64 local ids, -1 = not on this rank, all < num_experts),
-    contiguous -> (sorted_ids int32 [EM], expert_ids int32 [EM/BM], num_post_pad int32 [1]).
+    """topk_ids [T, k] (int32/int64 local ids, -1 = not on this rank; any id outside
+    [0, num_experts) is dropped as -1 is), contiguous -> (sorted_ids int32 [EM], expert_ids
+    int32 [EM/BM], num_post_pad int32 [1]).
 
     sorted_ids lists pair indices p = t*k + j grouped by expert (ascending e, then ascending p),
     each expert's run starting at a multiple of BM and padded with P = T*k; block b holds expert
@@ -91,7 +95,9 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int)
     (count, then place), no host synchronisation.
     """
     check(topk_ids.dim() == 2 and topk_ids.is_contiguous(), "topk_ids must be [T, k], contiguous")
+    check(topk_ids.dtype in (torch.int32, torch.int64), f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
     check(block_m > 0 and block_m & (block_m - 1) == 0, f"block_m must be a power of two, got {block_m}")
+    check(num_experts >= 0, f"num_experts must be >= 0, got {num_experts}")
     check_device(_align_count_kernel, topk_ids)
     dev = topk_ids.device
     P, E = topk_ids.numel(), num_experts
@@ -107,7 +113,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_m: int, num_experts: int)
     warps = 8 if block_p * e_p2 >= 16384 else 4
     scratch = torch.empty((2, num_chunks, e_p2), dtype=torch.int32, device=dev)  # counts, bases
     fill = triton.cdiv(EM, num_chunks)
-    _align_count_kernel[(num_chunks,)](topk_ids, scratch[0], sorted_ids, P, EM, fill,
+    _align_count_kernel[(num_chunks,)](topk_ids, scratch[0], sorted_ids, P, E, EM, fill,
                                        BLOCK_P=block_p, E_P2=e_p2, FILL_BLOCK=1024, num_warps=warps)
     _align_scatter_kernel[(num_chunks,)](
         topk_ids, scratch[0], scratch[1], sorted_ids, expert_ids, num_post_pad, P, E, num_chunks, EM // block_m,

@@ -60,6 +60,7 @@ def moe_sum(c: torch.Tensor, topk_ids: torch.Tensor, out_dtype: torch.dtype = to
     T, k = topk_ids.shape
     check(c.dim() in (2, 3) and c.shape[-2] == T * k and c.is_contiguous() and (c.dim() == 2 or c.dtype == torch.float32),
           "moe_sum: c must be [T*k, H] (or float32 [S, T*k, H]), contiguous")
+    check(c.dim() == 2 or c.shape[0] >= 1, "moe_sum: split-K partials c [S, T*k, H] need S >= 1")
     splits = c.shape[0] if c.dim() == 3 else 0
     H = c.shape[-1]
     out = check_out(out, T, H, out_dtype, c.device)
@@ -94,7 +95,7 @@ def moe_sum_ref(c: torch.Tensor, topk_ids: torch.Tensor, out_dtype: torch.dtype 
         for part in c:
             rows += part
         c = rows.to(pair_dtype)
-    c3 = torch.where((topk_ids >= 0)[:, :, None], c.view(T, k, -1).float(), 0.0)
+    c3 = torch.where((topk_ids >= 0)[:, :, None], c.reshape(T, k, c.shape[-1]).float(), 0.0)
     out = torch.zeros((T, c.shape[1]), dtype=torch.float32, device=c.device)
     for j in range(k):
         out += c3[:, j]

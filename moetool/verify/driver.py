@@ -293,6 +293,15 @@ def check_options(opts: VerifyOptions, shards: EPShards) -> None:
         raise MoetoolError(f"--numerics {opts.numerics!r}: expected {' or '.join(NUMERICS)}")
     if opts.transport == "mapped" and opts.dispatch != "all2all":
         raise MoetoolError(f"--transport mapped is a transport of --all2all all2all, not {opts.dispatch}")
+    if opts.chunk_size < 1:
+        raise MoetoolError(f"--chunk-size must be positive, got {opts.chunk_size}")
+    fmt = FORMATS.get(shards.manifest.get("format"))  # an unknown one: check_files_present says so
+    if fmt is not None and opts.experts == "triton":  # as the ranks' experts would refuse it, before they start
+        if fmt.kernel_scheme is None:
+            raise MoetoolError(f"--experts triton: no fused kernel reads {fmt.name}; use --experts torch")
+        if opts.numerics == "exact" and fmt.activation_quant is not None:
+            raise MoetoolError(f"--numerics exact with --experts triton: the {fmt.name} kernels compute W8A8 "
+                               "(fp8 activations); use --experts torch for float32 activations")
 
 
 def check_files_present(shards: EPShards) -> None:

@@ -49,6 +49,8 @@ def made(tiny, tmp_path_factory) -> dict[str, Path]:
            "fp8": root / "fp8", "shards": root / "shards", "unfinished": root / "unfinished",
            "shards-ep2": root / "shards-ep2"}
     quantize(model, out["fp8"], "fp8-block", progress=False)
+    out["fp8_shards"] = root / "fp8-shards"
+    shard(out["fp8"], out["fp8_shards"], 2, progress=False)
     shard(model, out["shards"], 4, progress=False)
     shard(model, out["shards-ep2"], 2, progress=False)
     out["deepseek-shards"] = root / "deepseek-shards"
@@ -854,6 +856,19 @@ def _(c):
             f"{shards / RANK1}/config.json: differs from rank 0's in more than its moetool_ep entry")
 
 
+@row("verify-chunk-size-zero")
+def _(c):
+    # refused by the ranks once they had started: "rank 2 failed: ... (3 other rank(s) failed after it)"
+    return (["verify", c.shards, "--ref", c.model, "--ep", "4", "--chunk-size", "0"], [c.shards, c.model],
+            "--chunk-size must be positive, got 0")
+
+
+@row("verify-exact-with-w8a8-kernels")
+def _(c):
+    return (["verify", c.fp8_shards, "--ref", c.model, "--ep", "2", "--experts", "triton", "--numerics", "exact"],
+            [c.fp8_shards, c.model], "--numerics exact with --experts triton: the fp8-block kernels compute W8A8")
+
+
 @row("verify-timeout-zero")
 def _(c):
     return (["verify", c.shards, "--ref", c.model, "--ep", "4", "--timeout", "0"], [c.shards, c.model],
@@ -889,6 +904,19 @@ def _check(c: Ctx, name: str, run) -> None:
 
 @pytest.mark.parametrize("name", list(ROWS))
 def test_refused(ctx, cli, name):
+    _check(ctx, name, cli)
+
+
+@pytest.mark.parametrize("name", ["verify-chunk-size-zero", "verify-exact-with-w8a8-kernels", "verify-dp-not-dividing-ep"])
+def test_verify_options_are_refused_before_any_rank_starts(ctx, cli, monkeypatch, name):
+    """--chunk-size 0 and --numerics exact with the W8A8 kernels were refused by the ranks once
+    started ("rank 2 failed: ... (3 other rank(s) failed after it)")."""
+    import moetool.verify.driver as driver
+
+    def no_ranks(*args, **kw):
+        raise AssertionError("ranks were started")
+
+    monkeypatch.setattr(driver, "spawn_world", no_ranks)
     _check(ctx, name, cli)
 
 

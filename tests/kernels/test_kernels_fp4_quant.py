@@ -130,3 +130,15 @@ def test_wrapper_checks(name, device):
         kernel(torch.zeros(64, 64, device=device).t())
     with pytest.raises(MoetoolError, match="fp32/fp16/bf16"):
         kernel(torch.zeros(4, 64, dtype=torch.int32, device=device))
+
+
+@pytest.mark.parametrize("name", QUANT)
+def test_dequant_refuses_a_scale_of_another_dtype(name, device):
+    """The scales' bytes are read as e4m3 (nvfp4) or e8m0 (mxfp4): a float32 mxfp4 scale was
+    viewed as bytes under its own stride, garbage up to 2.6e38 without an error."""
+    kernel, _ = QUANT[name]
+    got = kernel(_weights((16, 64), torch.float32, device))
+    for wrong in (torch.float32, torch.bfloat16, torch.int16):
+        bad = dict(got, weight_scale=got["weight_scale"].to(torch.float32).to(wrong))
+        with pytest.raises(MoetoolError, match=rf"weight_scale {wrong} \[16, "):
+            k4.fp4_dequant(bad)

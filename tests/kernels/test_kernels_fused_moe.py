@@ -433,6 +433,28 @@ def test_align_matches_loop_reference(T, k, E, block_m, device):
     assert int(num_post) % block_m == 0
 
 
+def test_align_drops_ids_outside_the_experts(device):
+    """An id past the local experts (documented as impossible, never checked: a check would cost
+    a host sync) was placed past sorted_ids' end: it is dropped as -1 is, as in the reference."""
+    ids = torch.tensor([[0, 1, 2], [5, 40, -1], [3, 0, -7]], dtype=torch.int32)
+    for E in (1, 4):
+        got = [t.cpu() for t in moe_align_block_size(ids.to(device), 16, E)]
+        ref = moe_align_block_size_ref(ids, 16, E)
+        assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, ref)), (E, got, ref)
+    with pytest.raises(MoetoolError, match="num_experts must be >= 0, got -1"):
+        moe_align_block_size(ids.to(device), 16, -1)
+    with pytest.raises(MoetoolError, match="topk_ids must be int32 or int64, got torch.float32"):
+        moe_align_block_size(ids.float().to(device), 16, 4)
+
+
+def test_moe_sum_of_no_partials_is_refused_and_empty_sums_match(device):
+    with pytest.raises(MoetoolError, match=r"need S >= 1"):
+        moe_sum(torch.empty(0, 6, 5, device=device), torch.zeros((3, 2), dtype=torch.int32, device=device))
+    for T, k in ((0, 2), (2, 0)):
+        c, ids = torch.randn(T * k, 8), torch.zeros((T, k), dtype=torch.int32)
+        assert torch.equal(moe_sum(c.to(device), ids.to(device)).cpu(), moe_sum_ref(c, ids))
+
+
 @pytest.mark.parametrize("fmt, act_dtype, symmetric", [
     ("dense", torch.float32, None), ("fp8-block", torch.float8_e4m3fn, None),
     ("fp8-channel", torch.float8_e4m3fn, None), ("int4-group", torch.float32, False),
