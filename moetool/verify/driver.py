@@ -679,7 +679,7 @@ def build_report(shards: EPShards, ref_ckpt, spec, opts: VerifyOptions, backend:
         reports.append(LayerReport(i, rel, sqnr, mx, [s["pairs_computed"] for s in stats], worst[0], worst[1],
                                    worst[2], not reasons, "; ".join(reasons), timing, moved))
     options = {**asdict(opts), "backend": backend, "layers": layer_ids,
-               "numerics": numerics.describe(),
+               "numerics_detail": numerics.describe(),  # "numerics" stays the option: served | exact
                "transport": outcomes[layer_ids[0]].stats[0].get("transport") if layer_ids else None}
     return VerifyReport(str(shards.root), str(ref_ckpt.root), shards.manifest["format"], options, th, reports,
                         dict(timings or {}))

@@ -53,7 +53,7 @@ class VerifyReport:
         o = self.options
         head = (f"verify {self.shards} against {self.reference}: format {self.format}, ep {o['ep']}, dp {o['dp']}, "
                 f"dispatch {o['dispatch']}{' (' + o['transport'] + ')' if o.get('transport') else ''}, experts {o['experts']}, {o['tokens']} tokens per dp group, backend {o['backend']}"
-                + (f"\nnumerics {o['numerics']}" if o.get("numerics") else ""))
+                + (f"\nnumerics {o['numerics_detail']}" if o.get("numerics_detail") else ""))
         cols = f"{'layer':>5}  {'rel err':>9}  {'SQNR dB':>8}  {'max abs':>9}  {'worst expert (rank)':>19}  {'exp err':>8}  {'ms/fwd':>7}  tokens per rank   result"
         lines = [head, cols]
         for l in self.layers:

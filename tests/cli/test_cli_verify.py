@@ -78,6 +78,8 @@ def test_cli_report_json_and_exit_status(verify_chain, verify_shards, cli, monke
     assert rep["passed"] and [l["layer"] for l in rep["layers"]] == [2] and rep["format"] == "int4-group"
     assert rep["options"]["repeat"] == 2 and all(v > 0 for v in rep["layers"][0]["timings_ms"].values())
     assert rep["options"]["transport"] == "collectives"  # --transport auto, off CUDA
+    # the option as given, and what it meant for this format
+    assert rep["options"]["numerics"] == "served" and rep["options"]["numerics_detail"].startswith("served: ")
     r = cli("verify", sh, "--ref", model, "--ep", "2", "--repeat", "0")
     assert r.code == 2 and r.error_line == "--warmup 0 / --repeat 0: need warmup >= 0 and repeat >= 1"
     # a threshold tighter than int4's error: exit 1 and a one-line verdict naming the layer
