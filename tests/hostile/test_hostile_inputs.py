@@ -365,24 +365,24 @@ def _(c):
     return quantize(c, ck), [ck], f"{ck / INDEX}: invalid index"
 
 
-@row("header-nested-too-deeply")
-def _(c):
+def _header_bomb(c: Ctx, value: str, error: str) -> tuple:
+    """A shard whose header gains the entry ``"__bomb__": value`` (raw JSON text)."""
     ck = c.copy()
     f = ck / SHARD1
     header, data = read_raw(f)
-    text = json.dumps(header)[:-1] + ', "__bomb__": ' + DEEP + "}"
+    text = json.dumps(header)[:-1] + ', "__bomb__": ' + value + "}"
     f.write_bytes(struct.pack("<Q", len(text)) + text.encode() + data)
-    return quantize(c, ck), [ck], f"{f}: corrupt safetensors header (RecursionError)"
+    return quantize(c, ck), [ck], f"{f}: corrupt safetensors header ({error})"
+
+
+@row("header-nested-too-deeply")
+def _(c):
+    return _header_bomb(c, DEEP, "RecursionError")
 
 
 @row("header-integer-of-5000-digits")
 def _(c):
-    ck = c.copy()
-    f = ck / SHARD1
-    header, data = read_raw(f)
-    text = json.dumps(header)[:-1] + f', "__bomb__": {HUGE_INT}}}'
-    f.write_bytes(struct.pack("<Q", len(text)) + text.encode() + data)
-    return quantize(c, ck), [ck], f"{f}: corrupt safetensors header (ValueError)"
+    return _header_bomb(c, HUGE_INT, "ValueError")
 
 
 @row("verify-manifest-nested-too-deeply")
