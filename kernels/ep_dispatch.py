@@ -55,8 +55,11 @@ def _check_tables(rank_tab: torch.Tensor, slot_tab: torch.Tensor | None, count_t
     for name, t in (("rank_tab", rank_tab), ("slot_tab", slot_tab)):
         if t is not None and (t.dim() != 2 or t.dtype != torch.int64 or not t.is_contiguous()):
             raise MoetoolError(f"{name} must be contiguous int64 [E, W], got {t.dtype} {list(t.shape)}")
-    if count_tab.dim() != 1 or count_tab.dtype != torch.int64 or count_tab.shape[0] != rank_tab.shape[0]:
-        raise MoetoolError(f"count_tab must be int64 [E] = [{rank_tab.shape[0]}], got {count_tab.dtype} "
+    if slot_tab is not None and slot_tab.shape != rank_tab.shape:  # both are read at rank_tab's [e, w]
+        raise MoetoolError(f"slot_tab {list(slot_tab.shape)} must have rank_tab's shape {list(rank_tab.shape)}")
+    if (count_tab.dim() != 1 or count_tab.dtype != torch.int64 or count_tab.shape[0] != rank_tab.shape[0]
+            or not count_tab.is_contiguous()):
+        raise MoetoolError(f"count_tab must be contiguous int64 [E] = [{rank_tab.shape[0]}], got {count_tab.dtype} "
                            f"{list(count_tab.shape)}")
 
 
@@ -173,7 +176,7 @@ def route_tokens(topk_ids: torch.Tensor, token_index: torch.Tensor, rank_tab: to
     if not R:
         return order
     k_p2 = triton.next_power_of_2(max(k, 1))
-    bt = min(triton.next_power_of_2(max(m, 16)), max(16, block_elements // k_p2))
+    bt = min(triton.next_power_of_2(max(m, 16)), triton.next_power_of_2(max(16, block_elements // k_p2)))
     n_blocks = triton.cdiv(m, bt)
     peers = counts if peer_counts is None else peer_counts.addresses
     warps = max(4, min(16, bt * k_p2 // 1024))
@@ -361,7 +364,7 @@ def _check_pack(x, topk_ids, topk_weights, token_index, order, counts, out, hidd
     G = act_scale_cols(H, group)
     spans = [(0, H * hidden_dtype.itemsize, 1), (offsets.ids, 4 * k, 4), (offsets.weights, 4 * k, 4),
              (offsets.token, 8, 8)] + ([(offsets.scale, 4 * G, 4)] if quant else [])
-    if any(off % align or off + size > out.shape[1] for off, size, align in spans):
+    if any(off < 0 or off % align or off + size > out.shape[1] for off, size, align in spans):
         raise MoetoolError(f"pack_rows: offsets {tuple(offsets)} do not fit rows of {out.shape[1]} bytes "
                            f"(H {H}, k {k}, dtype {hidden_dtype})")
 

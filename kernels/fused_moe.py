@@ -131,7 +131,9 @@ def fused_experts(
     group_size: the int4 group g. config: tile sizes (default: :func:`moetool.kernels.moe_tiles.select_config`:
     the GPU's tuned table for this shape, else rules). global_experts: under expert parallelism,
     the experts the router picks from on all ranks (E of them here), for the rules' pairs per expert.
-    check_ids: raise if an id >= E (one host synchronisation).
+    check_ids: raise if an id >= E (one host synchronisation). Without it the caller vouches for
+    the ids: a pair whose id is >= E is dropped from the GEMMs, but its token's output is then
+    undefined (the activation and sum steps read the pair's unwritten rows).
     cache3_dtype: the per-pair rows before the sum (default out_dtype); float32 with a bf16
     output rounds only the sum.
     activation "clamped-swiglu" with swiglu = (alpha, limit): gpt-oss's experts, h =

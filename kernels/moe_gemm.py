@@ -571,6 +571,17 @@ def moe_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, wts: StackedWeights,
           f"got c {c.dtype} {list(c.shape)}")
     R = wts.main.shape[1]
     K = a.shape[1]
+    # the sizes the kernel trusts: each read or write outside them is out of bounds
+    check(wts.cols is None or K == wts.cols, f"moe_gemm: a has {K} columns, the weights {wts.cols}")
+    check(c.dtype in _TL_DTYPES, f"moe_gemm: c must be fp16/bf16/fp32, got {c.dtype}")
+    check(0 <= num_valid <= c.shape[-2] and a_row_div >= 1 and num_valid <= a.shape[0] * a_row_div,
+          f"moe_gemm: {num_valid} pairs need c of as many rows (has {c.shape[-2]}) and a of "
+          f"ceil({num_valid} / {a_row_div}) (has {a.shape[0]})")
+    check(not mul_weight or topk_weights.numel() >= num_valid,
+          f"moe_gemm: {num_valid} pairs need as many topk_weights, got {topk_weights.numel()}")
+    check(expert_ids.numel() * cfg.block_m == sorted_ids.numel(),
+          f"moe_gemm: sorted_ids [{sorted_ids.numel()}] and expert_ids [{expert_ids.numel()}] are not aligned "
+          f"to block_m {cfg.block_m}")
     if wts.act_group is not None:
         G = act_scale_cols(K, wts.act_group)
         got = "none" if a_scale is None else f"{a_scale.dtype} {list(a_scale.shape)}"

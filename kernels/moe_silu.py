@@ -178,6 +178,8 @@ def silu_and_mul(x: torch.Tensor, row_ids: torch.Tensor | None = None, *, quant_
     check(x.shape[-1] % 2 == 0, f"silu_and_mul: x has an odd number of columns {x.shape[-1]}")
     check(act_dtype is None or act_dtype in FLOAT_ACTS, f"silu_and_mul: act_dtype must be a float dtype, got {act_dtype}")
     check_device(_silu_mul_kernel, x)
+    check(x.dim() == 2 or x.shape[0] >= 1, "silu_and_mul: split-K partials x [S, M, 2N] need S >= 1")
+    check(out_dtype is None or out_dtype in FLOAT_ACTS, f"silu_and_mul: out_dtype must be a float dtype, got {out_dtype}")
     splits = x.shape[0] if x.dim() == 3 else 0
     act_dtype = act_dtype or x.dtype
     M, N = x.shape[-2], x.shape[-1] // 2

@@ -75,6 +75,8 @@ class StackedWeights:
     #: fp4: the scheme's group (``Scheme.fp4_group``); nvfp4 also its global scales fp32 [E, P]
     fp4_group: int | None = None
     global_scale: torch.Tensor | None = None
+    #: C, the logical columns (the GEMM's K), which the activations' width must equal
+    cols: int | None = None
 
 
 def parse_weights(scheme: str, t: dict, name: str, E: int, R: int, C: int, group_size: int,
@@ -98,21 +100,22 @@ def parse_weights(scheme: str, t: dict, name: str, E: int, R: int, C: int, group
 
     code, act_group = SCHEMES[scheme].code, SCHEMES[scheme].act_group
     if scheme == "dense":
-        return StackedWeights(code, need("weight", (E, R, C), floating=True), None, None)
+        return StackedWeights(code, need("weight", (E, R, C), floating=True), None, None, cols=C)
     if scheme == "fp8-block":
         nb = triton.cdiv(C, FP8_BLOCK)
         rb = triton.cdiv(R, FP8_BLOCK) if split_rows is None else 2 * triton.cdiv(split_rows, FP8_BLOCK)
         w = need("weight", (E, R, C), [torch.float8_e4m3fn])
-        return StackedWeights(code, w, need("weight_scale_inv", (E, rb, nb), [torch.float32]), None, act_group)
+        return StackedWeights(code, w, need("weight_scale_inv", (E, rb, nb), [torch.float32]), None, act_group, cols=C)
     if scheme == "fp8-channel":
         w = need("weight", (E, R, C), [torch.float8_e4m3fn])
-        return StackedWeights(code, w, need("weight_scale", (E, R, 1), floating=True), None, act_group)
+        return StackedWeights(code, w, need("weight_scale", (E, R, 1), floating=True), None, act_group, cols=C)
     if SCHEMES[scheme].fp4_group is not None:
         g = SCHEMES[scheme].fp4_group
         check(C % g == 0, f"{name} ({scheme}) has {C} columns, not whole groups of {g}")
         w = need("weight_packed", (E, R, C // 2), [torch.uint8])
         if scheme == "mxfp4":
-            return StackedWeights(code, w, need("weight_scale", (E, R, C // g), [torch.uint8]), None, fp4_group=g)
+            return StackedWeights(code, w, need("weight_scale", (E, R, C // g), [torch.uint8]), None, fp4_group=g,
+                                  cols=C)
         s = need("weight_scale", (E, R, C // g), [torch.float8_e4m3fn])
         check("weight_global_scale" in t, f"{name} ({scheme}) is missing 'weight_global_scale'")
         gs = t["weight_global_scale"]
@@ -120,15 +123,16 @@ def parse_weights(scheme: str, t: dict, name: str, E: int, R: int, C: int, group
         check(P > 0 and R % P == 0 and gs.dtype == torch.float32,
               f"{name}['weight_global_scale'] has {gs.dtype} {list(gs.shape)}, expected float32 [{E}, P] "
               f"with P dividing its {R} rows")
-        return StackedWeights(code, w, s, None, fp4_group=g, global_scale=gs)
+        return StackedWeights(code, w, s, None, fp4_group=g, global_scale=gs, cols=C)
     # int4-group
+    check(group_size > 0, f"{name} (int4-group): group_size must be positive, got {group_size}")
     G = triton.cdiv(C, group_size)
     w = need("weight_packed", (E, R, triton.cdiv(C, 8)), [torch.int32])
     s = need("weight_scale", (E, R, G), floating=True)
     if "weight_shape" in t:
         check(tuple(t["weight_shape"].shape) in ((E, 2), (2,)), f"{name}['weight_shape'] must be [E, 2]")
     zp = need("weight_zero_point", (E, triton.cdiv(R, 8), G), [torch.int32]) if "weight_zero_point" in t else None
-    return StackedWeights(code, w, s, zp)
+    return StackedWeights(code, w, s, zp, cols=C)
 
 
 def dequantize_stacked(scheme: str, t: dict[str, torch.Tensor], e: int, rows: int, cols: int,

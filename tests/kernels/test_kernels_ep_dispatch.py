@@ -121,6 +121,27 @@ def test_bad_arguments_are_named(device):
     with pytest.raises(MoetoolError, match="disagree on R"):
         ed.pack_rows(x, ids, w, tok, order, torch.zeros(3, dtype=torch.int64), torch.zeros(4, 48, dtype=torch.uint8),
                      torch.float32, (None, 32, 40, 16))
+    # found by a review: each of these was accepted and read or wrote outside its tensor
+    with pytest.raises(MoetoolError, match=r"do not fit rows of 48 bytes"):  # a field before the row
+        ed.pack_rows(x, ids, w, tok, order, counts, torch.zeros(4, 48, dtype=torch.uint8), torch.float32,
+                     (None, 32, 40, -16))
+    wide = torch.zeros(4, 2, dtype=torch.int64)
+    with pytest.raises(MoetoolError, match=r"count_tab must be contiguous int64 \[E\] = \[4\]"):
+        ed.route_tokens(ids, tok, table.rank, wide[:, 0], counts)
+    with pytest.raises(MoetoolError, match=r"slot_tab \[2, 1\] must have rank_tab's shape \[4, 1\]"):
+        ed.local_slots(ids, tok, table.rank, table.slot[:2].contiguous(), table.count, 0, 2)
+
+
+def test_route_tokens_takes_any_block_size(device):
+    """``block_elements`` is a tuning knob: one that is no power of two gives the same order."""
+    table = _table(8, 4)
+    ids = torch.stack([torch.randperm(8)[:2] for _ in range(100)])
+    tok = torch.arange(100)
+    want = ed.route_tokens_ref(ids, tok, table.rank, table.count, torch.zeros(4, dtype=torch.int64))
+    counts = torch.zeros(4, dtype=torch.int64, device=device)
+    got = ed.route_tokens(ids.to(device), tok.to(device), table.rank.to(device), table.count.to(device), counts,
+                          block_elements=100)
+    assert torch.equal(got.cpu(), want)
 
 
 def _offsets(H: int, k: int, dtype: torch.dtype, group: int) -> tuple[tuple, int]:

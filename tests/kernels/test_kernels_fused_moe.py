@@ -447,6 +447,13 @@ def test_align_drops_ids_outside_the_experts(device):
         moe_align_block_size(ids.float().to(device), 16, 4)
 
 
+def test_silu_refuses_no_partials_and_a_non_float_output(device):
+    with pytest.raises(MoetoolError, match=r"need S >= 1"):  # a segfault before
+        silu_and_mul(torch.empty(0, 5, 64, device=device))
+    with pytest.raises(MoetoolError, match="out_dtype must be a float dtype, got torch.int32"):
+        silu_and_mul(torch.randn(5, 64, device=device), out_dtype=torch.int32)
+
+
 def test_moe_sum_of_no_partials_is_refused_and_empty_sums_match(device):
     with pytest.raises(MoetoolError, match=r"need S >= 1"):
         moe_sum(torch.empty(0, 6, 5, device=device), torch.zeros((3, 2), dtype=torch.int32, device=device))
@@ -485,6 +492,38 @@ def test_moe_gemm_matches_ref(fmt, act_dtype, symmetric, device):
         local = ids.view(-1) >= 0
         assert torch.isnan(c.cpu()[~local]).all()
         assert rel_err(c.cpu()[local], ref[local]) < 1e-5, (fmt, R)
+
+
+def test_moe_gemm_refuses_sizes_it_would_read_or_write_past(device):
+    """The GEMM trusts its size arguments: each of these was accepted and read past a, the
+    weights or topk_weights, wrote past c, or (an alignment of another block_m) was wrong."""
+    T, E, H, N, k, group = SHAPES[0]
+    f = weight_format("dense", group, True)
+    w13, _ = make_weights("dense", E, H, N, group, True)
+    ids, tw = make_routing(T, E, k)
+    P = T * k
+    cfg = default_config(f.kernel_scheme, P / E, torch.float32, device == "cpu", group)
+    aligned = [t.to(device) for t in moe_align_block_size(ids.to(device), cfg.block_m, E)]
+    other = [t.to(device) for t in moe_align_block_size(ids.to(device), cfg.block_m * 2, E)]
+    wts = parse_weights(f.kernel_scheme, _to(w13, device), "w13", E, 2 * N, H, group, None)
+    x = torch.randn(T, H, device=device)
+    c = torch.zeros(P, 2 * N, device=device)
+    twf = tw.view(-1).to(device)
+
+    def gemm(a=x, c=c, weights=twf, align=aligned, mul=False):
+        moe_gemm(a, None, wts, c, weights, *align, P, k, 2 * N, mul, group, cfg)
+
+    gemm()  # the arguments as they should be
+    for case, match in ((dict(a=x[:, :H // 2].contiguous()), rf"a has {H // 2} columns, the weights {H}"),
+                        (dict(c=c[:P - 1]), rf"{P} pairs need c of as many rows \(has {P - 1}\)"),
+                        (dict(a=x[:1]), rf"and a of ceil\({P} / {k}\) \(has 1\)"),
+                        (dict(weights=twf[:2], mul=True), rf"{P} pairs need as many topk_weights, got 2"),
+                        (dict(c=c.to(torch.int32)), r"c must be fp16/bf16/fp32, got torch.int32"),
+                        (dict(align=other), rf"are not aligned to block_m {cfg.block_m}")):
+        with pytest.raises(MoetoolError, match=match):
+            gemm(**case)
+    with pytest.raises(MoetoolError, match=r"group_size must be positive, got 0"):
+        parse_weights("int4-group", {}, "w13", E, 2 * N, H, 0, None)
 
 
 @pytest.mark.parametrize("block_n", [32, 64, 256])
