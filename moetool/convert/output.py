@@ -13,9 +13,9 @@ a folder holding anything else is refused, naming a file found there.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
-import errno
 import json
 import os
 import threading
