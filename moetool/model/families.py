@@ -485,7 +485,7 @@ def describe(config: dict, tensors: dict, stored_experts: dict[int, int] | None 
     router = family.router(conf)
     activation = (family.activation or _hidden_act)(conf)
     moe_indices = family.moe_layers(conf)
-    mtp_indices = _mtp_layers(family, conf, names, n_layers)
+    mtp_indices, mtp_unrouted = _mtp_layers(family, conf, names, n_layers)
     if stored_experts is not None:  # a rank folder of a shard made before MTP layers were MoE layers
         mtp_indices = [i for i in mtp_indices if i in stored_experts]
     moe_indices = moe_indices + mtp_indices
@@ -559,8 +559,7 @@ def describe(config: dict, tensors: dict, stored_experts: dict[int, int] | None 
     if not layers:
         raise MoetoolError(f"config.json: {family.name} model has no MoE layers")
     dense = [i for i in range(n_layers) if i not in set(moe_indices)]
-    _check_dense_layers(family, names, dense)
-    _check_dense_layers(family, names, _layers_after(family, conf, names, n_layers, moe_indices), mtp=True)
+    _check_dense_layers(family, names, dense, mtp_unrouted)
     return ModelSpec(family, cfg.get("model_type", ""), n_layers, hidden, layers, dense)
 
 
@@ -583,31 +582,28 @@ def _expert_suffixes(layer: MoELayerSpec, names: set[str]) -> frozenset[str]:
     return frozenset(n[len(base) + 1:] for n in names if n.startswith(base + sep) and "." not in n[len(base) + 1:])
 
 
-def _mtp_layers(family: Family, config: ConfigReader, names: set[str], n_layers: int) -> list[int]:
-    """The multi-token-prediction layers the checkpoint stores: of the config's count after
-    the decoder layers, those holding a router (transformers saves none; DeepSeek's releases
-    keep theirs). Their experts are converted, sharded and verified as any MoE layer's."""
+def _mtp_layers(family: Family, config: ConfigReader, names: set[str], n_layers: int) -> tuple[list[int], list[int]]:
+    """The multi-token-prediction layers of the config's count after the decoder layers, as
+    (those holding a router, those holding none). The first are MoE layers: their experts are
+    converted, sharded and verified as any MoE layer's (transformers saves none; DeepSeek's
+    releases keep theirs); one of the second that holds experts is refused by
+    :func:`_check_dense_layers`."""
     if family.mtp_key is None:
-        return []
+        return [], []
     count = config.int(family.mtp_key, 1, minimum=0, maximum=MAX_LAYERS)  # transformers' num_mtp_layers: 1
-    return [i for i in range(n_layers, n_layers + count)
-            if _moe_prefix(family, _layer_prefix(names, i), names) + f".{family.router_module}.weight" in names]
+    layers = range(n_layers, n_layers + count)
+    routed = {i for i in layers
+              if _moe_prefix(family, _layer_prefix(names, i), names) + f".{family.router_module}.weight" in names}
+    return [i for i in layers if i in routed], [i for i in layers if i not in routed]
 
 
-def _layers_after(family: Family, config: ConfigReader, names: set[str], n_layers: int, moe: list[int]) -> list[int]:
-    """The MTP layers of the config's count that are no MoE layers here and hold no router
-    (none stored, or experts without their router: refused by :func:`_check_dense_layers`)."""
-    count = config.int(family.mtp_key, 1, minimum=0, maximum=MAX_LAYERS) if family.mtp_key else 0
-    return [i for i in range(n_layers, n_layers + count) if i not in moe
-            and _moe_prefix(family, _layer_prefix(names, i), names) + f".{family.router_module}.weight" not in names]
-
-
-def _check_dense_layers(family: Family, names: set[str], dense: list[int], mtp: bool = False) -> None:
-    """A layer the config makes dense holds no router and no experts: left as plain tensors they
-    would be copied unquantized into every rank and never checked (transformers' DeepSeek
-    saves experts in every layer from ``first_k_dense_replace`` on, whatever
-    ``moe_layer_freq`` says; vLLM builds dense MLPs where it says so)."""
-    if not dense:
+def _check_dense_layers(family: Family, names: set[str], dense: list[int], mtp_unrouted: list[int]) -> None:
+    """A layer the config makes dense, or an MTP layer without its router, holds no router and
+    no experts: left as plain tensors they would be copied unquantized into every rank and
+    never checked (transformers' DeepSeek saves experts in every layer from
+    ``first_k_dense_replace`` on, whatever ``moe_layer_freq`` says; vLLM builds dense MLPs
+    where it says so)."""
+    if not dense and not mtp_unrouted:
         return
     by_layer: dict[int, str] = {}
     pattern = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:%s)\.(?:%s\.weight|experts\.)" % (
@@ -616,10 +612,11 @@ def _check_dense_layers(family: Family, names: set[str], dense: list[int], mtp: 
         m = pattern.match(name)
         if m:
             by_layer.setdefault(int(m[1]), name)
-    for i in dense:
-        if i in by_layer and mtp:
+    for i in mtp_unrouted:
+        if i in by_layer:
             raise MoetoolError(f"{by_layer[i]}: layer {i}, a multi-token-prediction layer, holds experts but not "
                                f"its router (.{family.moe_module}.{family.router_module}.weight)")
+    for i in dense:
         if i in by_layer:
             raise MoetoolError(f"{by_layer[i]}: layer {i} holds MoE tensors, but config.json makes it a dense layer "
                                f"(its MoE layers: first_k_dense_replace, moe_layer_freq, decoder_sparse_step, "

@@ -160,7 +160,7 @@ def _mtp_jobs(root: Path) -> list[tuple]:
     # in the ignore list, and copied whole into every rank's common files
     from unittest import mock
 
-    with mock.patch("moetool.model.families._mtp_layers", return_value=[]):
+    with mock.patch("moetool.model.families._mtp_layers", return_value=([], [])):
         quantize(model, root / "old-q", "fp8-block", progress=False)
         shard(root / "old-q", root / "old-s", 2, layout="stacked", progress=False)
     return [(root / "s", model, _opts(ep=2, dp=1, dispatch="all2all")),
